@@ -1,0 +1,57 @@
+"""Evaluate a checkpoint: python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
+
+Rebuilds the model and data exactly as trained (their config is stored in the checkpoint by
+train.py), applies any `data.*` / `model.*` overrides given on the command line, then runs
+validation and test and prints both.
+"""
+
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import src.utils.resolvers  # noqa: F401
+from src.callbacks.essentials import CpuThreadsPerRank
+from src.utils.config import ConfigError, instantiate_group, register_schemas
+from src.utils.run import prepare
+
+register_schemas()
+
+
+def trained_config(cfg: DictConfig) -> DictConfig:
+    """The checkpoint's model/data config with this command line's model.* / data.* overrides on top."""
+    path = Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file. Point it at a .ckpt written by train.py, "
+                          "e.g. logs/train/runs/<run>/checkpoints/last.ckpt")
+    stored = torch.load(path, map_location="cpu", weights_only=False).get("config")
+    if stored is None:  # not written by train.py: trust the composed config
+        return OmegaConf.masked_copy(cfg, ["model", "data"])
+    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].startswith(("data.", "model."))]
+    return OmegaConf.merge(OmegaConf.create(stored), OmegaConf.from_dotlist(overrides))
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    prepare(cfg)
+    trained = trained_config(cfg)
+
+    datamodule = instantiate(trained.data)
+    model = instantiate(trained.model, vocab_size=datamodule.vocab_size)
+    loggers = instantiate_group(cfg.logger, "logger")
+    trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
+
+    metrics = {}
+    for run in (trainer.validate, trainer.test):
+        for results in run(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path):
+            metrics.update(results)
+    if trainer.is_global_zero:
+        print("EVAL " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items())))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

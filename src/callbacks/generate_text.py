@@ -1,0 +1,57 @@
+"""Show what the model writes: completions of fixed prompts, logged to TensorBoard as text at validation end."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+log = logging.getLogger(__name__)
+
+
+class GenerateText(L.Callback):
+    def __init__(
+        self,
+        prompts: list[str],
+        max_new_tokens: int = 64,
+        do_sample: bool = False,  # false: greedy; true: sample with temperature / top_k / top_p
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+    ) -> None:
+        self.prompts, self.max_new_tokens = list(prompts), max_new_tokens
+        self.sampling = {"do_sample": do_sample}
+        if do_sample:
+            self.sampling.update(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self.prompts:
+            return
+        tokenizer = trainer.datamodule.tokenizer
+        model = pl_module.model
+        was_training = model.training
+        model.eval()
+        texts = []
+        with torch.no_grad():
+            for prompt in self.prompts:
+                ids = tokenizer.encode_batch([prompt])[0].tolist()
+                input_ids = torch.tensor([ids], dtype=torch.long, device=pl_module.device)
+                room = model.config.n_positions - input_ids.shape[1]
+                out = model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max(1, min(self.max_new_tokens, room)),
+                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, **self.sampling,
+                )
+                texts.append((prompt, tokenizer.decode(out[0, input_ids.shape[1]:].tolist())))
+        model.train(was_training)
+        step = trainer.global_step
+        for tb in [lg for lg in trainer.loggers if hasattr(lg.experiment, "add_text")]:
+            for i, (prompt, completion) in enumerate(texts):
+                # Markdown: indent by 4 spaces so TensorBoard shows the text verbatim
+                body = "\n".join("    " + line for line in (prompt + completion).splitlines())
+                tb.experiment.add_text(f"samples/{i}", body, global_step=step)
+        log.info("Samples at step %d:\n%s", step, "\n---\n".join(p + c for p, c in texts))

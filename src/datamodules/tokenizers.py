@@ -1,0 +1,82 @@
+"""Tokenizers behind one small interface: `encode_batch`, `decode`, `vocab_size`, `eos_id`, `fingerprint`.
+
+`bytes` is the offline default: UTF-8 bytes are the tokens (ids 0..255) and 256 is EOS,
+so it needs no download and no training. Anything else is a Hugging Face tokenizer from a
+local dir or a hub name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+    fingerprint: str  # changes whenever the ids it produces could change
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    vocab_size = 257
+    eos_id = 256
+    fingerprint = "bytes-v1"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `transformers` fast tokenizer; batch encoding runs in Rust, off the training loop."""
+
+    def __init__(self, name_or_path: str) -> None:
+        self.hf = load_hf_tokenizer(name_or_path)
+        if self.hf.eos_token_id is None:
+            raise ValueError(f"Tokenizer {name_or_path!r} has no EOS token; documents could not be separated.")
+        self.vocab_size = len(self.hf)
+        self.eos_id = int(self.hf.eos_token_id)
+        state = self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
+        self.fingerprint = "hf-" + hashlib.sha256(state.encode()).hexdigest()[:16]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int64) for x in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids)
+
+
+def load_hf_tokenizer(name_or_path: str):
+    """AutoTokenizer, or GPT2TokenizerFast for a dir holding only vocab.json + merges.txt."""
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    local = Path(name_or_path).expanduser()
+    if local.is_dir() and not (local / "tokenizer.json").exists() and (local / "merges.txt").exists():
+        return GPT2TokenizerFast.from_pretrained(str(local))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(local) if local.exists() else name_or_path)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"Could not load tokenizer {name_or_path!r}: {e}\n"
+            "Pass a local dir with tokenizer.json (or vocab.json + merges.txt), e.g. "
+            "data.tokenizer=/path/to/gpt2-tokenizer, or a hub name such as data.tokenizer=gpt2 when online, "
+            "or the offline default data.tokenizer=bytes."
+        ) from e
+    # A bare tokenizer.json (no tokenizer_config.json) does not declare GPT-2's EOS; its vocab still has it.
+    if tok.eos_token is None and "<|endoftext|>" in tok.get_vocab():
+        tok.eos_token = "<|endoftext|>"
+    return tok
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)

@@ -1,0 +1,123 @@
+"""Config schema and checks: a key nobody reads must be an error, never silently ignored.
+
+Two layers catch typos before any work starts:
+- the dataclass schemas below make Hydra reject unknown *top-level* keys while composing;
+- `check_targets` binds every `_target_` node's keys against the target's signature, so
+  `model.optimizer.lrr=1e-3` fails at start-up, not hours later in `configure_optimizers`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.utils import get_object
+from omegaconf import MISSING, DictConfig, ListConfig
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = MISSING
+    data_dir: str = MISSING
+    cache_dir: str = MISSING
+    log_dir: str = MISSING
+    output_dir: str = MISSING
+
+
+@dataclass
+class ExtrasConfig:
+    print_config: bool = True  # print the resolved config as a tree (rank 0) and save it in the run dir
+
+
+@dataclass
+class TrainConfig:
+    task_name: str = "train"
+    tags: list[str] = field(default_factory=list)
+    seed: Optional[int] = 42
+    train: bool = True
+    test: bool = True
+    ckpt_path: Optional[str] = None
+    optimized_metric: Optional[str] = "val/loss"
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    extras: ExtrasConfig = field(default_factory=ExtrasConfig)
+    data: Any = MISSING
+    model: Any = MISSING
+    trainer: Any = MISSING
+    callbacks: Any = None
+    logger: Any = None
+
+
+@dataclass
+class EvalConfig:
+    task_name: str = "eval"
+    tags: list[str] = field(default_factory=list)
+    seed: Optional[int] = 42
+    ckpt_path: str = MISSING
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    extras: ExtrasConfig = field(default_factory=ExtrasConfig)
+    data: Any = MISSING
+    model: Any = MISSING
+    trainer: Any = MISSING
+    callbacks: Any = None
+    logger: Any = None
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="eval_schema", node=EvalConfig)
+
+
+def check_targets(cfg: Any, key: str = "") -> None:
+    """Raise ConfigError for any `_target_` node with a key its target does not accept."""
+    if isinstance(cfg, ListConfig):
+        for i, item in enumerate(cfg):
+            check_targets(item, f"{key}[{i}]")
+        return
+    if not isinstance(cfg, DictConfig):
+        return
+    if "_target_" in cfg:
+        target = cfg._target_
+        try:
+            obj = get_object(target)
+        except Exception as e:  # ImportError, AttributeError, ...
+            raise ConfigError(f"{key}._target_={target!r} cannot be imported: {e}") from e
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            params = {}
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if params and not accepts_any:
+            for name in cfg:
+                if not str(name).startswith("_") and name not in params:
+                    known = ", ".join(p for p in params if p not in ("self", "args", "kwargs"))
+                    raise ConfigError(
+                        f"Unknown config key '{key}.{name}': {target} does not take '{name}'. "
+                        f"Check the spelling; accepted keys are: {known}."
+                    )
+    for name in cfg:
+        if name == "hydra":
+            continue
+        check_targets(cfg._get_node(name), f"{key}.{name}" if key else str(name))
+
+
+def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
+    """Instantiate every `_target_` entry of a dict group such as `callbacks` or `logger`."""
+    from hydra.utils import instantiate
+
+    if not cfg:
+        return []
+    objects = []
+    for name, node in cfg.items():
+        if node is None:  # `callbacks.generate_text=null` switches one entry off
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"{key}.{name} must be a config with a _target_, got: {node}")
+        objects.append(instantiate(node))
+    return objects

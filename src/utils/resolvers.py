@@ -1,0 +1,35 @@
+"""OmegaConf resolvers used by `conf/`. Import this module before Hydra composes a config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def device_count(cpu_processes: int = 2) -> int:
+    """Every visible GPU when there is one, else `cpu_processes` CPU ranks (gloo).
+
+    Lightning's own `devices=auto` means 1 process on CPU, which would make `trainer=ddp`
+    a no-op on a laptop; this keeps the same config meaningful on both kinds of machine.
+    """
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else int(cpu_processes)
+
+
+def register() -> None:
+    resolvers = {
+        "project_root": lambda: str(PROJECT_ROOT),
+        "device_count": device_count,
+        "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register()

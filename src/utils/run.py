@@ -1,0 +1,117 @@
+"""What every run does around the recipe: fail fast on configs the machine cannot run, seed,
+show and save the resolved config, log hyperparameters, and read back the optimized metric."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from src.utils.config import ConfigError, check_targets
+
+log = logging.getLogger(__name__)
+
+
+def check_machine(trainer_cfg: DictConfig) -> None:
+    """One clear sentence, instead of a stack trace from deep inside, when the machine cannot run the config."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    strategy = trainer_cfg.get("strategy", "auto")
+    name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
+    if "deepspeed" in name:
+        raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
+                          "Use trainer=ddp (2 CPU processes) on this machine.")
+    if "fsdp" in name:
+        raise ConfigError("trainer=fsdp needs CUDA GPUs and none is visible here. "
+                          "Use trainer=ddp (2 CPU processes) on this machine.")
+    if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
+        raise ConfigError("trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
+                          "Use trainer=cpu, or trainer=ddp for 2 CPU processes.")
+    if str(trainer_cfg.get("precision", "32")).startswith("16"):
+        raise ConfigError(f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
+                          "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
+
+
+def prepare(cfg: DictConfig) -> None:
+    """Checks before any expensive work, then seed and config tree."""
+    import lightning as L
+
+    check_targets(cfg)
+    check_machine(cfg.trainer)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    save_resolved_config(cfg, Path(cfg.paths.output_dir))
+    if cfg.extras.print_config:
+        print_config_tree(cfg)
+
+
+@rank_zero_only
+def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra saves the config with ${...} unresolved in .hydra/; this is what the run really used."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+@rank_zero_only
+def print_config_tree(cfg: DictConfig) -> None:
+    """The resolved config as a rich tree, one branch per group."""
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    groups = [k for k in ["data", "model", "callbacks", "logger", "trainer", "paths"] if k in cfg]
+    groups = [k for k in groups + list(cfg) if isinstance(cfg[k], DictConfig)]
+    groups = list(dict.fromkeys(groups))  # dedupe, keep order
+    scalars = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in groups])
+    tree = rich.tree.Tree("CONFIG", guide_style="dim")
+    for key, node in [(k, cfg[k]) for k in groups] + [("run", scalars)]:
+        tree.add(f"[bold]{key}").add(rich.syntax.Syntax(OmegaConf.to_yaml(node, resolve=True), "yaml"))
+    rich.print(tree)
+
+
+HPARAM_METRICS = ("val/loss", "val/ppl", "test/loss", "test/ppl")  # columns of TensorBoard's HPARAMS tab
+
+
+@rank_zero_only
+def log_hyperparameters(trainer: Any, model: Any, cfg: DictConfig) -> None:
+    """The whole resolved config plus parameter counts, so TensorBoard's HPARAMS tab compares runs."""
+    hparams = OmegaConf.to_container(cfg, resolve=True)
+    hparams["model"]["params_total"] = sum(p.numel() for p in model.parameters())
+    hparams["model"]["params_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(hparams)  # hparams.yaml / CSV
+        if isinstance(logger, TensorBoardLogger):
+            # Lightning writes the HPARAMS summary only together with metric *values* it logs at step 0;
+            # declaring the metric tags instead lets TensorBoard show the real val/test values per run.
+            from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+            flat = dict(_flatten(hparams))
+            writer = logger.experiment._get_file_writer()
+            for summary in hparams_summary(flat, {m: 0.0 for m in HPARAM_METRICS}):
+                writer.add_summary(summary)
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for key, value in d.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            yield from _flatten(value, name)
+        else:
+            yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def metric_value(metrics: dict[str, Any], name: Optional[str]) -> Optional[float]:
+    if not name:
+        return None
+    if name not in metrics:
+        raise ConfigError(f"optimized_metric={name!r} was not logged. Logged metrics: {sorted(metrics)}. "
+                          "Set optimized_metric to one of them.")
+    value = float(metrics[name])
+    log.info(f"{name} = {value:.6f}")
+    return value

@@ -1,0 +1,122 @@
+"""Every option of every config group composes and instantiates; unknown keys and impossible setups fail clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+from conftest import ROOT
+from src.utils.config import ConfigError, check_targets, instantiate_group
+from src.utils.run import check_machine
+
+CONF = ROOT / "conf"
+GROUPS = ["trainer", "model", "model/size", "data", "callbacks", "logger", "paths", "hydra", "experiment", "debug"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = None):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp or "/tmp/unused")
+        cfg.paths.log_dir = str(tmp or "/tmp/unused")
+        del cfg["hydra"]  # as in a real run: the task function never sees the hydra node
+    return cfg
+
+
+ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
+
+
+def test_every_group_has_options():
+    for group in GROUPS:
+        assert options(group), f"conf/{group} has no options"
+    assert {"default", "cpu", "gpu", "ddp", "fsdp", "deepspeed"} <= set(options("trainer"))
+    assert {"tiny", "small", "medium", "large", "xl"} <= set(options("model/size"))
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_option_composes_and_instantiates(group, option, tmp_path):
+    cfg = compose_cfg([f"{group}={option}"], tmp=tmp_path)
+    check_targets(cfg)  # every key of every _target_ node is accepted by its target
+    needs_cuda = cfg.trainer.get("accelerator") == "gpu" or "deepspeed" in str(cfg.trainer.strategy)
+    if needs_cuda and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs (a )?CUDA"):
+            check_machine(cfg.trainer)
+        return
+    check_machine(cfg.trainer)
+    datamodule = instantiate(cfg.data)
+    with torch.device("meta"):  # shapes only: GPT-2 xl would need 6 GB of real memory
+        model = instantiate(cfg.model, vocab_size=257)
+    callbacks = instantiate_group(cfg.callbacks, "callbacks")
+    loggers = instantiate_group(cfg.logger, "logger")
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    assert trainer.max_steps == (1 if cfg.trainer.get("fast_dev_run") else cfg.trainer.max_steps)
+    assert trainer.num_devices == cfg.trainer.devices
+    assert model.config.n_positions == datamodule.seq_len
+
+
+@pytest.mark.parametrize("size,expected", [("small", 124_439_808), ("medium", 354_823_168),
+                                           ("large", 774_030_080), ("xl", 1_557_611_200)])
+def test_size_presets_are_the_real_gpt2_shapes(size, expected, tmp_path):
+    """Parameter counts of OpenAI's GPT-2 checkpoints (50257 vocab, 1024 context, tied embeddings)."""
+    cfg = compose_cfg([f"model/size={size}", "data.seq_len=1024"], tmp=tmp_path)
+    with torch.device("meta"):
+        model = instantiate(cfg.model, vocab_size=50257)
+    assert model.n_params == expected
+
+
+def test_unknown_key_on_command_line_fails():
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose_cfg(["model.optimizer.lrr=1e-3"])
+    with pytest.raises(ConfigCompositionException, match="nonsense"):
+        compose_cfg(["nonsense=1"])
+
+
+def test_unknown_key_inside_a_target_node_fails_before_any_work(tmp_path):
+    cfg = compose_cfg(["+model.optimizer.lrr=1e-3"], tmp=tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.optimizer\.lrr.*AdamW"):
+        check_targets(cfg)
+    cfg = compose_cfg(["+data.seqlen=64"], tmp=tmp_path)
+    with pytest.raises(ConfigError, match=r"data\.seqlen.*seq_len"):
+        check_targets(cfg)
+
+
+def test_unknown_top_level_key_in_a_yaml_fails(tmp_path):
+    """A typo in a config file (not the command line) is caught by the dataclass schema."""
+    exp = CONF / "experiment" / "_test_typo.yaml"
+    exp.write_text("# @package _global_\nseeed: 1\n")
+    try:
+        with pytest.raises(ConfigCompositionException, match="seeed"):
+            compose_cfg(["experiment=_test_typo"])
+    finally:
+        exp.unlink()
+
+
+def test_machine_checks_name_the_problem_and_the_fix(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("these errors are about machines without CUDA")
+    for override, words in [("trainer=deepspeed", "trainer=deepspeed needs CUDA"),
+                            ("trainer=fsdp", "trainer=fsdp needs CUDA"),
+                            ("trainer=gpu", "accelerator=gpu needs a CUDA GPU"),
+                            ("trainer.precision=16-mixed", "silently")]:
+        cfg = compose_cfg([override], tmp=tmp_path)
+        with pytest.raises(ConfigError, match=words) as e:
+            check_machine(cfg.trainer)
+        assert "Use trainer" in str(e.value) or "Use trainer.precision" in str(e.value)
+
+
+def test_ddp_means_two_cpu_processes_without_gpu(tmp_path):
+    cfg = compose_cfg(["trainer=ddp"], tmp=tmp_path)
+    expected = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    assert cfg.trainer.devices == expected and cfg.trainer.strategy == "ddp"

@@ -1,0 +1,214 @@
+"""Data: packing keeps every token, the cache invalidates and is safe under concurrency, bad input is named."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import shared
+from src.datamodules.corpus import Corpus, CorpusError
+from src.datamodules.text import IGNORE_INDEX, TextDataModule, micro_batch_size, split_blocks
+from src.datamodules.token_cache import load_or_build
+from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+DOCS = ["first document", "a second, much longer document " * 20, "ünïcödé ☃", "last"]
+
+
+def write_corpus(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.txt").write_text(DOCS[0])
+    (root / "b.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS[1:]) + "\n")
+    return root
+
+
+def expected_stream(tokenizer, docs) -> np.ndarray:
+    return np.concatenate([np.append(ids, tokenizer.eos_id) for ids in tokenizer.encode_batch(docs)])
+
+
+@pytest.mark.parametrize("tok", ["bytes", "gpt2"])
+@pytest.mark.parametrize("seq_len", [7, 16, 1000])
+def test_packing_keeps_every_token(tmp_path, tok, seq_len):
+    tokenizer = ByteTokenizer() if tok == "bytes" else HFTokenizer(str(shared("gpt2-tokenizer")))
+    corpus = Corpus.from_config(str(write_corpus(tmp_path / "c")), None, "train", "text")
+    stream = np.asarray(load_or_build(corpus, tokenizer, tmp_path / "cache"))
+    np.testing.assert_array_equal(stream, expected_stream(tokenizer, DOCS))  # docs joined by EOS, nothing cut
+
+    dm = TextDataModule(path=str(tmp_path / "c"), tokenizer=tok if tok == "bytes" else str(shared("gpt2-tokenizer")),
+                        seq_len=seq_len, global_batch_size=1, val_fraction=0.0, test_fraction=0.0,
+                        cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    blocks = [dm.splits["train"][i] for i in range(len(dm.splits["train"]))]
+    assert all(len(b["input_ids"]) == seq_len for b in blocks)
+    labels = torch.cat([b["labels"] for b in blocks])
+    kept = labels[labels != IGNORE_INDEX].numpy()
+    np.testing.assert_array_equal(kept, stream)  # every token in exactly one block, in order
+    assert (labels == IGNORE_INDEX).sum() == len(blocks) * seq_len - len(stream)  # only the tail is padding
+
+
+def test_splits_are_disjoint_and_cover_all_blocks(tmp_path):
+    (tmp_path / "t.txt").write_text("x" * 10_000)
+    dm = TextDataModule(path=str(tmp_path / "t.txt"), seq_len=100, global_batch_size=4, val_fraction=0.1,
+                        test_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    sizes = [len(dm.splits[s]) for s in ("train", "val", "test")]
+    assert sizes == [86, 10, 5] and sum(sizes) == 101  # 10001 tokens (text + EOS) -> 101 blocks
+    starts = [dm.splits[s].first for s in ("train", "val", "test")]
+    assert starts == [0, 86, 96]
+
+
+def test_cache_is_reused_and_invalidated_when_corpus_or_tokenizer_change(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    cache = tmp_path / "cache"
+    corpus = lambda: Corpus.from_config(str(root), None, "train", "text")  # noqa: E731
+    first = load_or_build(corpus(), ByteTokenizer(), cache)
+    bins = list(cache.glob("*.bin"))
+    mtime = bins[0].stat().st_mtime_ns
+    again = load_or_build(corpus(), ByteTokenizer(), cache)
+    assert list(cache.glob("*.bin")) == bins and bins[0].stat().st_mtime_ns == mtime  # not rebuilt
+    np.testing.assert_array_equal(first, again)
+
+    (root / "a.txt").write_text("changed text")
+    changed = load_or_build(corpus(), ByteTokenizer(), cache)
+    assert len(list(cache.glob("*.bin"))) == 2
+    assert bytes(np.asarray(changed[:12], dtype=np.uint8)) == b"changed text"
+
+    gpt2 = load_or_build(corpus(), HFTokenizer(str(shared("gpt2-tokenizer"))), cache)
+    assert len(list(cache.glob("*.bin"))) == 3 and len(gpt2) < len(changed)
+
+
+def _build_in_process(root: str, cache: str, log: str) -> None:
+    from src.datamodules import token_cache
+
+    real_build = token_cache._build
+
+    def recording_build(*args):
+        with open(log, "a") as f:
+            f.write("built\n")
+        real_build(*args)
+
+    token_cache._build = recording_build
+    corpus = Corpus.from_config(root, None, "train", "text")
+    np.save(f"{log}.{mp.current_process().name}.npy", np.asarray(load_or_build(corpus, ByteTokenizer(), cache)))
+
+
+def test_cache_is_built_once_when_ranks_start_together(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    (root / "big.txt").write_text("lorem ipsum " * 200_000)  # slow enough that the ranks overlap
+    log = tmp_path / "builds.log"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_in_process, args=(str(root), str(tmp_path / "cache"), str(log)),
+                         name=f"rank{i}") for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert log.read_text() == "built\n"  # exactly one writer
+    arrays = [np.load(f) for f in sorted(tmp_path.glob("builds.log.rank*.npy"))]
+    assert len(arrays) == 3 and all(np.array_equal(a, arrays[0]) for a in arrays)
+    assert not list((tmp_path / "cache").glob("*.tmp*"))  # no half-written file left
+
+
+def test_hf_tokenizer_from_tokenizer_json_and_from_vocab_merges_only(tmp_path):
+    full = load_tokenizer(str(shared("gpt2-tokenizer")))
+    assert full.encode_batch(["Hello world"])[0].tolist() == [15496, 995]
+    assert full.eos_id == 50256 and full.vocab_size == 50257
+    only = tmp_path / "vocab-merges-only"
+    only.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(shared("gpt2-tokenizer", name), only / name)
+    slim = load_tokenizer(str(only))
+    assert slim.encode_batch(["Hello world"])[0].tolist() == [15496, 995]
+    text = shared("tinyshakespeare", "input.txt").read_text()[:20_000]
+    assert slim.encode_batch([text])[0].tolist() == full.encode_batch([text])[0].tolist()
+    assert slim.eos_id == full.eos_id == 50256
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode_batch(["héllo ☃"])[0]
+    assert tok.decode(ids.tolist() + [tok.eos_id]) == "héllo ☃"
+
+
+def test_embedded_default_corpus_needs_no_download(tmp_path):
+    corpus = Corpus.from_config(None, None, "train", "text")
+    assert len(corpus.files) > 50 and all(f.suffix == ".py" for f in corpus.files)
+    dm = TextDataModule(seq_len=128, global_batch_size=32, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    assert len(dm.splits["train"]) > 10_000
+
+
+def test_real_text_with_gpt2_tokenizer(tmp_path):
+    dm = TextDataModule(path=str(shared("tinyshakespeare", "input.txt")), tokenizer=str(shared("gpt2-tokenizer")),
+                        seq_len=256, global_batch_size=8, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (8, 256) and batch["input_ids"].max() < 50257
+    n = sum(len(dm.splits[s]) for s in ("train", "val", "test"))
+    assert 1100 < n < 1400  # ~338k GPT-2 tokens in tinyshakespeare
+
+
+# ---- bad input: the error names the file (and line) and the fix ----
+
+def test_missing_path(tmp_path):
+    with pytest.raises(CorpusError, match=r"data\.path=.*nope.*does not exist"):
+        Corpus.from_config(str(tmp_path / "nope"), None, "train", "text")
+
+
+def test_dir_without_text_files(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(CorpusError, match="no .txt or .jsonl"):
+        Corpus.from_config(str(tmp_path), None, "train", "text")
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    corpus = Corpus.from_config(str(tmp_path), None, "train", "text")
+    with pytest.raises(CorpusError, match="empty"):
+        load_or_build(corpus, ByteTokenizer(), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.bin")) and not list((tmp_path / "cache").glob("*.json"))
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": broken}\n')
+    corpus = Corpus.from_config(str(f), None, "train", "text")
+    with pytest.raises(CorpusError, match=rf"{f}:4: malformed JSON"):
+        load_or_build(corpus, ByteTokenizer(), tmp_path / "cache")
+
+
+def test_jsonl_without_the_text_field(tmp_path):
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"text": "ok"}\n{"content": "x"}\n')
+    corpus = Corpus.from_config(str(f), None, "train", "text")
+    with pytest.raises(CorpusError, match=rf"{f}:2: .*'text'.*data.text_field"):
+        load_or_build(corpus, ByteTokenizer(), tmp_path / "cache")
+
+
+def test_unsupported_file_type(tmp_path):
+    f = tmp_path / "data.parquet"
+    f.write_bytes(b"x")
+    with pytest.raises(CorpusError, match="unsupported file type"):
+        Corpus.from_config(str(f), None, "train", "text")
+
+
+def test_corpus_too_small_for_the_splits():
+    with pytest.raises(CorpusError, match="smaller data.seq_len"):
+        split_blocks(2, 0.05, 0.05)
+
+
+def test_global_batch_must_divide():
+    assert micro_batch_size(32, 2, 2) == 8
+    with pytest.raises(ValueError, match=r"global_batch_size=10 does not divide into 4 device\(s\) x 1"):
+        micro_batch_size(10, 4, 1)
+
+
+def test_unknown_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.tokenizer=bytes"):
+        load_tokenizer(str(tmp_path / "no-such-tokenizer"))

@@ -1,0 +1,114 @@
+"""End to end, as a user runs it: train.py (1 and 2 processes), a multirun sweep, eval.py, TensorBoard content."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, event_file_pid, event_files, path_overrides, read_events, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def run_dirs(log_dir: Path) -> list[Path]:
+    return sorted(p for p in (log_dir / "train" / "runs").iterdir() if p.is_dir())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One default-experiment run shared by the tests below (only step limits and sizes changed)."""
+    tmp = tmp_path_factory.mktemp("default_run")
+    dirs = {"log_dir": tmp / "logs", "cache_dir": tmp / "cache"}
+    proc = run_script("train.py", FAST + path_overrides(dirs))
+    (run,) = run_dirs(dirs["log_dir"])
+    return {"proc": proc, "run": run, "dirs": dirs}
+
+
+def test_default_experiment_trains_and_writes_a_run_dir(trained):
+    run = trained["run"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", run.name)  # timestamped Hydra output dir
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "config_resolved.yaml").is_file()
+    assert "val/loss = " in trained["proc"].stdout + trained["proc"].stderr  # the optimized metric is reported
+
+
+def test_tensorboard_has_what_a_user_looks_for(trained):
+    ea = read_events(trained["run"] / "tensorboard")
+    scalars = set(ea.Tags()["scalars"])
+    for tag in ["train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/decay", "lr-AdamW/no_decay",
+                "train/device/items_per_sec", "test/loss"]:  # items = tokens
+        assert tag in scalars, f"{tag} missing from TensorBoard; have {sorted(scalars)}"
+    tensors = set(ea.Tags()["tensors"])
+    assert any(t.startswith("samples/") for t in tensors), tensors  # generated text
+    from tensorboard.plugins.hparams import plugin_data_pb2  # the HPARAMS tab: config values and metric columns
+
+    content = ea.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["model/n_layer"].number_value == 2 and start.hparams["data/tokenizer"].string_value == "bytes"
+    assert start.hparams["model/params_total"].number_value > 0
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} >= {"val/loss", "test/loss"}
+    val = [e.value for e in ea.Scalars("val/loss")]
+    assert len(val) == 2 and val[1] < val[0] < 6.0  # ln(257) = 5.55 at random init: it learns
+    lrs = [e.value for e in ea.Scalars("lr-AdamW/decay")]
+    assert max(lrs) <= 1e-3 + 1e-12 and lrs[0] < lrs[-1]  # warm-up from ~0 towards the configured LR
+
+
+def test_eval_reproduces_the_last_validation_loss(trained):
+    ckpt = trained["run"] / "checkpoints" / "last.ckpt"
+    same_val_set = "trainer.limit_val_batches=4"  # as in training (FAST)
+    proc = run_script("eval.py", [f"ckpt_path={ckpt}", "extras.print_config=false", same_val_set,
+                                  "trainer.enable_progress_bar=false"] + path_overrides(trained["dirs"]))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
+    metrics = dict(kv.split("=") for kv in line[5:].split())
+    last_val = read_events(trained["run"] / "tensorboard").Scalars("val/loss")[-1].value
+    assert float(metrics["val/loss"]) == pytest.approx(last_val, abs=1e-5)
+    assert "test/loss" in metrics and "test/ppl" in metrics
+
+
+def test_eval_with_a_missing_checkpoint_is_a_clear_error(tmp_path, dirs):
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path}/missing.ckpt"] + path_overrides(dirs), check=False)
+    assert proc.returncode != 0 and "is not a file" in proc.stderr
+
+
+def test_optimized_metric_is_returned(tmp_path, dirs):
+    """train() returns the configured metric, which is what Hydra sweepers optimize."""
+    from test_configs import compose_cfg
+    from train import train
+
+    cfg = compose_cfg(FAST + path_overrides(dirs) + ["trainer.max_steps=10", "test=false",
+                                                     "optimized_metric=val/ppl", "logger=csv"], tmp=tmp_path)
+    value = train(cfg)
+    assert isinstance(value, float) and 1.0 < value < 257.0  # a perplexity, below the uniform one
+
+
+def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
+    proc = run_script("train.py", FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2"])
+    out = proc.stdout + proc.stderr
+    (run,) = run_dirs(dirs["log_dir"])  # exactly one output dir: the child rank reused its parent's
+    assert not (dirs["log_dir"] / "train" / "multiruns").exists()
+    assert "MEMBER: 2/2" in out  # Lightning's banner from the second rank
+    # each rank gets its share of the 2 cores: 1 thread, not 2 (oversubscription is 4-15x slower)
+    for rank in (0, 1):
+        m = re.search(rf"\[rank {rank}\] pid \d+, torch threads: (\d+) \((\d+) cores / 2 local", out)
+        assert m, f"rank {rank} did not report its threads:\n{out[-3000:]}"
+        assert int(m.group(1)) * 2 <= max(2, int(m.group(2)))
+    # TensorBoard is written by rank 0 only: every event file carries the launching process' pid
+    files = event_files(run)
+    assert files and {event_file_pid(f) for f in files} == {int(re.search(r"\[rank 0\] pid (\d+)", out).group(1))}
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert len(list(run.rglob(".hydra"))) == 1  # child ranks do not write their own config copies
+
+
+def test_multirun_sweep_has_one_subdir_per_job(dirs):
+    run_script("train.py", ["-m", "model.optimizer.lr=1e-3,3e-4"] + FAST + path_overrides(dirs)
+               + ["trainer.max_steps=10", "test=false", "callbacks.generate_text=null"])
+    (sweep,) = (dirs["log_dir"] / "train" / "multiruns").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job, lr in zip(jobs, ["0.001", "0.0003"]):
+        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+        assert f"model.optimizer.lr={lr}" in (sweep / job / ".hydra" / "overrides.yaml").read_text()
+    assert not (dirs["log_dir"] / "train" / "runs").exists()

@@ -1,0 +1,49 @@
+"""Train a model: python train.py [trainer=ddp] [model/size=small] [data.path=corpus.txt] [-m sweep ...]
+
+The recipe, top to bottom: check the config, build data -> model -> callbacks/loggers -> trainer
+from `conf/`, fit, test the best checkpoint, return the metric a sweeper optimizes.
+"""
+
+from typing import Optional
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
+from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
+from src.utils.config import instantiate_group, register_schemas
+from src.utils.run import log_hyperparameters, metric_value, prepare
+
+register_schemas()
+
+
+def train(cfg: DictConfig) -> Optional[float]:
+    prepare(cfg)  # unknown keys, machine checks, seed, config tree
+
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg)]
+    loggers = instantiate_group(cfg.logger, "logger")
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    log_hyperparameters(trainer, model, cfg)
+
+    metrics = {}
+    if cfg.train:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        metrics.update(trainer.callback_metrics)
+    if cfg.test:
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+        metrics.update(trainer.callback_metrics)
+
+    return metric_value(metrics, cfg.optimized_metric)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> Optional[float]:
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

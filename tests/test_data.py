@@ -212,3 +212,19 @@ def test_global_batch_must_divide():
 def test_unknown_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.tokenizer=bytes"):
         load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+
+
+def test_hf_dataset_source(tmp_path, monkeypatch):
+    """data.hf_dataset: our fingerprinting, column check and document iteration (the hub itself needs internet)."""
+    datasets = pytest.importorskip("datasets", reason="needs the `datasets` package (pip install -e '.[hf]')")
+    ds = datasets.Dataset.from_dict({"story": DOCS, "id": list(range(len(DOCS)))})
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: calls.append((name, split)) or ds)
+    corpus = Corpus.from_config(None, "someone/stories", "train", "story")
+    assert calls == [("someone/stories", "train")] and corpus.description == "hf:someone/stories[train]"
+    stream = load_or_build(corpus, ByteTokenizer(), tmp_path / "cache")
+    np.testing.assert_array_equal(stream, expected_stream(ByteTokenizer(), DOCS))
+    with pytest.raises(CorpusError, match=r"no column 'text'.*\['story', 'id'\].*data.text_field"):
+        Corpus.from_config(None, "someone/stories", "train", "text")
+    with pytest.raises(CorpusError, match="not both"):
+        Corpus.from_config(str(tmp_path), "someone/stories", "train", "text")

@@ -21,8 +21,9 @@ class GenerateText(L.Callback):
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
+        seed: int = 0,
     ) -> None:
-        self.prompts, self.max_new_tokens = list(prompts), max_new_tokens
+        self.prompts, self.max_new_tokens, self.seed = list(prompts), max_new_tokens, seed
         self.sampling = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -31,23 +32,7 @@ class GenerateText(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.prompts:
             return
-        tokenizer = trainer.datamodule.tokenizer
-        model = pl_module.model
-        was_training = model.training
-        model.eval()
-        texts = []
-        with torch.no_grad():
-            for prompt in self.prompts:
-                ids = tokenizer.encode_batch([prompt])[0].tolist()
-                input_ids = torch.tensor([ids], dtype=torch.long, device=pl_module.device)
-                room = model.config.n_positions - input_ids.shape[1]
-                out = model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=max(1, min(self.max_new_tokens, room)),
-                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, **self.sampling,
-                )
-                texts.append((prompt, tokenizer.decode(out[0, input_ids.shape[1]:].tolist())))
-        model.train(was_training)
+        texts = self.generate(pl_module.model, trainer.datamodule.tokenizer)
         step = trainer.global_step
         for tb in [lg for lg in trainer.loggers if hasattr(lg.experiment, "add_text")]:
             for i, (prompt, completion) in enumerate(texts):
@@ -55,3 +40,27 @@ class GenerateText(L.Callback):
                 body = "\n".join("    " + line for line in (prompt + completion).splitlines())
                 tb.experiment.add_text(f"samples/{i}", body, global_step=step)
         log.info("Samples at step %d:\n%s", step, "\n---\n".join(p + c for p, c in texts))
+
+    def generate(self, model: torch.nn.Module, tokenizer) -> list[tuple[str, str]]:
+        """(prompt, completion) pairs; stops at EOS or the context length."""
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        texts = []
+        # A private RNG: sampling must not shift the training RNG stream (and with it the data order).
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed)
+            for prompt in self.prompts:
+                input_ids = torch.tensor([tokenizer.encode_batch([prompt])[0].tolist()], device=device)
+                room = model.config.n_positions - input_ids.shape[1]
+                out = model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max(1, min(self.max_new_tokens, room)),
+                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, **self.sampling,
+                )
+                completion = out[0, input_ids.shape[1]:].tolist()
+                if tokenizer.eos_id in completion:
+                    completion = completion[: completion.index(tokenizer.eos_id)]
+                texts.append((prompt, tokenizer.decode(completion)))
+        model.train(was_training)
+        return texts

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import MeanMetric
 from transformers import GPT2Config, GPT2LMHeadModel
 
 IGNORE_INDEX = -100
+
+# Our epoch metrics come from torchmetrics and are already reduced over all ranks; Lightning cannot
+# know that and suggests sync_dist=True, which would reduce them a second time.
+warnings.filterwarnings("ignore", message=r".*self\.log\('(val|test)/", category=PossibleUserWarning)
 
 
 class GPT2LitModule(L.LightningModule):
@@ -31,22 +37,28 @@ class GPT2LitModule(L.LightningModule):
             vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
             bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-            attn_implementation="sdpa", loss_type="ForCausalLM",  # torch's fused scaled_dot_product_attention
+            attn_implementation="sdpa",  # torch's fused scaled_dot_product_attention
         )
         self.model = GPT2LMHeadModel(self.config)
+        self.model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
         self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
         # Token-weighted means that torchmetrics syncs across ranks (sum and count, not a mean of means).
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.n_params = sum(p.numel() for p in self.model.parameters())  # tied embeddings counted once
 
     @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for forward+backward matmuls plus attention (PaLM, appendix B)."""
+        c = self.config
+        return 6 * self.n_params + 12 * c.n_layer * c.n_embd * c.n_positions
+
+    @property
     def flops_per_batch(self) -> float:
-        """Training FLOPs of one micro-batch: 6N per token plus attention (PaLM appendix B), for MFU."""
-        if self.trainer is None or self.trainer.datamodule is None or not self.trainer.datamodule.batch_size:
+        """Read by Lightning's ThroughputMonitor to log FLOP/s and MFU."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is None or not getattr(datamodule, "batch_size", None):
             return 0.0
-        c, batch = self.config, self.trainer.datamodule.batch_size
-        per_token = 6 * self.n_params + 12 * c.n_layer * c.n_embd * c.n_positions
-        return float(per_token * batch * c.n_positions)
+        return float(self.flops_per_token * datamodule.batch_size * self.config.n_positions)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
         return self.model(input_ids=input_ids, labels=labels)

@@ -36,14 +36,12 @@ class ExtrasConfig:
 
 
 @dataclass
-class TrainConfig:
-    task_name: str = "train"
+class RunConfig:
+    """Keys shared by train.py and eval.py; the groups (data, model, ...) are checked by check_targets."""
+
+    task_name: str = MISSING
     tags: list[str] = field(default_factory=list)
     seed: Optional[int] = 42
-    train: bool = True
-    test: bool = True
-    ckpt_path: Optional[str] = None
-    optimized_metric: Optional[str] = "val/loss"
     paths: PathsConfig = field(default_factory=PathsConfig)
     extras: ExtrasConfig = field(default_factory=ExtrasConfig)
     data: Any = MISSING
@@ -54,18 +52,18 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
+class TrainConfig(RunConfig):
+    task_name: str = "train"
+    train: bool = True
+    test: bool = True
+    ckpt_path: Optional[str] = None
+    optimized_metric: Optional[str] = "val/loss"
+
+
+@dataclass
+class EvalConfig(RunConfig):
     task_name: str = "eval"
-    tags: list[str] = field(default_factory=list)
-    seed: Optional[int] = 42
     ckpt_path: str = MISSING
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    extras: ExtrasConfig = field(default_factory=ExtrasConfig)
-    data: Any = MISSING
-    model: Any = MISSING
-    trainer: Any = MISSING
-    callbacks: Any = None
-    logger: Any = None
 
 
 def register_schemas() -> None:

@@ -1,0 +1,28 @@
+# One command each: `make train` sets up and trains the default experiment; `make test` sets up and runs the tests.
+# Extra Hydra arguments: make train ARGS="trainer=ddp model/size=small"
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first and pinned: 2.13.0 is a local CPU wheel on the CI machines. On a GPU machine
+# use the CUDA build: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= torch==2.13.0
+
+.PHONY: setup train test test-fast clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-fast: setup  # everything except the multi-process / end-to-end runs
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+clean:  # generated outputs only; keeps the environment
+	rm -rf logs .cache .pytest_cache

@@ -1,0 +1,49 @@
+"""The model module and its generation callback, in-process."""
+
+from __future__ import annotations
+
+import torch
+
+from src.callbacks.generate_text import GenerateText
+from src.datamodules.tokenizers import ByteTokenizer
+from src.models.gpt2 import GPT2LitModule
+
+
+def tiny_model() -> GPT2LitModule:
+    torch.manual_seed(0)
+    return GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16)
+
+
+def test_generation_does_not_touch_the_training_rng():
+    """Sampling at validation end must not change what the training loop draws next (e.g. the data order)."""
+    model, cb = tiny_model(), GenerateText(prompts=["def ", "x = "], max_new_tokens=8, do_sample=True, top_k=5)
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    first = cb.generate(model.model, ByteTokenizer())
+    assert torch.equal(torch.rand(5), expected)
+    assert cb.generate(model.model, ByteTokenizer()) == first  # its own seed: repeatable samples
+    assert [p for p, _ in first] == ["def ", "x = "] and model.model.training
+
+
+def test_padding_labels_are_not_counted():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 32))
+    labels = ids.clone()
+    labels[1, 20:] = -100
+    loss, n = model._loss_and_count({"input_ids": ids, "labels": labels})
+    assert n == 31 + 19  # targets are shifted by one: 31 in row 0, positions 1..19 in row 1
+    logits = model(ids).logits[:, :-1]
+    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(loss, manual)
+
+
+def test_flops_per_token_by_hand():
+    """6N + 12 * n_layer * n_embd * seq_len (PaLM, appendix B) for a 1-layer, 16-wide, 32-token model."""
+    model = tiny_model()
+    n = model.n_params
+    embed, pos = 257 * 16, 32 * 16
+    block = 2 * 16 + (16 * 48 + 48) + (16 * 16 + 16) + 2 * 16 + (16 * 64 + 64) + (64 * 16 + 16)
+    assert n == embed + pos + block + 2 * 16  # tied LM head; final LayerNorm
+    assert model.flops_per_token == 6 * n + 12 * 1 * 16 * 32
+    assert model.flops_per_batch == 0.0  # no trainer attached: unknown batch size

@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     trained = trained_config(cfg)
 
     datamodule = instantiate(trained.data)
-    model = instantiate(trained.model, vocab_size=datamodule.vocab_size)
+    model = instantiate(trained.model, **datamodule.model_kwargs)
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
 

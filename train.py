@@ -22,7 +22,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    model = instantiate(cfg.model, **datamodule.model_kwargs)  # e.g. vocab_size from the tokenizer
     callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg)]
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail fast instead of retrying
 
 import src.utils.resolvers  # noqa: E402,F401
 from src.utils.config import register_schemas  # noqa: E402

@@ -13,7 +13,8 @@ import torch
 
 from conftest import shared
 from src.datamodules.corpus import Corpus, CorpusError
-from src.datamodules.text import IGNORE_INDEX, TextDataModule, micro_batch_size, split_blocks
+from src.datamodules.base import micro_batch_size
+from src.datamodules.text import IGNORE_INDEX, TextDataModule, split_blocks
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -228,3 +229,37 @@ def test_hf_dataset_source(tmp_path, monkeypatch):
         Corpus.from_config(None, "someone/stories", "train", "text")
     with pytest.raises(CorpusError, match="not both"):
         Corpus.from_config(str(tmp_path), "someone/stories", "train", "text")
+
+
+# ---- image data ----
+
+def test_mnist_from_idx_files_splits_the_test_set(tmp_path):
+    from src.datamodules.images import ImageDataModule
+
+    dm = ImageDataModule(dataset="mnist", path=str(shared("mnist")), val_size=1000, test_size=1000,
+                         global_batch_size=32)
+    dm.setup()
+    assert [len(dm.splits[s]) for s in ("train", "val", "test")] == [8000, 1000, 1000]  # train images absent
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (32, 1, 28, 28) and 0.0 <= x.min() and x.max() <= 1.0 and 0 <= y.min() and y.max() <= 9
+    counts = torch.bincount(torch.cat([dm.splits["val"][i][1][None] for i in range(1000)]), minlength=10)
+    assert counts.min() > 50  # a shuffled split: every digit is in val
+
+
+def test_mnist_errors_name_the_problem(tmp_path):
+    from src.datamodules.images import ImageDataModule, read_idx
+
+    with pytest.raises(FileNotFoundError, match="t10k-images-idx3-ubyte.*data=digits"):
+        ImageDataModule(dataset="mnist", path=str(tmp_path)).setup()
+    bad = tmp_path / "t10k-images-idx3-ubyte"
+    bad.write_bytes((2051).to_bytes(4, "big") + (10).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2 + b"\0" * 100)
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(bad)
+
+
+def test_digits_offline_default():
+    from src.datamodules.images import ImageDataModule
+
+    dm = ImageDataModule(val_size=200, test_size=200, global_batch_size=64)
+    dm.setup()
+    assert [len(dm.splits[s]) for s in ("train", "val", "test")] == [1397, 200, 200]

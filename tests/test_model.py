@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from src.callbacks.generate_text import GenerateText
@@ -47,3 +48,16 @@ def test_flops_per_token_by_hand():
     assert n == embed + pos + block + 2 * 16  # tied LM head; final LayerNorm
     assert model.flops_per_token == 6 * n + 12 * 1 * 16 * 32
     assert model.flops_per_batch == 0.0  # no trainer attached: unknown batch size
+
+
+def test_lr_scaling_rules():
+    from src.models.base import scaled_lr
+
+    assert scaled_lr(1e-3, "none", 256, 32) == 1e-3
+    assert scaled_lr(1e-3, "linear", 256, 32) == pytest.approx(8e-3)  # Goyal et al.: k x batch, k x LR
+    assert scaled_lr(1e-3, "sqrt", 128, 32) == pytest.approx(2e-3)
+    assert scaled_lr(1e-3, "linear", 16, 32) == pytest.approx(5e-4)  # smaller batches scale down
+    with pytest.raises(ValueError, match="lr_scaling='cubic'"):
+        scaled_lr(1e-3, "cubic", 64, 32)
+    with pytest.raises(ValueError, match="lr_scaling"):
+        GPT2LitModule(vocab_size=257, seq_len=8, lr_scaling="linera")  # caught when the model is built

@@ -99,6 +99,10 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     files = event_files(run)
     assert files and {event_file_pid(f) for f in files} == {int(re.search(r"\[rank 0\] pid (\d+)", out).group(1))}
     assert (run / "checkpoints" / "last.ckpt").is_file()
+    # console lines name their rank (conf/hydra/default.yaml), and the child rank logs to its own file
+    assert "][rank 0][" in out and "][rank 1][" in out
+    assert "][rank 1][" in (run / "train_ddp_process_1.log").read_text()
+    assert "train/items_per_sec" in read_events(run / "tensorboard").Tags()["scalars"]  # tokens/s over all ranks
     assert len(list(run.rglob(".hydra"))) == 1  # child ranks do not write their own config copies
 
 
@@ -112,3 +116,14 @@ def test_multirun_sweep_has_one_subdir_per_job(dirs):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
         assert f"model.optimizer.lr={lr}" in (sweep / job / ".hydra" / "overrides.yaml").read_text()
     assert not (dirs["log_dir"] / "train" / "runs").exists()
+
+
+def test_lr_scaling_reaches_the_optimizer_and_tensorboard(dirs):
+    """lr 1e-3 tuned at batch 4, trained at global batch 16: linear -> 4e-3 in the LR TensorBoard shows."""
+    run_script("train.py", FAST + path_overrides(dirs) + [
+        "model.lr_scaling=linear", "model.base_batch_size=4", "data.global_batch_size=16", "model.scheduler=null",
+        "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "test=false",
+        "callbacks.generate_text=null"])
+    (run,) = run_dirs(dirs["log_dir"])
+    lrs = {e.value for e in read_events(run / "tensorboard").Scalars("lr-AdamW/decay")}
+    assert lrs == {pytest.approx(4e-3)}

@@ -7,7 +7,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,12 @@ class GenerateText(L.Callback):
         self.sampling = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not hasattr(trainer.datamodule, "tokenizer") or not hasattr(getattr(pl_module, "model", None), "generate"):
+            rank_zero_warn("callbacks.generate_text is on but this model/data cannot generate text: skipping samples "
+                           "(switch it off with callbacks.generate_text=null).")
+            self.prompts = []
 
     @rank_zero_only
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

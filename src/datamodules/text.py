@@ -12,11 +12,11 @@ import math
 from functools import cached_property
 from typing import Optional
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
@@ -60,19 +60,7 @@ def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tu
     return n_train, n_val, n_test
 
 
-def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
-    """Per-device batch so that the optimizer always sees `global_batch_size` samples per step."""
-    per_step = world_size * accumulate_grad_batches
-    if global_batch_size % per_step:
-        raise ValueError(
-            f"data.global_batch_size={global_batch_size} does not divide into {world_size} device(s) x "
-            f"{accumulate_grad_batches} accumulation step(s) = {per_step}. Pick a global batch that is a "
-            f"multiple of {per_step}, or change trainer.devices / trainer.accumulate_grad_batches."
-        )
-    return global_batch_size // per_step
-
-
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(ShardedDataModule):
     def __init__(
         self,
         path: Optional[str] = None,
@@ -87,15 +75,12 @@ class TextDataModule(L.LightningDataModule):
         test_fraction: float = 0.05,
         num_workers: int = 0,
         cache_dir: str = ".cache/tokens",
+        seed: int = 42,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
-        self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.num_workers, self.cache_dir = num_workers, cache_dir
-        self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()
-        self.splits: dict[str, PackedBlocks] = {}
+        self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -112,39 +97,20 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         self.tokens()  # build the cache once (local rank 0); other ranks find it in setup()
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        trainer = self.trainer
-        world = trainer.world_size if trainer else 1
-        accumulate = trainer.accumulate_grad_batches if trainer else 1
-        self.batch_size = micro_batch_size(self.global_batch_size, world, accumulate)
-        if self.splits:
-            return
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        """What the model must be built with to fit this data (train.py passes it to the model)."""
+        return {"vocab_size": self.vocab_size}
+
+    def build_splits(self) -> dict[str, PackedBlocks]:
         tokens = self.tokens()
         n_train, n_val, n_test = split_blocks(math.ceil(len(tokens) / self.seq_len), self.val_fraction,
                                               self.test_fraction)
         eos = self.tokenizer.eos_id
-        self.splits = {
+        log.info(f"{len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} train/val/test blocks of {self.seq_len}; "
+                 f"micro-batch {self.batch_size}, global batch {self.global_batch_size}")
+        return {
             "train": PackedBlocks(tokens, self.seq_len, 0, n_train, eos),
             "val": PackedBlocks(tokens, self.seq_len, n_train, n_val, eos),
             "test": PackedBlocks(tokens, self.seq_len, n_train + n_val, n_test, eos),
         }
-        log.info(f"{len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} train/val/test blocks of {self.seq_len}; "
-                 f"micro-batch {self.batch_size} x {world} device(s) x {accumulate} accumulation "
-                 f"= global batch {self.global_batch_size}")
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        batch = self.batch_size if split == "train" else (self.eval_batch_size or self.batch_size)
-        return DataLoader(
-            self.splits[split], batch_size=batch, shuffle=shuffle, drop_last=shuffle,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import math
-import warnings
 from typing import Any, Callable, Optional
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import MeanMetric
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from src.models.base import LitModule
+
 IGNORE_INDEX = -100
 
-# Our epoch metrics come from torchmetrics and are already reduced over all ranks; Lightning cannot
-# know that and suggests sync_dist=True, which would reduce them a second time.
-warnings.filterwarnings("ignore", message=r".*self\.log\('(val|test)/", category=PossibleUserWarning)
 
-
-class GPT2LitModule(L.LightningModule):
+class GPT2LitModule(LitModule):
     def __init__(
         self,
         vocab_size: int,
@@ -31,8 +25,10 @@ class GPT2LitModule(L.LightningModule):
         optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
         scheduler: Optional[Callable[..., Any]] = None,
         weight_decay: float = 0.1,
+        lr_scaling: str = "none",
+        base_batch_size: int = 32,
     ) -> None:
-        super().__init__()
+        super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         self.config = GPT2Config(
             vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
@@ -41,10 +37,10 @@ class GPT2LitModule(L.LightningModule):
         )
         self.model = GPT2LMHeadModel(self.config)
         self.model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
-        self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
-        # Token-weighted means that torchmetrics syncs across ranks (sum and count, not a mean of means).
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.n_params = sum(p.numel() for p in self.model.parameters())  # tied embeddings counted once
+        # Token-weighted mean losses: torchmetrics syncs the sum and the weight, not a mean of means.
+        self.val_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
+        self.test_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
 
     @property
     def flops_per_token(self) -> int:
@@ -70,42 +66,26 @@ class GPT2LitModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss_and_count(batch)
-        self.log_dict({"train/loss": loss, "train/ppl": torch.exp(loss.detach())}, on_step=True, prog_bar=True)
+        self.log_train_loss(loss, batch_idx)
         return loss
+
+    def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"train/loss": loss, "train/ppl": torch.exp(loss)}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, n = self._loss_and_count(batch)
-        self.val_loss.update(loss, weight=n)
+        self.val_metrics["loss"].update(loss, weight=n)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, n = self._loss_and_count(batch)
-        self.test_loss.update(loss, weight=n)
+        self.test_metrics["loss"].update(loss, weight=n)
 
-    def _log_epoch(self, stage: str, metric: MeanMetric) -> None:
-        loss = metric.compute()  # all-reduces sum and weight across ranks
-        self.log_dict({f"{stage}/loss": loss, f"{stage}/ppl": torch.exp(loss)}, prog_bar=stage == "val")
-        metric.reset()
+    def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
+        loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]
+        self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=stage == "val")
 
     def on_validation_epoch_end(self) -> None:
-        self._log_epoch("val", self.val_loss)
+        self._log_epoch("val", self.val_metrics)
 
     def on_test_epoch_end(self) -> None:
-        self._log_epoch("test", self.test_loss)
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_fn is None:
-            raise ValueError("model.optimizer is not set; see conf/model/gpt2.yaml.")
-        # Weight decay on matrices only: biases and LayerNorm gains are not decayed (as in GPT-2/nanoGPT).
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay, "name": "decay"},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
-        ]
-        optimizer = self.optimizer_fn(groups)
-        if self.scheduler_fn is None:
-            return optimizer
-        steps = self.trainer.estimated_stepping_batches
-        if not math.isfinite(steps):
-            raise ValueError("The LR schedule needs a finite length: set trainer.max_steps (or trainer.max_epochs).")
-        scheduler = self.scheduler_fn(optimizer, num_training_steps=int(steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        self._log_epoch("test", self.test_metrics)

@@ -44,6 +44,9 @@ def prepare(cfg: DictConfig) -> None:
 
     check_targets(cfg)
     check_machine(cfg.trainer)
+    if cfg.trainer.get("use_distributed_sampler", True):
+        raise ConfigError("trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
+                          "(Lightning's sampler would pad val/test with repeated samples and shard twice).")
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     save_resolved_config(cfg, Path(cfg.paths.output_dir))

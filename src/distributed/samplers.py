@@ -1,0 +1,49 @@
+"""Who sees which sample. We shard data ourselves (`trainer.use_distributed_sampler: false`) because
+Lightning's default for val/test is a `DistributedSampler` that pads every rank to the same length by
+repeating samples: 10 samples on 3 ranks become 12 evaluated, and the metrics count the repeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, Sampler
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train_sampler(dataset, seed: int) -> DistributedSampler:
+    """One seeded permutation per epoch, shared by all ranks; rank r takes positions r, r+W, r+2W, ...
+
+    So a global batch is the same samples whatever the device count (1 x 8 or 2 x 4 read the same 8),
+    each epoch has a new order (Lightning calls `set_epoch`), and a restart with the same seed
+    replays it. The tail that does not fill a whole round over all ranks is dropped.
+    """
+    rank, world = rank_and_world()
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+
+
+class ShardSampler(Sampler[int]):
+    """Every index exactly once over all ranks, dealt round-robin; shards may differ in length by one.
+
+    Uneven shards are safe: metrics sync sums and counts (torchmetrics), not per-rank means, and
+    Lightning's evaluation loop runs no collective per batch, so ranks with one batch less do not hang.
+    """
+
+    def __init__(self, dataset_len: int) -> None:
+        self.rank, self.world = rank_and_world()
+        if dataset_len < self.world:
+            raise ValueError(f"An evaluation split of {dataset_len} sample(s) cannot give each of "
+                             f"{self.world} ranks at least one; use a larger val/test split or fewer devices.")
+        self.indices = range(self.rank, dataset_len, self.world)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

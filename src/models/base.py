@@ -1,0 +1,102 @@
+"""What every model here shares: train loss averaged over ranks, epoch metrics synced over ranks,
+and an optimizer whose LR can follow the global batch size."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+log = logging.getLogger(__name__)
+
+# Our epoch metrics come from torchmetrics and are already reduced over all ranks; Lightning cannot
+# know that and suggests sync_dist=True, which would reduce them a second time.
+warnings.filterwarnings("ignore", message=r".*self\.log\('(val|test)/", category=PossibleUserWarning)
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+def scaled_lr(lr: float, rule: str, global_batch_size: int, base_batch_size: int) -> float:
+    """The LR for `global_batch_size`, given `lr` tuned at `base_batch_size`.
+
+    linear: Goyal et al. 2017 ("Accurate, Large Minibatch SGD"): k times the batch, k times the LR.
+    sqrt: keeps the gradient-noise scale constant; often the better rule for Adam.
+    """
+    if rule not in LR_SCALING:
+        raise ValueError(f"model.lr_scaling={rule!r}: use one of {', '.join(LR_SCALING)}.")
+    ratio = global_batch_size / base_batch_size
+    return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+class LitModule(L.LightningModule):
+    def __init__(
+        self,
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]],
+        scheduler: Optional[Callable[..., Any]],
+        weight_decay: float,
+        lr_scaling: str,
+        base_batch_size: int,
+    ) -> None:
+        super().__init__()
+        scaled_lr(1.0, lr_scaling, 1, 1)  # validate the rule now, not at the first step
+        self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
+        self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Log the step's loss averaged over ranks and accumulation micro-batches.
+
+        One all-reduce on logging steps only; other steps just add on the device (no host sync).
+        Lightning's `self.log(..., sync_dist=True)` would all-reduce on every step, and logging
+        without it shows rank 0's own loss, which is not the loss of the global batch.
+        """
+        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+        self._loss_count += 1
+        trainer = self.trainer
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:  # mid-accumulation: the step is not over
+            return
+        if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
+            mean = trainer.strategy.reduce(self._loss_sum / self._loss_count, reduce_op="mean")
+            self.log_dict(self.train_metrics(mean), prog_bar=True)
+        self._loss_sum, self._loss_count = None, 0
+
+    def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"train/loss": loss}
+
+    def log_epoch_metrics(self, stage: str, metrics: Any) -> dict[str, torch.Tensor]:
+        """compute() all-gathers each torchmetrics state (sums and counts) over ranks; then reset."""
+        values = {f"{stage}/{name}": metric.compute() for name, metric in metrics.items()}
+        self.log_dict(values, prog_bar=stage == "val")
+        for metric in metrics.values():
+            metric.reset()
+        return values
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_fn is None:
+            raise ValueError("model.optimizer is not set; see conf/model/.")
+        # Weight decay on matrices and conv kernels only: biases and norm gains are not decayed.
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
+        ]
+        base_lr = self.optimizer_fn.keywords["lr"]
+        global_batch = self.trainer.datamodule.global_batch_size
+        lr = scaled_lr(base_lr, self.lr_scaling, global_batch, self.base_batch_size)
+        if self.lr_scaling != "none":
+            log.info(f"LR {base_lr:g} at batch {self.base_batch_size} -> {lr:g} at global batch {global_batch} "
+                     f"({self.lr_scaling} scaling)")
+        optimizer = self.optimizer_fn(groups, lr=lr)
+        if self.scheduler_fn is None:
+            return optimizer
+        steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(steps):
+            raise ValueError("The LR schedule needs a finite length: set trainer.max_steps (or trainer.max_epochs).")
+        scheduler = self.scheduler_fn(optimizer, num_training_steps=int(steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

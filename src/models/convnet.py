@@ -1,0 +1,67 @@
+"""A small CNN with BatchNorm: the vision path, and the model that SyncBatchNorm matters for."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from src.models.base import LitModule
+
+
+def conv_block(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class ConvNetLitModule(LitModule):
+    def __init__(
+        self,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        channels: tuple[int, ...] = (16, 32),
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        scheduler: Optional[Callable[..., Any]] = None,
+        weight_decay: float = 0.0,
+        lr_scaling: str = "none",
+        base_batch_size: int = 64,
+    ) -> None:
+        super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
+        blocks, c = [], in_channels
+        for width in channels:
+            blocks += [conv_block(c, width), nn.MaxPool2d(2, ceil_mode=True)]
+            c = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
+        # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks.
+        make = lambda: nn.ModuleDict({"loss": MeanMetric(), "acc": MulticlassAccuracy(num_classes, average="micro")})  # noqa
+        self.val_metrics, self.test_metrics = make(), make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log_train_loss(loss, batch_idx)
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: nn.ModuleDict) -> None:
+        x, y = batch
+        logits = self(x)
+        metrics["loss"].update(nn.functional.cross_entropy(logits, y), weight=len(y))
+        metrics["acc"].update(logits, y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_epoch_metrics("val", self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_epoch_metrics("test", self.test_metrics)

@@ -1,0 +1,15 @@
+"""Console and file log lines that name their rank: with N processes, "which one said that?" matters."""
+
+from __future__ import annotations
+
+import logging
+
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class RankFilter(logging.Filter):
+    """Adds `%(rank)s` to every record: the global rank (Lightning sets it once the process group exists)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = getattr(rank_zero_only, "rank", 0)
+        return True

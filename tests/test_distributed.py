@@ -1,0 +1,138 @@
+"""The pieces in src/distributed/, each against its single-process truth, on gloo with real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from src.distributed.gather import gather_shards
+from src.distributed.samplers import ShardSampler, train_sampler
+from src.distributed.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out[rank] = fn(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable) -> dict:
+    """Run fn(rank, world) in `world` gloo processes; return {rank: result}."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(world, free_port(), fn, out), nprocs=world, join=True)
+        return dict(out)
+
+
+# ---- SyncBatchNorm on CPU ----
+
+def bn_case(rank: int, world: int) -> dict:
+    """Each rank holds 1/world of the batch; returns what a single-process run must reproduce."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, 5) * 3 + 1
+    w = torch.randn(8, 3, 5, 5)
+    bn = nn.BatchNorm2d(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    if world > 1:
+        bn = SyncBatchNorm().apply(nn.Sequential(bn))[0]
+        assert isinstance(bn, GlooSyncBatchNorm)
+        x, w = x.chunk(world)[rank], w.chunk(world)[rank]
+    x = x.clone().requires_grad_(True)
+    for _ in range(2):  # two steps: running stats accumulate
+        y = bn(x)
+    (y * w).sum().backward()  # a sum loss: the full-batch loss is the sum of the ranks' losses
+    grads = [bn.weight.grad.clone(), bn.bias.grad.clone()]
+    if world > 1:
+        for g in grads:
+            dist.all_reduce(g)  # what DDP does with parameter gradients (it averages; we compare sums)
+    return {"y": y.detach(), "dx": x.grad, "dweight": grads[0], "dbias": grads[1],
+            "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone()}
+
+
+def test_gloo_syncbatchnorm_equals_full_batch_batchnorm():
+    """torch's SyncBatchNorm refuses CPU ("SyncBatchNorm layers only work with GPU modules"); ours must
+    give, on 2 ranks with half the batch each, what BatchNorm gives on the whole batch in one process."""
+    full = bn_case(0, 1)
+    ranks = run_ranks(2, bn_case)
+    for key in ("y", "dx"):
+        torch.testing.assert_close(torch.cat([ranks[0][key], ranks[1][key]]), full[key], atol=2e-6, rtol=1e-5)
+    for key in ("dweight", "dbias", "running_mean", "running_var"):
+        for r in (0, 1):
+            torch.testing.assert_close(ranks[r][key], full[key], atol=2e-6, rtol=1e-5)
+
+
+def test_syncbatchnorm_plugin_is_a_no_op_for_one_process_and_reverts():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    assert SyncBatchNorm().apply(model) is model and isinstance(model[1], nn.BatchNorm2d)  # no process group
+    from src.distributed.sync_batchnorm import _convert
+
+    gloo = _convert(model, to_gloo=True)
+    assert isinstance(gloo[1], GlooSyncBatchNorm)
+    back = SyncBatchNorm().revert(gloo)
+    assert type(back[1]) is nn.BatchNorm2d and back[1].weight is not None
+
+
+# ---- gathering and sharding ----
+
+def gather_case(rank: int, world: int) -> list:
+    indices = list(ShardSampler(10))
+    local = torch.tensor(indices, dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
+    return gather_shards(local).tolist()
+
+
+def test_gather_shards_returns_every_sample_once_in_dataset_order():
+    results = run_ranks(3, gather_case)  # 10 samples on 3 ranks: shards of 4, 3, 3
+    expected = [[float(i), -float(i)] for i in range(10)]
+    assert all(results[r] == expected for r in range(3))
+
+
+def test_shard_sampler_has_no_padding(monkeypatch):
+    shards = []
+    for rank in range(3):
+        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, 3))
+        shards.append(list(ShardSampler(11)))
+    assert sorted(i for shard in shards for i in shard) == list(range(11))
+    assert [len(s) for s in shards] == [4, 4, 3]
+
+
+def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):
+    monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (0, 4))
+    with pytest.raises(ValueError, match="3 sample.*4 ranks"):
+        ShardSampler(3)
+
+
+def test_shuffling_new_each_epoch_same_on_restart_disjoint_across_ranks(monkeypatch):
+    data = list(range(40))
+
+    def order(rank: int, world: int, epoch: int, seed: int = 7) -> list[int]:
+        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, world))
+        sampler = train_sampler(data, seed)
+        sampler.set_epoch(epoch)  # Lightning calls this at every epoch start
+        return list(sampler)
+
+    assert order(0, 1, 0) != order(0, 1, 1)  # a new order each epoch
+    assert order(0, 1, 3) == order(0, 1, 3)  # a restart with the same seed replays it
+    assert order(0, 1, 0) != order(0, 1, 0, seed=8)
+    r0, r1 = order(0, 2, 2), order(1, 2, 2)
+    assert not set(r0) & set(r1) and len(r0) == len(r1) == 20  # disjoint, together the epoch
+    single = order(0, 1, 2)
+    assert sorted(single[:8]) == sorted(r0[:4] + r1[:4])  # a global batch is the same samples for 1 or 2 ranks

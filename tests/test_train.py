@@ -125,5 +125,5 @@ def test_lr_scaling_reaches_the_optimizer_and_tensorboard(dirs):
         "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "test=false",
         "callbacks.generate_text=null"])
     (run,) = run_dirs(dirs["log_dir"])
-    lrs = {e.value for e in read_events(run / "tensorboard").Scalars("lr-AdamW/decay")}
-    assert lrs == {pytest.approx(4e-3)}
+    lrs = [e.value for e in read_events(run / "tensorboard").Scalars("lr-AdamW/decay")]
+    assert len(lrs) >= 1 and all(lr == pytest.approx(4e-3) for lr in lrs)

@@ -61,3 +61,21 @@ def test_lr_scaling_rules():
         scaled_lr(1e-3, "cubic", 64, 32)
     with pytest.raises(ValueError, match="lr_scaling"):
         GPT2LitModule(vocab_size=257, seq_len=8, lr_scaling="linera")  # caught when the model is built
+
+
+def test_train_loss_needs_one_reduce_per_logging_step_and_none_otherwise():
+    """10 optimizer steps x 2 accumulation micro-batches, logging every 5 steps: exactly 2 all-reduces,
+    each over the mean of that step's micro-batch losses."""
+    from types import SimpleNamespace
+
+    model = tiny_model()
+    reduced, logged = [], []
+    strategy = SimpleNamespace(reduce=lambda t, reduce_op: reduced.append(t.clone()) or t)
+    trainer = SimpleNamespace(accumulate_grad_batches=2, log_every_n_steps=5, global_step=0, strategy=strategy)
+    model._trainer = trainer
+    model.log_dict = lambda metrics, **kw: logged.append(metrics)
+    for batch_idx in range(20):
+        trainer.global_step = batch_idx // 2
+        model.log_train_loss(torch.tensor(float(batch_idx)), batch_idx)
+    assert len(reduced) == 2 and len(logged) == 2
+    assert [float(t) for t in reduced] == [8.5, 18.5]  # steps 4 and 9: mean of micro-batches (8, 9) and (18, 19)

@@ -8,13 +8,14 @@ validation and test and prints both.
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 import src.utils.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
+from src.tools.checkpoints import consolidate, is_sharded, load_checkpoint
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.run import prepare
 
@@ -24,10 +25,10 @@ register_schemas()
 def trained_config(cfg: DictConfig) -> DictConfig:
     """The checkpoint's model/data config with this command line's model.* / data.* overrides on top."""
     path = Path(cfg.ckpt_path)
-    if not path.is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file. Point it at a .ckpt written by train.py, "
-                          "e.g. logs/train/runs/<run>/checkpoints/last.ckpt")
-    stored = torch.load(path, map_location="cpu", weights_only=False).get("config")
+    if not (path.is_file() or is_sharded(path)):
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "
+                          "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt")
+    stored = load_checkpoint(path).get("config")
     if stored is None:  # not written by train.py: trust the composed config
         return OmegaConf.masked_copy(cfg, ["model", "data"])
     overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].startswith(("data.", "model."))]
@@ -44,9 +45,12 @@ def main(cfg: DictConfig) -> dict[str, float]:
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
 
+    ckpt_path = cfg.ckpt_path
+    if is_sharded(ckpt_path) and not isinstance(trainer.strategy, ModelParallelStrategy):
+        ckpt_path = consolidate(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")  # FSDP shards -> 1 file
     metrics = {}
     for run in (trainer.validate, trainer.test):
-        for results in run(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path):
+        for results in run(model, datamodule=datamodule, ckpt_path=ckpt_path):
             metrics.update(results)
     if trainer.is_global_zero:
         print("EVAL " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items())))

@@ -7,6 +7,7 @@ from typing import Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,19 @@ class GenerateText(L.Callback):
                            "(switch it off with callbacks.generate_text=null).")
             self.prompts = []
 
-    @rank_zero_only
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.prompts:
             return
-        texts = self.generate(pl_module.model, trainer.datamodule.tokenizer)
+        # Sharded parameters (FSDP) are gathered collectively: then every rank generates, in lockstep.
+        sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+        if not (sharded or trainer.is_global_zero):
+            return
+        texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)
+        if trainer.is_global_zero:
+            self._log(trainer, texts)
+
+    @rank_zero_only
+    def _log(self, trainer: L.Trainer, texts: list[tuple[str, str]]) -> None:
         step = trainer.global_step
         for tb in [lg for lg in trainer.loggers if hasattr(lg.experiment, "add_text")]:
             for i, (prompt, completion) in enumerate(texts):
@@ -47,7 +56,7 @@ class GenerateText(L.Callback):
                 tb.experiment.add_text(f"samples/{i}", body, global_step=step)
         log.info("Samples at step %d:\n%s", step, "\n---\n".join(p + c for p, c in texts))
 
-    def generate(self, model: torch.nn.Module, tokenizer) -> list[tuple[str, str]]:
+    def generate(self, model: torch.nn.Module, tokenizer, synced: bool = False) -> list[tuple[str, str]]:
         """(prompt, completion) pairs; stops at EOS or the context length."""
         device = next(model.parameters()).device
         was_training = model.training
@@ -62,7 +71,7 @@ class GenerateText(L.Callback):
                 out = model.generate(
                     input_ids, attention_mask=torch.ones_like(input_ids),
                     max_new_tokens=max(1, min(self.max_new_tokens, room)),
-                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, **self.sampling,
+                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,
                 )
                 completion = out[0, input_ids.shape[1]:].tolist()
                 if tokenizer.eos_id in completion:

@@ -49,6 +49,17 @@ class LitModule(L.LightningModule):
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
 
+    def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+        """The model's repeated blocks as (parent, name, block): the units FSDP shards and checkpoints."""
+        return []
+
+    def network(self) -> torch.nn.Module:
+        """The module whose forward every step (and generation) calls: FSDP's root unit."""
+        return self
+
+    def configure_model(self) -> None:
+        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook)."""
+
     def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
         """Log the step's loss averaged over ranks and accumulation micro-batches.
 

@@ -33,14 +33,17 @@ class ConvNetLitModule(LitModule):
         for width in channels:
             blocks += [conv_block(c, width), nn.MaxPool2d(2, ceil_mode=True)]
             c = width
-        self.blocks = nn.Sequential(*blocks)
+        self.features = nn.Sequential(*blocks)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
         # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks.
         make = lambda: nn.ModuleDict({"loss": MeanMetric(), "acc": MulticlassAccuracy(num_classes, average="micro")})  # noqa
         self.val_metrics, self.test_metrics = make(), make()
 
+    def blocks(self) -> list[tuple[nn.Module, str, nn.Module]]:
+        return [(self.features, name, b) for name, b in self.features.named_children() if isinstance(b, nn.Sequential)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
+        return self.head(self.features(x))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

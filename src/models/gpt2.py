@@ -42,6 +42,13 @@ class GPT2LitModule(LitModule):
         self.val_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
         self.test_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
 
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+        layers = self.model.transformer.h
+        return [(layers, str(i), block) for i, block in enumerate(layers)]
+
     @property
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for forward+backward matmuls plus attention (PaLM, appendix B)."""

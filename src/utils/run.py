@@ -27,9 +27,9 @@ def check_machine(trainer_cfg: DictConfig) -> None:
     if "deepspeed" in name:
         raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
                           "Use trainer=ddp (2 CPU processes) on this machine.")
-    if "fsdp" in name:
-        raise ConfigError("trainer=fsdp needs CUDA GPUs and none is visible here. "
-                          "Use trainer=ddp (2 CPU processes) on this machine.")
+    if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):
+        raise ConfigError("Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
+                          "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp.")
     if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
         raise ConfigError("trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
                           "Use trainer=cpu, or trainer=ddp for 2 CPU processes.")

@@ -1,0 +1,90 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) applied from outside the model, in one place.
+
+Like torchtitan's `parallelize`: the model only says which modules are its repeated blocks
+(`LitModule.blocks()`); this file decides how they are sharded, checkpointed and cast. Lightning's
+`ModelParallelStrategy` runs it: it works on GPUs (NCCL) and on CPU (gloo), where Lightning's
+FSDP1 `FSDPStrategy` refuses to start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    param_dtype: Optional[str] = None,
+    reduce_dtype: Optional[str] = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard each block, then the rest (embeddings, head, tied weights) as one root unit.
+
+    `module` is a LitModule: `blocks()` lists its repeated blocks, `network()` the module whose
+    forward the steps call (the root must be it, or its parameters would never be gathered).
+
+    reshard_after_forward=True frees gathered parameters after each block's forward (ZeRO-3-like,
+    least memory); False keeps them until backward (ZeRO-2-like, one all-gather less per block).
+    """
+    for dtype in (param_dtype, reduce_dtype):
+        if dtype not in DTYPES:
+            raise ValueError(f"FSDP dtype {dtype!r}: use one of {[k for k in DTYPES if k]} or null.")
+    policy = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    blocks = module.blocks()
+    if not blocks:
+        raise ValueError(f"{type(module).__name__}.blocks() returned no blocks to shard.")
+    for parent, name, block in blocks:
+        if activation_checkpointing:  # recompute the block's activations in backward instead of storing them
+            block = checkpoint_wrapper(block)
+            parent.register_module(name, block)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **policy)
+    fully_shard(module.network(), reshard_after_forward=reshard_after_forward, **policy)
+    log.info(f"FSDP2: {len(blocks)} blocks + root sharded over {mesh.size()} rank(s); "
+             f"reshard_after_forward={reshard_after_forward}, activation_checkpointing={activation_checkpointing}, "
+             f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, cpu_offload={cpu_offload}")
+    return module
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Pure data-parallel FSDP2 over all ranks, with the switches of `parallelize` as config."""
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        param_dtype: Optional[str] = None,
+        reduce_dtype: Optional[str] = None,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint)
+        self.options = dict(reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
+                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+
+    def setup_environment(self) -> None:
+        # One data-parallel dim over every rank (Lightning's default would use the devices for tensor parallelism).
+        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        super().setup_environment()
+
+    def setup(self, trainer) -> None:
+        if not isinstance(self.lightning_module.network(), FSDPModule):  # setup runs again for test after fit
+            parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
+        super().setup(trainer)

@@ -1,0 +1,94 @@
+"""Checkpoints in either form: one file (DDP, single device, FSDP with save_distributed_checkpoint=false)
+or a sharded DCP dir (FSDP2 with one shard per rank).
+
+    python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # DCP dir -> one file (weights, config)
+    python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # GPT-2 -> Hugging Face format
+
+Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with trainer=fsdp); the
+consolidated file holds the weights, step counters and config for eval and export, not the optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def is_sharded(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint as one dict with "state_dict" (and "config" when train.py wrote it)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.")
+    if not is_sharded(path):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "full.pt")  # gathers every rank's shards, no process group needed
+        tensors = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False) if (path / "meta.pt").exists() else {}
+    return {**meta, "state_dict": tensors["state_dict"]}
+
+
+def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
+    out = Path(out) if out else Path(str(path).rstrip("/") + ".consolidated.ckpt")
+    torch.save(load_checkpoint(path), out)
+    return out
+
+
+def build_module(checkpoint: dict[str, Any]):
+    """The LightningModule and datamodule of a train.py checkpoint, weights loaded."""
+    import src.utils.resolvers  # noqa: F401
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    if "config" not in checkpoint:
+        raise ValueError("This checkpoint has no stored config (it was not written by train.py).")
+    cfg = OmegaConf.create(checkpoint["config"])
+    datamodule = instantiate(cfg.data)
+    module = instantiate(cfg.model, **datamodule.model_kwargs)
+    module.load_state_dict(checkpoint["state_dict"])
+    return module.eval(), datamodule
+
+
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+    module, datamodule = build_module(load_checkpoint(path))
+    if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
+        raise ValueError(f"{type(module).__name__} is not a Hugging Face model; only GPT-2 checkpoints export.")
+    out_dir = Path(out_dir)
+    module.model.save_pretrained(out_dir)
+    hf_tokenizer = getattr(datamodule.tokenizer, "hf", None)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(out_dir)
+    else:  # the byte tokenizer has no HF form: ids are UTF-8 bytes, 256 = EOS
+        (out_dir / "TOKENIZER.md").write_text("Token ids are UTF-8 bytes (0-255); 256 is end-of-text.\n")
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="sharded DCP dir -> one .ckpt file")
+    c.add_argument("ckpt")
+    c.add_argument("out", nargs="?")
+    e = sub.add_parser("export-hf", help="GPT-2 checkpoint -> Hugging Face dir")
+    e.add_argument("ckpt")
+    e.add_argument("out_dir")
+    args = parser.parse_args()
+    if args.command == "consolidate":
+        print(consolidate(args.ckpt, args.out))
+    else:
+        print(export_hf(args.ckpt, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

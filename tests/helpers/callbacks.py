@@ -1,0 +1,31 @@
+"""Test-only callbacks, instantiated into real train.py runs with +callbacks.NAME._target_=..."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import torch
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard only
+    return t.numel() * t.element_size()
+
+
+class RecordStateBytes(L.Callback):
+    """Writes this rank's parameter, gradient and optimizer-state bytes just before the 2nd optimizer step."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if trainer.global_step != 1:  # the optimizer state exists from the first step on
+            return
+        params = [p for p in pl_module.parameters()]
+        record = {
+            "params": sum(local_bytes(p) for p in params),
+            "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                             if torch.is_tensor(v) and v.dim() > 0),  # m and v; not the scalar step counters
+        }
+        path = f"{trainer.default_root_dir}/state_bytes_rank{trainer.global_rank}.json"
+        with open(path, "w") as f:
+            json.dump(record, f)

@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 import src.utils.resolvers  # noqa: F401
@@ -46,8 +46,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
 
     ckpt_path = cfg.ckpt_path
-    if is_sharded(ckpt_path) and not isinstance(trainer.strategy, ModelParallelStrategy):
-        ckpt_path = consolidate(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")  # FSDP shards -> 1 file
+    if is_sharded(ckpt_path) and not isinstance(trainer.strategy, (ModelParallelStrategy, DeepSpeedStrategy)):
+        ckpt_path = consolidate(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")  # shards -> 1 file
     metrics = {}
     for run in (trainer.validate, trainer.test):
         for results in run(model, datamodule=datamodule, ckpt_path=ckpt_path):

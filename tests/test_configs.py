@@ -116,13 +116,14 @@ def test_machine_checks_name_the_problem_and_the_fix(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("these errors are about machines without CUDA")
     for override, words in [("trainer=deepspeed", "trainer=deepspeed needs CUDA"),
-                            ("trainer=fsdp", "trainer=fsdp needs CUDA"),
+                            ("trainer.strategy=fsdp", "FSDP1 strategy .* needs CUDA.*trainer=fsdp \\(FSDP2"),
+                            ("trainer=deepspeed_stage_3_offload", "trainer=deepspeed needs CUDA"),
                             ("trainer=gpu", "accelerator=gpu needs a CUDA GPU"),
                             ("trainer.precision=16-mixed", "silently")]:
         cfg = compose_cfg([override], tmp=tmp_path)
         with pytest.raises(ConfigError, match=words) as e:
             check_machine(cfg.trainer)
-        assert "Use trainer" in str(e.value) or "Use trainer.precision" in str(e.value)
+        assert "Use trainer" in str(e.value)  # ... and the fix
 
 
 def test_ddp_means_two_cpu_processes_without_gpu(tmp_path):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,10 @@ class GenerateText(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.prompts:
             return
-        # Sharded parameters (FSDP) are gathered collectively: then every rank generates, in lockstep.
-        sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+        # Sharded parameters (FSDP, ZeRO-3) are gathered collectively: then every rank generates, in lockstep.
+        strategy = trainer.strategy
+        sharded = isinstance(strategy, ModelParallelStrategy) or (
+            isinstance(strategy, DeepSpeedStrategy) and strategy.config["zero_optimization"].get("stage") == 3)
         if not (sharded or trainer.is_global_zero):
             return
         texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)

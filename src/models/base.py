@@ -3,6 +3,8 @@ and an optimizer whose LR can follow the global batch size."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import warnings
@@ -103,7 +105,13 @@ class LitModule(L.LightningModule):
         if self.lr_scaling != "none":
             log.info(f"LR {base_lr:g} at batch {self.base_batch_size} -> {lr:g} at global batch {global_batch} "
                      f"({self.lr_scaling} scaling)")
-        optimizer = self.optimizer_fn(groups, lr=lr)
+        make = self.optimizer_fn
+        replacement = getattr(self.trainer.strategy, "optimizer_class", None)  # e.g. DeepSpeed's CPU Adam for offload
+        if replacement is not None:
+            accepted = inspect.signature(replacement).parameters
+            make = functools.partial(replacement, **{k: v for k, v in make.keywords.items() if k in accepted})
+            log.info(f"{make.func.__name__} replaces {self.optimizer_fn.func.__name__}, as the strategy requires")
+        optimizer = make(groups, lr=lr)
         if self.scheduler_fn is None:
             return optimizer
         steps = self.trainer.estimated_stepping_batches

@@ -1,11 +1,13 @@
-"""Checkpoints in either form: one file (DDP, single device, FSDP with save_distributed_checkpoint=false)
-or a sharded DCP dir (FSDP2 with one shard per rank).
+"""Checkpoints in any of their forms: one file (DDP, single device, FSDP with
+save_distributed_checkpoint=false), a sharded DCP dir (FSDP2, one shard per rank), or a DeepSpeed
+ZeRO dir (converted with DeepSpeed's zero_to_fp32).
 
-    python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # DCP dir -> one file (weights, config)
+    python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # sharded dir -> one fp32 file
     python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # GPT-2 -> Hugging Face format
 
-Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with trainer=fsdp); the
-consolidated file holds the weights, step counters and config for eval and export, not the optimizer.
+Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with the same strategy);
+the consolidated file holds the weights, step counters and config for eval and export, not the
+optimizer state.
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ from typing import Any
 import torch
 
 
-def is_sharded(path: str | Path) -> bool:
+def is_dcp(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def is_deepspeed(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "latest").is_file()
+
+
+def is_sharded(path: str | Path) -> bool:
+    return is_dcp(path) or is_deepspeed(path)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -27,7 +37,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.")
-    if not is_sharded(path):
+    if is_deepspeed(path):
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        with tempfile.TemporaryDirectory() as tmp:  # zero_to_fp32: gathers the ZeRO partitions into fp32 weights
+            convert_zero_checkpoint_to_fp32_state_dict(path, Path(tmp) / "full.ckpt")
+            return torch.load(Path(tmp) / "full.ckpt", map_location="cpu", weights_only=False)
+    if not is_dcp(path):
         return torch.load(path, map_location="cpu", weights_only=False)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.utils.config import ConfigError, check_targets
@@ -24,7 +25,11 @@ def check_machine(trainer_cfg: DictConfig) -> None:
         return
     strategy = trainer_cfg.get("strategy", "auto")
     name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
-    if "deepspeed" in name:
+    if isinstance(strategy, DictConfig) and "_target_" in strategy:
+        needs_cuda = getattr(get_object(strategy._target_), "requires_cuda", False)
+    else:
+        needs_cuda = "deepspeed" in name
+    if needs_cuda:
         raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
                           "Use trainer=ddp (2 CPU processes) on this machine.")
     if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):

@@ -1,0 +1,34 @@
+"""Tests only: our DeepSpeed strategy on CPU / gloo. Lightning refuses DeepSpeed without CUDA
+("only supported on CUDA GPUs"); skipping its two device checks is enough for ZeRO 1/2/3 and CPU
+offload to run."""
+
+from __future__ import annotations
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
+
+from src.distributed.deepspeed import DeepSpeedStrategy
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    requires_cuda = False
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # Lightning's DeepSpeed version insists on a CUDAAccelerator
+
+    def setup_distributed(self) -> None:  # as Lightning's, minus the check that device indices are GPU ranks
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        """As Lightning's, but DeepSpeed gets the local rank as device_rank (a CPU device has no index)."""
+        import argparse
+
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
+            lr_scheduler=lr_scheduler, dist_init_required=False)
+        return engine, ds_optimizer

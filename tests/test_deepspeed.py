@@ -1,0 +1,153 @@
+"""trainer=deepspeed: the derived DeepSpeed config, and ZeRO 1/2/3 (+ CPU offload) on gloo against DDP.
+
+Lightning refuses DeepSpeed without CUDA, so the multi-process runs use tests/helpers/deepspeed_cpu.py
+(our strategy minus Lightning's device checks). DeepSpeed JIT-builds its CPU Adam once per test session
+(about a minute), into the session's temp dir.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.distributed.deepspeed import DeepSpeedStrategy, derive_config
+from src.utils.config import ConfigError
+
+# ---- the derived config (fast) ----
+
+BASE = dict(stage=2, micro=4, accumulation=2, world=8, clip=1.0, precision="bf16-mixed")
+
+
+def test_derived_values_fill_the_users_config_and_auto():
+    user = {"train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {"overlap_comm": False}, "steps_per_print": 50}
+    cfg = derive_config(user, **BASE)
+    assert cfg["train_batch_size"] == 4 * 2 * 8 == 64  # micro x accumulation x world
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["gradient_clipping"] == 1.0 and cfg["zero_optimization"] == {"overlap_comm": False, "stage": 2}
+    assert cfg["steps_per_print"] == 50 and "bf16" not in cfg  # bf16 is then set from trainer.precision
+    assert user["zero_optimization"] == {"overlap_comm": False}  # the user's dict is not modified
+
+
+@pytest.mark.parametrize("user,words", [
+    ({"train_batch_size": 32}, r"train_batch_size=32 contradicts this run's 64 \(from data.global_batch_size\)"),
+    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 contradicts"),
+    ({"gradient_accumulation_steps": 4}, "trainer.accumulate_grad_batches"),
+    ({"gradient_clipping": 0.5}, "trainer.gradient_clip_val"),
+    ({"zero_optimization": {"stage": 3}}, "stage=3 contradicts trainer.strategy.stage=2"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled=true contradicts trainer.precision=bf16-mixed"),
+    ({"optimizer": {"type": "Adam"}}, "model.optimizer"),
+    ({"scheduler": {"type": "WarmupLR"}}, "model.scheduler"),
+])
+def test_contradictions_are_clear_errors(user, words):
+    with pytest.raises(ConfigError, match=words):
+        derive_config(user, **BASE)
+
+
+def test_user_json_file_is_read_and_checked(tmp_path):
+    good = tmp_path / "ds.json"
+    good.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    assert DeepSpeedStrategy(stage=2, config=str(good)).user_config["zero_optimization"]["reduce_bucket_size"] == 1000
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}')
+    with pytest.raises(ConfigError, match=rf"{bad}:4: not valid JSON"):
+        DeepSpeedStrategy(config=str(bad))
+    with pytest.raises(ConfigError, match="no such DeepSpeed JSON"):
+        DeepSpeedStrategy(config=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="offload_parameters needs stage=3"):
+        DeepSpeedStrategy(stage=2, offload_parameters=True)
+
+
+# ---- real runs on gloo (slow) ----
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="needs the deepspeed package: pip install -e '.[deepspeed]'")
+
+CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+          "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jit_cache(tmp_path_factory):
+    """DeepSpeed's JIT-built ops (CPU Adam) go to the test session's temp dir, built once."""
+    old = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    yield
+    if old is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    from test_parity import GPT2, train
+
+    return train(tmp_path_factory.mktemp("ddp"), "ddp", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+
+
+def ds_run(tmp: Path, name: str, args: list[str]) -> dict:
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import GPT2
+
+    run = train_sharded(tmp, name, GPT2 + CPU_DS + args)
+    run["ckpt"] = last_ckpt(tmp, name)
+    return run
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_ddp(tmp_path, ddp, stage):
+    from src.tools.checkpoints import is_deepspeed, load_checkpoint
+    from test_parity import assert_same_series, max_param_diff
+
+    run = ds_run(tmp_path, f"zero{stage}", [f"trainer.strategy.stage={stage}"])
+    assert_same_series(ddp, run, "train/loss", 1e-5)
+    assert_same_series(ddp, run, "val/loss", 1e-5)
+    assert is_deepspeed(run["ckpt"])
+    assert max_param_diff(ddp["params"], load_checkpoint(run["ckpt"])["state_dict"]) <= 1e-5  # via zero_to_fp32
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path, ddp):
+    from conftest import path_overrides, run_script
+    from test_parity import GPT2, QUIET
+
+    dirs = {"log_dir": tmp_path / "off", "cache_dir": tmp_path / "cache"}
+    proc = run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + CPU_DS + [
+        "trainer.strategy.stage=3", "trainer.strategy.offload_optimizer=true", "trainer.strategy.offload_parameters=true"])
+    assert "DeepSpeedCPUAdam replaces AdamW" in proc.stdout + proc.stderr
+    from test_fsdp import last_ckpt
+    from src.tools.checkpoints import load_checkpoint
+    from test_parity import max_param_diff
+
+    assert max_param_diff(ddp["params"], load_checkpoint(last_ckpt(tmp_path, "off"))["state_dict"]) <= 1e-5
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+    from test_parity import max_param_diff
+
+    epoch = ["trainer.limit_train_batches=6", "trainer.val_check_interval=6", "model.scheduler=null"]
+    first = ds_run(tmp_path, "first", epoch)
+    resumed = ds_run(tmp_path, "resumed", epoch + [f"ckpt_path={first['ckpt']}", "trainer.max_steps=12"])
+    straight = ds_run(tmp_path, "straight", epoch + ["trainer.max_steps=12"])
+    a, b = load_checkpoint(resumed["ckpt"]), load_checkpoint(straight["ckpt"])
+    assert a["global_step"] == b["global_step"] == 12
+    assert max_param_diff(a["state_dict"], b["state_dict"]) <= 1e-6
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(straight["ckpt"], tmp_path / "hf")).eval()
+    module, _ = build_module(b)
+    ids = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)

@@ -113,3 +113,29 @@ def test_estimate_matches_bytes_measured_per_rank(tmp_path, strategy, trainer):
             assert abs(measured[rank][kind] - want) <= 0.02 * want, (kind, rank, measured, expected)
         # DDP: two full copies; FSDP: the two shards add up to exactly one copy
         assert measured[0][kind] + measured[1][kind] == 2 * want
+
+
+def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path):
+    """SyncBatchNorm applies under FSDP too (Lightning only applies trainer.plugins' LayerSync for DDP)."""
+    from test_parity import VISION
+
+    split = ["data.val_size=10", "data.test_size=11"]
+    one = train(tmp_path, "1", VISION + split)
+    fsdp = train_sharded(tmp_path, "fsdp", VISION + split + FSDP)
+    for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
+        assert_same_series(one, fsdp, tag, 1e-5)
+    assert max_param_diff(one["params"], params_of(last_ckpt(tmp_path, "fsdp"))) <= 1e-5
+
+
+def test_fsdp_switches(tmp_path):
+    """Activation checkpointing recomputes the same numbers; bf16 params stay close to fp32; ZeRO-2-like too."""
+    ddp = train(tmp_path, "ddp", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+    ac = train_sharded(tmp_path, "ac", GPT2 + FSDP + ["trainer.strategy.activation_checkpointing=true",
+                                                       "trainer.strategy.reshard_after_forward=false"])
+    assert_same_series(ddp, ac, "train/loss", 1e-5)
+    assert max_param_diff(ddp["params"], params_of(last_ckpt(tmp_path, "ac"))) <= 1e-5
+    bf16 = train_sharded(tmp_path, "bf16", GPT2 + FSDP + ["trainer.strategy.param_dtype=bfloat16",
+                                                           "trainer.strategy.reduce_dtype=float32"])
+    assert_same_series(ddp, bf16, "train/loss", 2e-2)  # bf16 has ~3 significant digits
+    state = params_of(last_ckpt(tmp_path, "bf16"))
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())  # fp32 master weights

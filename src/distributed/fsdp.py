@@ -86,5 +86,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup(self, trainer) -> None:
         if not isinstance(self.lightning_module.network(), FSDPModule):  # setup runs again for test after fit
+            if self._layer_sync is not None:  # trainer.plugins' SyncBatchNorm; Lightning applies it for DDP only
+                self._layer_sync.apply(self.lightning_module)
             parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
         super().setup(trainer)

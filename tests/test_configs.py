@@ -17,7 +17,7 @@ from src.utils.config import ConfigError, check_targets, instantiate_group
 from src.utils.run import check_machine
 
 CONF = ROOT / "conf"
-GROUPS = ["trainer", "model", "model/size", "data", "callbacks", "logger", "paths", "hydra", "experiment", "debug"]
+GROUPS = ["trainer", "model", "model/size", "model/peft", "data", "callbacks", "logger", "paths", "hydra", "experiment", "debug"]
 
 
 def options(group: str) -> list[str]:

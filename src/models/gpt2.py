@@ -1,7 +1,9 @@
-"""GPT-2 language model as a LightningModule: `transformers.GPT2LMHeadModel` from a `GPT2Config`."""
+"""GPT-2 language model as a LightningModule: `transformers.GPT2LMHeadModel` from a `GPT2Config`,
+or pretrained weights; optionally with LoRA or another peft adapter, and gradient checkpointing."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -11,6 +13,23 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from src.models.base import LitModule
 
 IGNORE_INDEX = -100
+log = logging.getLogger(__name__)
+
+
+def load_pretrained(name_or_path: str) -> GPT2LMHeadModel:
+    try:
+        return GPT2LMHeadModel.from_pretrained(name_or_path, attn_implementation="sdpa")
+    except OSError as e:
+        raise FileNotFoundError(f"model.pretrained={name_or_path!r} could not be loaded: {e}\nPass a local dir with "
+                                "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
+
+
+def lora_config(r: int, alpha: int, dropout: float, target_modules: list[str]):
+    from peft import LoraConfig
+
+    # GPT-2's projections are transformers Conv1D layers, whose weights are stored transposed.
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                      fan_in_fan_out=True, task_type="CAUSAL_LM")
 
 
 class GPT2LitModule(LitModule):
@@ -27,33 +46,71 @@ class GPT2LitModule(LitModule):
         weight_decay: float = 0.1,
         lr_scaling: str = "none",
         base_batch_size: int = 32,
+        pretrained: Optional[str] = None,
+        gradient_checkpointing: bool = False,
+        lora: Optional[dict[str, Any]] = None,
+        peft: Optional[Any] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
-        self.config = GPT2Config(
-            vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-            bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-            attn_implementation="sdpa",  # torch's fused scaled_dot_product_attention
-        )
-        self.model = GPT2LMHeadModel(self.config)
-        self.model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
-        self.n_params = sum(p.numel() for p in self.model.parameters())  # tied embeddings counted once
+        if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
+            model = load_pretrained(pretrained)
+            if seq_len > model.config.n_positions:
+                raise ValueError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
+            if vocab_size != model.config.vocab_size:  # e.g. special tokens added to the tokenizer
+                log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
+                model.resize_token_embeddings(vocab_size)
+        else:
+            model = GPT2LMHeadModel(GPT2Config(
+                vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+                attn_implementation="sdpa",  # torch's fused scaled_dot_product_attention
+            ))
+        model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
+        self.config = model.config
+        self.seq_len = seq_len
+        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+        if gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = dict(lora or {})
+        if lora.pop("enabled", False):
+            if peft is not None:
+                raise ValueError("Set either model.lora.enabled=true or model/peft=..., not both.")
+            peft = lora_config(**lora)
+        if peft is not None:  # only the adapter trains; the base weights are frozen
+            from peft import get_peft_model
+
+            virtual = getattr(peft, "num_virtual_tokens", 0) or 0  # prompt tuning prepends these to the input
+            if virtual and seq_len + virtual > model.config.n_positions:
+                raise ValueError(f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
+                                 f"{model.config.n_positions}; lower data.seq_len.")
+
+            model = get_peft_model(model, peft)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+            log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
+        self.model = model
         # Token-weighted mean losses: torchmetrics syncs the sum and the weight, not a mean of means.
         self.val_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
         self.test_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
+
+    @property
+    def hf_model(self) -> GPT2LMHeadModel:
+        """The GPT2LMHeadModel itself, also when a peft adapter wraps it."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def network(self) -> torch.nn.Module:
         return self.model
 
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-        layers = self.model.transformer.h
+        layers = self.hf_model.transformer.h
         return [(layers, str(i), block) for i, block in enumerate(layers)]
 
     @property
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for forward+backward matmuls plus attention (PaLM, appendix B)."""
         c = self.config
-        return 6 * self.n_params + 12 * c.n_layer * c.n_embd * c.n_positions
+        return 6 * self.n_params + 12 * c.n_layer * c.n_embd * self.seq_len
 
     @property
     def flops_per_batch(self) -> float:
@@ -61,13 +118,14 @@ class GPT2LitModule(LitModule):
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if datamodule is None or not getattr(datamodule, "batch_size", None):
             return 0.0
-        return float(self.flops_per_token * datamodule.batch_size * self.config.n_positions)
+        return float(self.flops_per_token * datamodule.batch_size * self.seq_len)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
-        return self.model(input_ids=input_ids, labels=labels)
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self(batch["input_ids"], batch["labels"]).loss
+        loss = self(batch["input_ids"], batch["labels"], batch.get("attention_mask")).loss
         n_targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # HF shifts labels by one inside
         return loss, n_targets
 

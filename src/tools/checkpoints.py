@@ -76,12 +76,24 @@ def build_module(checkpoint: dict[str, Any]):
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads."""
+    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads.
+
+    With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
+    also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix tuning cannot be
+    merged: load the base model and the adapter with peft instead.
+    """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
         raise ValueError(f"{type(module).__name__} is not a Hugging Face model; only GPT-2 checkpoints export.")
     out_dir = Path(out_dir)
-    module.model.save_pretrained(out_dir)
+    model = module.model
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(out_dir / "adapter")
+        if not hasattr(model, "merge_and_unload"):
+            print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
+            return out_dir
+        model = model.merge_and_unload()
+    model.save_pretrained(out_dir)
     hf_tokenizer = getattr(datamodule.tokenizer, "hf", None)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(out_dir)

@@ -26,6 +26,7 @@ def register() -> None:
         "project_root": lambda: str(PROJECT_ROOT),
         "device_count": device_count,
         "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "coalesce": lambda *values: next((v for v in values if v is not None), None),  # first non-null
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):

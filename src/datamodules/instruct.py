@@ -1,0 +1,156 @@
+"""Instruction tuning data: Alpaca-style records {instruction, input, output} from JSON or JSONL.
+
+Each record becomes prompt + response + EOS. Labels are -100 on the prompt, so the loss (and
+the gradient) comes from the response and its EOS only. Records are tokenized once, at setup,
+and batches are padded to their longest record with an attention mask; no packing (packing
+without attention crossing records would need a block-diagonal mask).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import cached_property
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from src.datamodules.base import ShardedDataModule
+from src.datamodules.corpus import CorpusError
+from src.datamodules.text import IGNORE_INDEX
+from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+          "Write a response that appropriately completes the request.\n\n"
+          "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+FIELDS = ("instruction", "input", "output")
+
+
+def read_records(path: str) -> list[dict]:
+    """A JSON array of records, or JSONL with one record per line; errors name the record (or line)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise CorpusError(f"data.path={path!r} does not exist. Point it at an Alpaca-style .json or .jsonl file.")
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".jsonl":
+        records = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"{file}:{lineno}: malformed JSON ({e.msg}).") from e
+    else:
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{file}:{e.lineno}: malformed JSON ({e.msg}).") from e
+        if not isinstance(records, list):
+            raise CorpusError(f"{file}: expected a JSON array of records, got {type(records).__name__}.")
+    for i, record in enumerate(records):
+        bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
+        if bad or not isinstance(record.get("input", ""), str):
+            raise CorpusError(f"{file}: record {i} needs string fields 'instruction' and 'output' (and optional "
+                              f"'input'); got {record!r:.200}")
+    return records
+
+
+def encode(record: dict, tokenizer: Tokenizer, template: str, template_no_input: str) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels): prompt tokens carry label -100; the response and EOS carry their own ids."""
+    prompt = (template if record.get("input") else template_no_input).format(**{k: record.get(k, "") for k in FIELDS})
+    prompt_ids, response_ids = tokenizer.encode_batch([prompt, record["output"]])
+    ids = np.concatenate([prompt_ids, response_ids, [tokenizer.eos_id]]).astype(np.int64)
+    labels = ids.copy()
+    labels[: len(prompt_ids)] = IGNORE_INDEX
+    return ids, labels
+
+
+class Records(Dataset):
+    def __init__(self, items: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.items[i]
+
+
+def pad_collate(pad_id: int):
+    def collate(batch: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        longest = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, (ids, lab) in enumerate(batch):  # right padding: positions of real tokens are unchanged
+            input_ids[row, : len(ids)] = torch.from_numpy(ids)
+            labels[row, : len(lab)] = torch.from_numpy(lab)
+            mask[row, : len(ids)] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+    return collate
+
+
+class InstructDataModule(ShardedDataModule):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str = "bytes",
+        seq_len: int = 512,
+        template: str = ALPACA,
+        template_no_input: str = ALPACA_NO_INPUT,
+        overlong: str = "truncate",
+        global_batch_size: int = 8,
+        eval_batch_size: Optional[int] = None,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        num_workers: int = 0,
+        seed: int = 42,
+    ) -> None:
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
+        if overlong not in ("truncate", "drop"):
+            raise ValueError(f"data.overlong={overlong!r}: use truncate or drop.")
+        self.path, self.tokenizer_name, self.seq_len = path, tokenizer, seq_len
+        self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_name)
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        return {"vocab_size": self.tokenizer.vocab_size}
+
+    def build_splits(self) -> dict[str, Dataset]:
+        items, dropped, truncated = [], 0, 0
+        for record in read_records(self.path):
+            ids, labels = encode(record, self.tokenizer, self.template, self.template_no_input)
+            if len(ids) > self.seq_len:
+                # truncate: keep the first seq_len tokens (the response is cut, its EOS lost); drop: skip it
+                if self.overlong == "drop" or (labels[: self.seq_len] == IGNORE_INDEX).all():
+                    dropped += 1  # a prompt that fills the whole window leaves nothing to learn
+                    continue
+                ids, labels, truncated = ids[: self.seq_len], labels[: self.seq_len], truncated + 1
+            items.append((ids, labels))
+        if not items:
+            raise CorpusError(f"No record of {self.path} fits data.seq_len={self.seq_len}.")
+        n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
+        n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
+        n_train = len(items) - n_val - n_test
+        log.info(f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
+                 f"{n_train}/{n_val}/{n_test} train/val/test")
+        return {"train": Records(items[:n_train]), "val": Records(items[n_train : n_train + n_val]),
+                "test": Records(items[n_train + n_val :])}
+
+    def _loader(self, split: str) -> DataLoader:
+        loader = super()._loader(split)
+        loader.collate_fn = pad_collate(self.tokenizer.eos_id)
+        return loader

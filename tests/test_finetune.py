@@ -1,0 +1,151 @@
+"""Fine-tuning real GPT-2: pretrained weights, instruction data with exact label masking, LoRA / peft, export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import FAST, path_overrides, run_script, shared
+from src.datamodules.corpus import CorpusError
+from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
+from src.datamodules.text import IGNORE_INDEX
+from src.datamodules.tokenizers import load_tokenizer
+from src.models.gpt2 import GPT2LitModule
+
+
+def test_masking_is_exact_token_by_token():
+    tok = load_tokenizer(str(shared("gpt2-tokenizer")))
+    record = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "The sum is 5."}
+    ids, labels = encode(record, tok, ALPACA, ALPACA_NO_INPUT)
+    prompt = ALPACA.format(**record)
+    prompt_ids = tok.encode_batch([prompt])[0].tolist()
+    response_ids = tok.encode_batch(["The sum is 5."])[0].tolist()
+    assert ids.tolist() == prompt_ids + response_ids + [50256]  # EOS appended
+    assert labels.tolist() == [IGNORE_INDEX] * len(prompt_ids) + response_ids + [50256]
+    assert tok.decode([i for i, l in zip(ids, labels) if l != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
+    no_input = encode({"instruction": "Say hi.", "input": "", "output": "Hi"}, tok, ALPACA, ALPACA_NO_INPUT)
+    assert tok.decode(no_input[0].tolist()).startswith(ALPACA_NO_INPUT.format(instruction="Say hi."))
+
+
+def test_alpaca_file_batches_and_overlong_policy(tmp_path):
+    path = str(shared("alpaca", "alpaca_en_demo.json"))
+    tok = str(shared("gpt2-tokenizer"))
+    dm = InstructDataModule(path, tokenizer=tok, seq_len=256, global_batch_size=4)
+    dm.setup()
+    sizes = [len(dm.splits[s]) for s in ("train", "val", "test")]
+    assert sum(sizes) == 999 and sizes[1] == sizes[2] == 50
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    assert ((batch["attention_mask"] == 0) <= (batch["labels"] == IGNORE_INDEX)).all()  # padding never learned
+    assert max(len(ids) for ids, _ in dm.splits["train"].items) <= 256
+    dropped = InstructDataModule(path, tokenizer=tok, seq_len=256, overlong="drop", global_batch_size=4)
+    dropped.setup()
+    assert sum(len(dropped.splits[s]) for s in ("train", "val", "test")) < 999  # long records are skipped
+
+
+def test_bad_records_name_their_index(tmp_path):
+    f = tmp_path / "data.json"
+    f.write_text(json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "c"}]))
+    with pytest.raises(CorpusError, match="record 1 needs string fields"):
+        read_records(str(f))
+    g = tmp_path / "data.jsonl"
+    g.write_text('{"instruction": "a", "output": "b"}\n{"instruction": \n')
+    with pytest.raises(CorpusError, match=rf"{g}:2: malformed JSON"):
+        read_records(str(g))
+
+
+def test_pretrained_weights_load_and_give_the_same_logits():
+    from transformers import AutoModelForCausalLM
+
+    path = str(shared("tiny-gpt2"))
+    module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=path).eval()
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids).logits, reference(ids).logits)
+    bigger = GPT2LitModule(vocab_size=50260, seq_len=64, pretrained=path)  # 3 new special tokens
+    assert bigger.hf_model.get_input_embeddings().weight.shape[0] == 50260
+    with pytest.raises(ValueError, match="exceeds"):
+        GPT2LitModule(vocab_size=50257, seq_len=2048, pretrained=path)
+
+
+def test_lora_trains_only_the_adapter():
+    torch.manual_seed(0)
+    module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=32,
+                           lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["c_attn"]})
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen_before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        ids = torch.randint(0, 257, (4, 32))
+        module(ids, ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in module.named_parameters():
+        if n in frozen_before:
+            assert torch.equal(p, frozen_before[n]), f"frozen {n} changed"
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in module.named_parameters() if "lora_B" in n)
+
+
+@pytest.mark.parametrize("method", ["prefix_tuning", "prompt_tuning"])
+def test_other_peft_methods_are_selectable(method, tmp_path):
+    from test_configs import compose_cfg
+    from hydra.utils import instantiate
+
+    cfg = compose_cfg([f"model/peft={method}", f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"],
+                      tmp=tmp_path)
+    module = instantiate(cfg.model, vocab_size=50257)
+    assert type(module.model).__name__ == "PeftModelForCausalLM"
+    assert 0 < sum(p.numel() for p in module.parameters() if p.requires_grad) < 102_640 / 10
+    ids = torch.randint(0, 50257, (2, 16))
+    assert torch.isfinite(module(ids, ids).loss)
+
+
+@pytest.mark.slow
+def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
+    from test_parity import QUIET
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+
+    run_script("train.py", QUIET + path_overrides(dirs) + [
+        "experiment=gpt2_instruct_lora", f"model.pretrained={shared('tiny-gpt2')}",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=128", "trainer.max_steps=4",
+        "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"])
+    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    from safetensors.torch import load_file
+
+    # peft names a wrapped layer's own weight ...c_attn.base_layer.weight
+    base = {k.removeprefix("model.base_model.model.").replace(".base_layer", ""): v
+            for k, v in ckpt["state_dict"].items() if "lora_" not in k}
+    original = load_file(shared("tiny-gpt2", "model.safetensors"))
+    for name, value in original.items():  # the frozen base weights did not move in training
+        assert torch.equal(base[name], value), name
+    out = export_hf(run / "checkpoints" / "last.ckpt", dirs["log_dir"] / "hf")
+    assert (out / "adapter" / "adapter_config.json").is_file()  # the adapter alone, via save_pretrained
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # a plain GPT-2: LoRA merged in
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    module, _ = build_module(ckpt)
+    ids = torch.randint(0, 50257, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-4)
+    tok = AutoTokenizer.from_pretrained(out)  # the tokenizer travels with it, and generation works
+    gen = merged.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=3, do_sample=False,
+                          pad_token_id=tok.eos_token_id)
+    assert gen.shape[1] == 4
+
+
+@pytest.mark.slow
+def test_continued_pretraining_recipe_runs_offline(dirs):
+    from test_parity import QUIET
+
+    proc = run_script("train.py", QUIET + path_overrides(dirs) + [
+        "experiment=gpt2_continued_pretraining", f"model.pretrained={shared('tiny-gpt2')}",
+        f"data.path={shared('tinyshakespeare', 'input.txt')}", "trainer.max_steps=4", "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"])
+    assert "val/loss = " in proc.stdout + proc.stderr

@@ -149,3 +149,33 @@ def test_continued_pretraining_recipe_runs_offline(dirs):
         f"data.path={shared('tinyshakespeare', 'input.txt')}", "trainer.max_steps=4", "trainer.val_check_interval=4",
         "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"])
     assert "val/loss = " in proc.stdout + proc.stderr
+
+
+def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
+    from src.datamodules.text import TextDataModule
+
+    (tmp_path / "c.txt").write_text("<|user|> hello <|assistant|> hi\n" * 50)
+    dm = TextDataModule(path=str(tmp_path / "c.txt"), tokenizer=str(shared("gpt2-tokenizer")), seq_len=16,
+                        global_batch_size=2, special_tokens=["<|user|>", "<|assistant|>"], cache_dir=str(tmp_path))
+    assert dm.vocab_size == 50259
+    ids = dm.tokenizer.encode_batch(["<|user|> hello"])[0].tolist()
+    assert ids[0] == 50257 and len(ids) == 2  # one new id, not pieces of BPE
+    module = GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), **dm.model_kwargs)
+    assert module.hf_model.get_input_embeddings().num_embeddings == 50259
+    with pytest.raises(ValueError, match="byte tokenizer"):
+        load_tokenizer("bytes", ["<|user|>"])
+
+
+def test_gradient_checkpointing_changes_memory_not_math():
+    ids = torch.randint(0, 257, (2, 32))
+    grads = []
+    for gc in (False, True):
+        torch.manual_seed(0)
+        module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=32, gradient_checkpointing=gc)
+        module.train()
+        loss = module(ids, ids).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in module.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)

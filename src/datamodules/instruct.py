@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Optional
@@ -113,6 +114,7 @@ class InstructDataModule(ShardedDataModule):
         test_fraction: float = 0.05,
         num_workers: int = 0,
         seed: int = 42,
+        special_tokens: Sequence[str] = (),
     ) -> None:
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
         if overlong not in ("truncate", "drop"):
@@ -120,10 +122,11 @@ class InstructDataModule(ShardedDataModule):
         self.path, self.tokenizer_name, self.seq_len = path, tokenizer, seq_len
         self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.special_tokens = list(special_tokens)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name)
+        return load_tokenizer(self.tokenizer_name, self.special_tokens)
 
     @property
     def model_kwargs(self) -> dict[str, int]:

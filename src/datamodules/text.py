@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Optional
 
@@ -76,15 +77,17 @@ class TextDataModule(ShardedDataModule):
         num_workers: int = 0,
         cache_dir: str = ".cache/tokens",
         seed: int = 42,
+        special_tokens: Sequence[str] = (),
     ) -> None:
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
+        self.special_tokens = list(special_tokens)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name)
+        return load_tokenizer(self.tokenizer_name, self.special_tokens)
 
     @property
     def vocab_size(self) -> int:

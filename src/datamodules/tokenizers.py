@@ -8,6 +8,7 @@ local dir or a hub name.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -39,8 +40,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `transformers` fast tokenizer; batch encoding runs in Rust, off the training loop."""
 
-    def __init__(self, name_or_path: str) -> None:
+    def __init__(self, name_or_path: str, special_tokens: Sequence[str] = ()) -> None:
         self.hf = load_hf_tokenizer(name_or_path)
+        if special_tokens:  # new ids at the end of the vocabulary; the model resizes its embeddings to match
+            self.hf.add_special_tokens({"additional_special_tokens": list(special_tokens)})
         if self.hf.eos_token_id is None:
             raise ValueError(f"Tokenizer {name_or_path!r} has no EOS token; documents could not be separated.")
         self.vocab_size = len(self.hf)
@@ -78,5 +81,10 @@ def load_hf_tokenizer(name_or_path: str):
     return tok
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
+def load_tokenizer(name: str, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    if name == "bytes":
+        if special_tokens:
+            raise ValueError("data.special_tokens needs a Hugging Face tokenizer; the byte tokenizer has no vocabulary "
+                             "to extend.")
+        return ByteTokenizer()
+    return HFTokenizer(name, special_tokens)

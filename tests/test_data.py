@@ -263,3 +263,22 @@ def test_digits_offline_default():
     dm = ImageDataModule(val_size=200, test_size=200, global_batch_size=64)
     dm.setup()
     assert [len(dm.splits[s]) for s in ("train", "val", "test")] == [1397, 200, 200]
+
+
+def test_mixing_corpora_follows_the_weights(tmp_path):
+    """A 100x larger corpus does not drown the small one: the realised mix is the configured 0.7 / 0.3."""
+    (tmp_path / "big.txt").write_text("b" * 200_000)
+    (tmp_path / "small.txt").write_text("s" * 2_000)
+    dm = TextDataModule(mix=[{"path": str(tmp_path / "big.txt"), "weight": 0.3},
+                             {"path": str(tmp_path / "small.txt"), "weight": 0.7}],
+                        seq_len=50, global_batch_size=10, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    train = dm.splits["train"]
+    firsts = [int(train[i]["input_ids"][0]) for i in range(len(train))]
+    share_small = firsts.count(ord("s")) / len(firsts)
+    assert len(train) > 3000 and abs(share_small - 0.7) < 0.02  # by tokens, small is 1% of the data
+    assert len(dm.splits["val"]) == len(dm.splits["val"].datasets[0]) + len(dm.splits["val"].datasets[1])
+    with pytest.raises(ValueError, match="exactly 'path' and 'weight'"):
+        TextDataModule(mix=[{"path": "x", "wieght": 1}])
+    with pytest.raises(ValueError, match="not both"):
+        TextDataModule(path="x", mix=[{"path": "y", "weight": 1}])

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
@@ -48,6 +48,31 @@ class PackedBlocks(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
+class WeightedMix(Dataset):
+    """Training blocks drawn from several sources in proportion to their weights, so a large corpus
+    does not drown a small one: small sources repeat, large ones are subsampled. One epoch has as
+    many samples as all sources together; the draw is fixed by the seed."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], seed: int) -> None:
+        if len(datasets) != len(weights) or any(w <= 0 for w in weights):
+            raise ValueError(f"data.mix weights must be positive numbers, one per source; got {weights}.")
+        self.datasets = datasets
+        rng = np.random.default_rng(seed)
+        n = sum(len(d) for d in datasets)
+        self.source = rng.choice(len(datasets), size=n, p=np.asarray(weights) / sum(weights))
+        self.index = np.empty(n, dtype=np.int64)
+        for s, dataset in enumerate(datasets):  # each source's blocks in a shuffled cycle
+            where = np.flatnonzero(self.source == s)
+            cycles = -(-len(where) // len(dataset))
+            self.index[where] = np.concatenate([rng.permutation(len(dataset)) for _ in range(cycles)])[: len(where)]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int):
+        return self.datasets[self.source[i]][self.index[i]]
+
+
 def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
     """(train, val, test) block counts; val and test are contiguous at the end, so no block leaks."""
     n_val = max(1, round(n_blocks * val_fraction)) if val_fraction > 0 else 0
@@ -78,12 +103,19 @@ class TextDataModule(ShardedDataModule):
         cache_dir: str = ".cache/tokens",
         seed: int = 42,
         special_tokens: Sequence[str] = (),
+        mix: Optional[list[dict]] = None,
     ) -> None:
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
         self.special_tokens = list(special_tokens)
+        self.mix = [dict(m) for m in mix or []]
+        for m in self.mix:
+            if set(m) != {"path", "weight"}:
+                raise ValueError(f"data.mix entries need exactly 'path' and 'weight'; got {sorted(m)}.")
+        if self.mix and (path or hf_dataset):
+            raise ValueError("Set data.mix or data.path / data.hf_dataset, not both.")
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -93,27 +125,39 @@ class TextDataModule(ShardedDataModule):
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def tokens(self) -> np.ndarray:
-        corpus = Corpus.from_config(self.path, self.hf_dataset, self.hf_split, self.text_field)
+    def tokens(self, path: Optional[str] = None) -> np.ndarray:
+        corpus = Corpus.from_config(path or self.path, None if path else self.hf_dataset, self.hf_split,
+                                    self.text_field)
         return load_or_build(corpus, self.tokenizer, self.cache_dir)
 
     def prepare_data(self) -> None:
-        self.tokens()  # build the cache once (local rank 0); other ranks find it in setup()
+        for path in [m["path"] for m in self.mix] or [None]:
+            self.tokens(path)  # build the caches once (local rank 0); other ranks find them in setup()
 
     @property
     def model_kwargs(self) -> dict[str, int]:
         """What the model must be built with to fit this data (train.py passes it to the model)."""
         return {"vocab_size": self.vocab_size}
 
-    def build_splits(self) -> dict[str, PackedBlocks]:
-        tokens = self.tokens()
+    def _splits_of(self, path: Optional[str]) -> dict[str, PackedBlocks]:
+        tokens = self.tokens(path)
         n_train, n_val, n_test = split_blocks(math.ceil(len(tokens) / self.seq_len), self.val_fraction,
                                               self.test_fraction)
         eos = self.tokenizer.eos_id
-        log.info(f"{len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} train/val/test blocks of {self.seq_len}; "
-                 f"micro-batch {self.batch_size}, global batch {self.global_batch_size}")
+        log.info(f"{path or self.path or 'corpus'}: {len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} "
+                 f"train/val/test blocks of {self.seq_len}; micro-batch {self.batch_size}, "
+                 f"global batch {self.global_batch_size}")
         return {
             "train": PackedBlocks(tokens, self.seq_len, 0, n_train, eos),
             "val": PackedBlocks(tokens, self.seq_len, n_train, n_val, eos),
             "test": PackedBlocks(tokens, self.seq_len, n_train + n_val, n_test, eos),
         }
+
+    def build_splits(self) -> dict[str, Dataset]:
+        if not self.mix:
+            return self._splits_of(None)
+        parts = [self._splits_of(m["path"]) for m in self.mix]
+        # Training follows the weights; val and test keep every block of every source, once.
+        return {"train": WeightedMix([p["train"] for p in parts], [float(m["weight"]) for m in self.mix],
+                                     self.seed or 0),
+                "val": ConcatDataset([p["val"] for p in parts]), "test": ConcatDataset([p["test"] for p in parts])}

@@ -12,8 +12,9 @@ from omegaconf import DictConfig
 
 import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
+from src.distributed.hydra_ddp import ddp_job
 from src.utils.config import instantiate_group, register_schemas
-from src.utils.run import log_hyperparameters, metric_value, prepare
+from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
 
 register_schemas()
 
@@ -30,7 +31,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 
     metrics = {}
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume_from(cfg))
         metrics.update(trainer.callback_metrics)
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -42,7 +43,8 @@ def train(cfg: DictConfig) -> Optional[float]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
-    return train(cfg)
+    with ddp_job():  # DDP ranks join this job, in this job's dir, also inside a sweep
+        return train(cfg)
 
 
 if __name__ == "__main__":

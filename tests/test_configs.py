@@ -24,14 +24,15 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = None):
+def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = None, keep_hydra: bool = False):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp or "/tmp/unused")
         cfg.paths.log_dir = str(tmp or "/tmp/unused")
-        del cfg["hydra"]  # as in a real run: the task function never sees the hydra node
+        if not keep_hydra:
+            del cfg["hydra"]  # as in a real run: the task function never sees the hydra node
     return cfg
 
 
@@ -55,6 +56,9 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     extra = PARTNER.get((group, option), [])
     if (group, option) == ("experiment", "gpt2_small"):  # its tokenizer is the hub's gpt2: use the local files
         extra = [f"data.tokenizer={shared('gpt2-tokenizer')}"]
+    if group == "model/peft" or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora"):
+        # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
+        extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]
     cfg = compose_cfg([f"{group}={option}"] + extra, tmp=tmp_path)
     check_targets(cfg)  # every key of every _target_ node is accepted by its target
     needs_cuda = cfg.trainer.get("accelerator") == "gpu" or "deepspeed" in str(cfg.trainer.strategy)

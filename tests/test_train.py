@@ -101,7 +101,7 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     assert (run / "checkpoints" / "last.ckpt").is_file()
     # console lines name their rank (conf/hydra/default.yaml), and the child rank logs to its own file
     assert "][rank 0][" in out and "][rank 1][" in out
-    assert "][rank 1][" in (run / "train_ddp_process_1.log").read_text()
+    assert "][rank 1][" in (run / "train_rank1.log").read_text()
     assert "train/items_per_sec" in read_events(run / "tensorboard").Tags()["scalars"]  # tokens/s over all ranks
     assert len(list(run.rglob(".hydra"))) == 1  # child ranks do not write their own config copies
 

@@ -12,6 +12,17 @@ from torch.utils.data import DataLoader, Dataset
 from src.distributed.samplers import ShardSampler, rank_and_world, train_sampler
 
 
+class ResumableLoader(DataLoader):
+    """Tells Lightning that this loader resumes mid-epoch (its sampler skips what was already trained,
+    see ShardedDataModule.train_dataloader); it keeps no state of its own."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
 def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
     """Per-device batch so that the optimizer always sees `global_batch_size` samples per step."""
     per_step = world_size * accumulate_grad_batches
@@ -45,15 +56,26 @@ class ShardedDataModule(L.LightningDataModule):
         if not self.splits:
             self.splits = self.build_splits()
 
+    def batches_done_this_epoch(self) -> int:
+        """Batches of the current epoch already trained when fit resumes from a mid-epoch checkpoint."""
+        trainer = self.trainer
+        if trainer is None or not trainer.fit_loop.restarting:
+            return 0
+        # the checkpoint is written in on_train_batch_end: Lightning counts that batch as done on restart
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
     def _loader(self, split: str) -> DataLoader:
         dataset = self.splits[split]
         if split == "train":
             sampler, batch, drop_last = train_sampler(dataset, self.seed or 0), self.batch_size, True
+            sampler.skip = self.batches_done_this_epoch() * batch
+            loader_class = ResumableLoader
         else:
             sampler, batch, drop_last = ShardSampler(len(dataset)), self.eval_batch_size or self.batch_size, False
-        return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          pin_memory=torch.cuda.is_available())
+            loader_class = DataLoader
+        return loader_class(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last,
+                            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                            pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -17,7 +17,20 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def train_sampler(dataset, seed: int) -> DistributedSampler:
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler whose next pass can start part-way, so a run resumed from a mid-epoch
+    checkpoint trains on exactly the rest of that epoch. Its length stays the full epoch's (Lightning
+    counts the restored batches on top)."""
+
+    skip = 0  # indices of this rank's next pass to leave out; reset after one pass
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+def train_sampler(dataset, seed: int) -> ResumableDistributedSampler:
     """One seeded permutation per epoch, shared by all ranks; rank r takes positions r, r+W, r+2W, ...
 
     So a global batch is the same samples whatever the device count (1 x 8 or 2 x 4 read the same 8),
@@ -25,7 +38,7 @@ def train_sampler(dataset, seed: int) -> DistributedSampler:
     replays it. The tail that does not fill a whole round over all ranks is dropped.
     """
     rank, world = rank_and_world()
-    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
 class ShardSampler(Sampler[int]):

@@ -57,6 +57,7 @@ class TrainConfig(RunConfig):
     train: bool = True
     test: bool = True
     ckpt_path: Optional[str] = None
+    resume: Optional[str] = None
     optimized_metric: Optional[str] = "val/loss"
 
 

@@ -11,20 +11,36 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def device_count(cpu_processes: int = 2) -> int:
-    """Every visible GPU when there is one, else `cpu_processes` CPU ranks (gloo).
+    """Processes per node: what a launcher (torchrun, SLURM) started, else every visible GPU, else
+    `cpu_processes` CPU ranks (gloo).
 
     Lightning's own `devices=auto` means 1 process on CPU, which would make `trainer=ddp`
     a no-op on a laptop; this keeps the same config meaningful on both kinds of machine.
     """
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):  # torchrun; srun with --ntasks-per-node
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else int(cpu_processes)
+
+
+def num_nodes() -> int:
+    """Nodes in the job, from the launcher's environment (torchrun, SLURM), else NUM_NODES, else 1."""
+    env = os.environ
+    if env.get("WORLD_SIZE", "").isdigit() and env.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun
+        return int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"])
+    for var in ("SLURM_NNODES", "NUM_NODES"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return 1
 
 
 def register() -> None:
     resolvers = {
         "project_root": lambda: str(PROJECT_ROOT),
         "device_count": device_count,
+        "num_nodes": num_nodes,
         "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "coalesce": lambda *values: next((v for v in values if v is not None), None),  # first non-null
     }

@@ -114,6 +114,21 @@ def _flatten(d: dict, prefix: str = ""):
             yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
+def resume_from(cfg: DictConfig) -> Optional[str]:
+    """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's last.ckpt if any."""
+    if cfg.resume not in (None, "auto"):
+        raise ConfigError(f"resume={cfg.resume!r}: use resume=auto, or ckpt_path=<checkpoint> for a given one.")
+    if cfg.resume == "auto":
+        if cfg.ckpt_path:
+            raise ConfigError("Set resume=auto or ckpt_path, not both.")
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if last.exists():
+            log.info(f"resume=auto: continuing from {last}")
+            return str(last)
+        log.info(f"resume=auto: no {last} yet, starting fresh")
+    return cfg.ckpt_path
+
+
 def metric_value(metrics: dict[str, Any], name: Optional[str]) -> Optional[float]:
     if not name:
         return None

@@ -29,3 +29,37 @@ class RecordStateBytes(L.Callback):
         path = f"{trainer.default_root_dir}/state_bytes_rank{trainer.global_rank}.json"
         with open(path, "w") as f:
             json.dump(record, f)
+
+
+class SaveParamsAtEnd(L.Callback):
+    """Every rank saves its full parameters at the end of fit: proof that ranks trained in lockstep."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import os
+
+        params = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+        torch.save(params, os.path.join(trainer.default_root_dir, f"params_rank{trainer.global_rank}.pt"))
+
+
+class RecordEnv(L.Callback):
+    """Writes the job's environment as every rank sees it."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import os
+
+        with open(f"{trainer.default_root_dir}/env_rank{trainer.global_rank}.json", "w") as f:
+            json.dump(dict(os.environ), f)
+
+
+class KillAtStep(L.Callback):
+    """Simulates a preemption: SIGKILL this process (no cleanup, no final checkpoint) at a given step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        import os
+        import signal
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

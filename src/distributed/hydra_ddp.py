@@ -1,0 +1,86 @@
+"""Hydra + Lightning's DDP launcher, made safe for sweeps.
+
+Lightning starts each extra rank by re-running the script with `sys.argv` plus
+`hydra.run.dir=<HydraConfig.run.dir>`. In a single run that is right; in a multirun `sys.argv`
+holds `-m` and the whole sweep, so rank 1 re-launches the sweep (measured here: "Launching 2
+jobs locally" printed twice) in another sweep dir, and `hydra.run.dir` is not the job's dir.
+We build each child's command from this job's own overrides and output dir instead. Between
+jobs, the parent also forgets the previous job's process group and rendezvous variables, or
+the next job would believe it had been launched by someone else and wait for ranks forever.
+
+A failed job must not take the sweep down: Lightning's child-process observer SIGKILLs the main
+process as soon as a child rank exits non-zero, even after Hydra has moved on to the next job.
+So when a job ends we reap its ranks and detach its observer; Hydra reports the failed job with
+its overrides and runs the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import subprocess_script
+
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+log = logging.getLogger(__name__)
+
+
+def reap_child_ranks(timeout: float = 60.0) -> None:
+    """Wait for the finished job's child ranks (kill them if they hang) and stop Lightning watching them."""
+    for thread in threading.enumerate():
+        if thread.name != "child-process-observer":  # lightning.fabric's _ChildProcessObserver
+            continue
+        for proc in thread._child_processes:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning(f"Rank process {proc.pid} still running {timeout:.0f}s after its job ended: killing it")
+                proc.kill()
+                proc.wait()
+        thread._child_processes = []  # its next check sees nothing to watch and ends, killing no one
+
+
+def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
+    """The command that starts rank `local_rank` of *this* Hydra job, in this job's output dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hc = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += [f"--config-name={hc.job.config_name}"]
+    command += [f"--config-dir={s['path']}" for s in hc.runtime.config_sources if s["provider"] == "command-line"]
+    command += list(hc.overrides.task)  # this job's values, e.g. model.optimizer.lr=0.001, not the sweep
+    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', f"hydra.job.name={hc.job.name}_rank{local_rank}",
+                "hydra.output_subdir=null"]
+    return command, get_original_cwd()
+
+
+@contextmanager
+def ddp_job() -> Iterator[None]:
+    """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next."""
+    saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
+    original = subprocess_script._hydra_subprocess_cmd
+    subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
+    try:
+        yield
+    finally:
+        subprocess_script._hydra_subprocess_cmd = original
+        reap_child_ranks()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
         return
     check_machine(cfg.trainer)
     datamodule = instantiate(cfg.data)
-    with torch.device("meta"):  # shapes only: GPT-2 xl would need 6 GB of real memory
+    # shapes only (GPT-2 xl would need 6 GB of real memory); pretrained weights must really load
+    with contextlib.nullcontext() if cfg.model.get("pretrained") else torch.device("meta"):
         model = instantiate(cfg.model, **datamodule.model_kwargs)
     callbacks = instantiate_group(cfg.callbacks, "callbacks")
     loggers = instantiate_group(cfg.logger, "logger")
@@ -76,7 +78,8 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     assert trainer.max_steps == (1 if cfg.trainer.get("fast_dev_run") else cfg.trainer.max_steps)
     assert trainer.num_devices == cfg.trainer.devices
     if hasattr(model, "config"):
-        assert model.config.n_positions == datamodule.seq_len
+        assert datamodule.seq_len <= model.config.n_positions
+        assert model.config.vocab_size == datamodule.model_kwargs["vocab_size"]
 
 
 @pytest.mark.parametrize("size,expected", [("small", 124_439_808), ("medium", 354_823_168),

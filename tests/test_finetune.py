@@ -70,6 +70,8 @@ def test_pretrained_weights_load_and_give_the_same_logits():
     assert bigger.hf_model.get_input_embeddings().weight.shape[0] == 50260
     with pytest.raises(ValueError, match="exceeds"):
         GPT2LitModule(vocab_size=50257, seq_len=2048, pretrained=path)
+    with pytest.raises(ValueError, match=r"257 tokens but .* 50257: use its own tokenizer"):
+        GPT2LitModule(vocab_size=257, seq_len=64, pretrained=path)  # e.g. the byte tokenizer by mistake
 
 
 def test_lora_trains_only_the_adapter():

@@ -56,7 +56,10 @@ class GPT2LitModule(LitModule):
             model = load_pretrained(pretrained)
             if seq_len > model.config.n_positions:
                 raise ValueError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
-            if vocab_size != model.config.vocab_size:  # e.g. special tokens added to the tokenizer
+            if vocab_size < model.config.vocab_size:
+                raise ValueError(f"The tokenizer has {vocab_size} tokens but {pretrained} was trained with "
+                                 f"{model.config.vocab_size}: use its own tokenizer (data.tokenizer={pretrained}).")
+            if vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
                 log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
                 model.resize_token_embeddings(vocab_size)
         else:

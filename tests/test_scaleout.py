@@ -146,3 +146,13 @@ def test_auto_resume_after_sigkill_mid_epoch_ends_like_an_uninterrupted_run(tmp_
     assert max_param_diff(resumed["state_dict"], straight["state_dict"]) <= 1e-6
     steps = [e.step for e in read_events(killed_dir / "tensorboard").Scalars("train/loss")]
     assert steps[-1] == 29 and len(list((killed_dir / "tensorboard").glob("events*"))) >= 2  # same logger dir
+
+
+def test_env_knobs_reach_every_rank(dirs):
+    run_script("train.py", ["env=consumer_gpus", "trainer=ddp", "trainer.devices=2",
+                            "+callbacks.env._target_=tests.helpers.callbacks.RecordEnv"]
+               + QUIET + path_overrides(dirs) + SHORT)
+    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    for rank in (0, 1):
+        env = yaml.safe_load((run / f"env_rank{rank}.json").read_text())
+        assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_IB_DISABLE"] == "1"

@@ -47,7 +47,7 @@ class RecordEnv(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         import os
 
-        with open(f"{trainer.default_root_dir}/env_rank{trainer.global_rank}.json", "w") as f:
+        with open(f"{trainer.default_root_dir}/env_rank{trainer.global_rank}.json", "w") as f:  # noqa: PTH123
             json.dump(dict(os.environ), f)
 
 

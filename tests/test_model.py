@@ -79,3 +79,19 @@ def test_train_loss_needs_one_reduce_per_logging_step_and_none_otherwise():
         model.log_train_loss(torch.tensor(float(batch_idx)), batch_idx)
     assert len(reduced) == 2 and len(logged) == 2
     assert [float(t) for t in reduced] == [8.5, 18.5]  # steps 4 and 9: mean of micro-batches (8, 9) and (18, 19)
+
+
+def test_mfu_is_model_flops_over_the_configured_peak():
+    """MFU = flops_per_batch x steps/s / peak; Lightning's Throughput does the division, we check the inputs."""
+    from lightning.fabric.utilities.throughput import Throughput
+
+    model = tiny_model()
+    per_token = model.flops_per_token
+    batch, seq = 4, 32
+    flops_per_batch = per_token * batch * seq  # what flops_per_batch returns with micro-batch 4
+    t = Throughput(available_flops=1e9, window_size=2)
+    t.update(time=1.0, batches=1, samples=batch, lengths=batch * seq, flops=flops_per_batch)
+    t.update(time=2.0, batches=2, samples=2 * batch, lengths=2 * batch * seq, flops=flops_per_batch)
+    metrics = t.compute()
+    assert metrics["device/flops_per_sec"] == pytest.approx(flops_per_batch)  # one batch per second
+    assert metrics["device/mfu"] == pytest.approx(flops_per_batch / 1e9)

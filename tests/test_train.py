@@ -85,7 +85,8 @@ def test_optimized_metric_is_returned(tmp_path, dirs):
 
 
 def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
-    proc = run_script("train.py", FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2"])
+    proc = run_script("train.py", FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2",
+                                                                 "callbacks.throughput.peak_flops=4e11"])
     out = proc.stdout + proc.stderr
     (run,) = run_dirs(dirs["log_dir"])  # exactly one output dir: the child rank reused its parent's
     assert not (dirs["log_dir"] / "train" / "multiruns").exists()
@@ -102,7 +103,9 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     # console lines name their rank (conf/hydra/default.yaml), and the child rank logs to its own file
     assert "][rank 0][" in out and "][rank 1][" in out
     assert "][rank 1][" in (run / "train_rank1.log").read_text()
-    assert "train/items_per_sec" in read_events(run / "tensorboard").Tags()["scalars"]  # tokens/s over all ranks
+    scalars = read_events(run / "tensorboard").Tags()["scalars"]
+    assert "train/items_per_sec" in scalars  # tokens/s over all ranks
+    assert "train/device/mfu" in scalars  # callbacks.throughput.peak_flops set below
     assert len(list(run.rglob(".hydra"))) == 1  # child ranks do not write their own config copies
 
 

@@ -1,13 +1,15 @@
-"""Tokens/s (and MFU where the peak FLOP/s of the device is known) through Lightning's ThroughputMonitor.
+"""Tokens/s, FLOP/s and MFU through Lightning's ThroughputMonitor (rank 0 logs).
 
 Logged keys: `train/items_per_sec` is tokens/s over all ranks (images/s for image data),
-`train/device/items_per_sec` per rank; `samples_per_sec` counts sequences; `mfu` appears on GPUs
-Lightning knows the peak of.
+`train/device/items_per_sec` per rank; `samples_per_sec` counts sequences; `device/flops_per_sec`
+uses the model's `flops_per_batch` (6N + attention per token); `device/mfu` divides it by the
+device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `peak_flops` from
+config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ThroughputMonitor
 
@@ -26,5 +28,13 @@ def _num_items(batch: Any) -> int:
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
-    def __init__(self, window_size: int = 50) -> None:
+    def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
         super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
+        self.peak_flops = peak_flops
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.peak_flops:  # overrides Lightning's table (which has no CPUs)
+            self.available_flops = self.peak_flops
+            for throughput in self._throughputs.values():
+                throughput.available_flops = self.peak_flops

@@ -56,19 +56,22 @@ class ShardedDataModule(L.LightningDataModule):
         if not self.splits:
             self.splits = self.build_splits()
 
-    def batches_done_this_epoch(self) -> int:
+    def batches_done_this_epoch(self, batches_per_epoch: int) -> int:
         """Batches of the current epoch already trained when fit resumes from a mid-epoch checkpoint."""
         trainer = self.trainer
         if trainer is None or not trainer.fit_loop.restarting:
             return 0
+        limit = trainer.limit_train_batches  # as Lightning counts an epoch: an int caps it, a float scales it
+        epoch = min(batches_per_epoch, limit) if isinstance(limit, int) else int(batches_per_epoch * limit)
         # the checkpoint is written in on_train_batch_end: Lightning counts that batch as done on restart
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
 
     def _loader(self, split: str) -> DataLoader:
         dataset = self.splits[split]
         if split == "train":
             sampler, batch, drop_last = train_sampler(dataset, self.seed or 0), self.batch_size, True
-            sampler.skip = self.batches_done_this_epoch() * batch
+            sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
             loader_class = ResumableLoader
         else:
             sampler, batch, drop_last = ShardSampler(len(dataset)), self.eval_batch_size or self.batch_size, False

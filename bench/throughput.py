@@ -1,0 +1,171 @@
+"""Training throughput, three ways, same model / data / global batch / optimizer:
+(a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer.
+
+    python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision 32-true]
+
+Each run is a fresh process; the three are interleaved round by round, so a noisy machine hits
+them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
+and peak RSS. Ratios are template/raw and template/HF from the medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import lightning as L
+
+SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer keeps the LM head small
+    "small": (4, 4, 128, 128, 16),
+    "medium": (6, 6, 384, 256, 16),
+}
+LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
+
+
+class StepTimer(L.Callback):
+    """Wall time at each optimizer step's end; writes the result when fit ends (used by the template run)."""
+
+    def __init__(self, warmup: int, out: str) -> None:
+        self.warmup, self.out, self.times = warmup, out, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.times.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        batch = trainer.datamodule.batch_size * trainer.datamodule.seq_len
+        report(self.times, self.warmup, batch, self.out)
+
+
+def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> None:
+    steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
+    median = statistics.median(steps)
+    with open(out, "w") as f:
+        json.dump({"step_s": median, "tokens_per_s": tokens_per_step / median,
+                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
+
+
+def data_and_model(shape: str, cache_dir: str):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from src.datamodules.text import TextDataModule
+
+    layers, heads, width, ctx, batch = SHAPES[shape]
+    dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
+    dm.setup()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
+                                       n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       attn_implementation="sdpa"))
+    model.loss_type = "ForCausalLM"
+    return dm, model
+
+
+def param_groups(model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def run_raw(args) -> None:
+    import torch
+
+    dm, model = data_and_model(args.shape, args.cache_dir)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
+    times, loader = [], dm.train_dataloader()
+    model.train()
+    for step, batch in enumerate(loader):
+        if step == args.steps:
+            break
+        with autocast:
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
+
+
+def run_hf(args) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    dm, model = data_and_model(args.shape, args.cache_dir)
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter())
+
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.cache_dir, "hf_trainer"), per_device_train_batch_size=dm.batch_size,
+        max_steps=args.steps, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=WD,
+        max_grad_norm=CLIP, lr_scheduler_type="constant", logging_steps=10_000, save_strategy="no", report_to=[],
+        use_cpu=True, bf16=args.precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    Trainer(model=model, args=targs, train_dataset=dm.splits["train"], callbacks=[Timer()]).train()
+    report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
+
+
+def template_cmd(args, out: str) -> list[str]:
+    layers, heads, width, ctx, batch = SHAPES[args.shape]
+    return [sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
+            f"data.seq_len={ctx}", f"data.global_batch_size={batch}", f"trainer.max_steps={args.steps}",
+            f"trainer.precision={args.precision}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
+            "trainer.enable_progress_bar=false", "test=false", "optimized_metric=null", "logger=none",
+            "callbacks=none", "extras.print_config=false", "model.scheduler=null",
+            f"paths.cache_dir={os.path.dirname(args.cache_dir)}", f"paths.log_dir={args.cache_dir}/logs",
+            "+callbacks.timer._target_=bench.throughput.StepTimer", f"+callbacks.timer.warmup={args.warmup}",
+            f"+callbacks.timer.out={out}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default="small,medium")
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    ap.add_argument("--cache-dir", default=".cache/bench")
+    ap.add_argument("--child", choices=["raw", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
+    if args.child:
+        {"raw": run_raw, "hf": run_hf}[args.child](args)
+        return
+    results: dict = {}
+    for shape in args.shapes.split(","):
+        for r in range(args.rounds):
+            ways = ["template", "raw", "hf"]
+            for way in ways[r % 3:] + ways[: r % 3]:  # rotate who goes first
+                out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
+                args.shape = shape
+                cmd = template_cmd(args, out) if way == "template" else [
+                    sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
+                    f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
+                    f"--cache-dir={os.path.dirname(args.cache_dir)}"]
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                with open(out) as f:
+                    results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
+    print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
+          f"interleaved rounds, torch threads {os.cpu_count()}")
+    print(f"{'shape':<8}{'way':<10}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
+    for shape, ways in results.items():
+        med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
+        for way, m in med.items():
+            print(f"{shape:<8}{way:<10}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
+        t = med["template"]["tokens_per_s"]
+        print(f"{shape:<8}template/raw = {t / med['raw']['tokens_per_s']:.3f}   "
+              f"template/HF = {t / med['hf']['tokens_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,10 +2,12 @@
 (a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer.
 
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision 32-true]
+    python -m bench.throughput --variants "fused=model.optimizer.fused=true" "compile=model.compile=true"
 
-Each run is a fresh process; the three are interleaved round by round, so a noisy machine hits
+Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
-and peak RSS. Ratios are template/raw and template/HF from the medians over rounds.
+and peak RSS. Ratios are template/raw and template/HF from the medians over rounds. A variant is
+the template with extra overrides (NAME=OVERRIDE[,OVERRIDE...]), to measure one switch at a time.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def run_hf(args) -> None:
     report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
 
 
-def template_cmd(args, out: str) -> list[str]:
+def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     return [sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
             f"data.seq_len={ctx}", f"data.global_batch_size={batch}", f"trainer.max_steps={args.steps}",
@@ -122,7 +124,7 @@ def template_cmd(args, out: str) -> list[str]:
             "callbacks=none", "extras.print_config=false", "model.scheduler=null",
             f"paths.cache_dir={os.path.dirname(args.cache_dir)}", f"paths.log_dir={args.cache_dir}/logs",
             "+callbacks.timer._target_=bench.throughput.StepTimer", f"+callbacks.timer.warmup={args.warmup}",
-            f"+callbacks.timer.out={out}"]
+            f"+callbacks.timer.out={out}", *extra]
 
 
 def main() -> None:
@@ -133,6 +135,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="small,medium")
     ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     ap.add_argument("--cache-dir", default=".cache/bench")
+    ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
     ap.add_argument("--child", choices=["raw", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -142,21 +145,26 @@ def main() -> None:
         {"raw": run_raw, "hf": run_hf}[args.child](args)
         return
     results: dict = {}
+    variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = ["template", "raw", "hf"]
-            for way in ways[r % 3:] + ways[: r % 3]:  # rotate who goes first
+            ways = ["template", "raw", "hf", *variants]
+            k = r % len(ways)
+            for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
                 args.shape = shape
-                cmd = template_cmd(args, out) if way == "template" else [
-                    sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
-                    f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
-                    f"--cache-dir={os.path.dirname(args.cache_dir)}"]
+                if way == "template" or way in variants:
+                    cmd = template_cmd(args, out, variants.get(way, []))
+                else:
+                    cmd = [
+                        sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
+                        f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
+                        f"--cache-dir={os.path.dirname(args.cache_dir)}"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-          f"interleaved rounds, torch threads {os.cpu_count()}")
+          f"interleaved rounds, {os.cpu_count()} CPU cores")
     print(f"{'shape':<8}{'way':<10}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
@@ -165,6 +173,8 @@ def main() -> None:
         t = med["template"]["tokens_per_s"]
         print(f"{shape:<8}template/raw = {t / med['raw']['tokens_per_s']:.3f}   "
               f"template/HF = {t / med['hf']['tokens_per_s']:.3f}")
+        for name in variants:
+            print(f"{shape:<8}{name}/template = {med[name]['tokens_per_s'] / t:.3f}")
 
 
 if __name__ == "__main__":

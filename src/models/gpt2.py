@@ -50,6 +50,7 @@ class GPT2LitModule(LitModule):
         gradient_checkpointing: bool = False,
         lora: Optional[dict[str, Any]] = None,
         peft: Optional[Any] = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
@@ -92,6 +93,8 @@ class GPT2LitModule(LitModule):
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
             log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
+        if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
+            model.compile()
         self.model = model
         # Token-weighted mean losses: torchmetrics syncs the sum and the weight, not a mean of means.
         self.val_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})

@@ -136,7 +136,7 @@ class GPT2LitModule(LitModule):
         return loss, n_targets
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, _ = self._loss_and_count(batch)
+        loss = self(batch["input_ids"], batch["labels"], batch.get("attention_mask")).loss  # no token count needed
         self.log_train_loss(loss, batch_idx)
         return loss
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import FAST, path_overrides, run_script, shared
+from conftest import path_overrides, run_script, shared
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
 from src.datamodules.text import IGNORE_INDEX

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -95,3 +97,62 @@ def test_mfu_is_model_flops_over_the_configured_peak():
     metrics = t.compute()
     assert metrics["device/flops_per_sec"] == pytest.approx(flops_per_batch)  # one batch per second
     assert metrics["device/mfu"] == pytest.approx(flops_per_batch / 1e9)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fused_optimizer_clips_like_the_unfused_one_under_amp(precision):
+    """Lightning refuses gradient clipping with a fused optimizer under AMP; LitModule clips anyway,
+    and correctly: on unscaled gradients (fp16 with a GradScaler) exactly as the foreach optimizer is clipped.
+    Plain SGD, so the update is lr x the clipped gradient and a wrong clip shows in the weights."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from src.models.base import LitModule
+
+    class Regression(LitModule):
+        def __init__(self, fused: bool) -> None:
+            super().__init__(None, None, 0.0, "none", 1)
+            torch.manual_seed(0)
+            self.net, self.fused = torch.nn.Linear(16, 1), fused
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, fused=self.fused, foreach=not self.fused)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    data = torch.utils.data.TensorDataset(x, 3 * x.sum(1, keepdim=True))
+
+    def weights_after(fused: bool, clip: float) -> torch.Tensor:
+        plugin = MixedPrecision(precision, "cpu", torch.amp.GradScaler("cpu", init_scale=256.0)
+                                if precision == "16-mixed" else None)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, gradient_clip_val=clip, plugins=[plugin],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        model = Regression(fused)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
+        return model.net.weight.detach().clone()
+
+    torch.manual_seed(0)
+    start = torch.nn.Linear(16, 1).weight.detach()
+    fused, foreach, unclipped = weights_after(True, 0.05), weights_after(False, 0.05), weights_after(True, 0.0)
+    torch.testing.assert_close(fused, foreach)
+    # each step moved the weights by exactly lr x clip, and without clipping they move much further
+    assert (fused - start).norm() <= 4 * 0.1 * 0.05 + 1e-4 < (unclipped - start).norm() / 10
+
+
+def test_train_py_runs_bf16_with_the_default_fused_adamw_and_clipping(tmp_path, dirs):
+    """What trainer=gpu and experiment=gpt2_small run: bf16-mixed, fused AdamW, gradient clipping."""
+    from conftest import FAST, path_overrides
+    from test_configs import compose_cfg
+    from train import train
+
+    cfg = compose_cfg(FAST + path_overrides(dirs) + [
+        "trainer.precision=bf16-mixed", "trainer.max_steps=4", "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=2", "test=false", "logger=csv", "optimized_metric=val/loss"],
+        tmp=tmp_path)
+    assert cfg.trainer.gradient_clip_val > 0 and cfg.model.optimizer.fused
+    assert 0 < train(cfg) < math.log(257)  # below the uniform guess's loss after 4 steps

@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,24 @@ class LitModule(L.LightningModule):
         for metric in metrics.values():
             metric.reset()
         return values
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        """Clip gradients for fused optimizers under AMP too (our AdamW is fused by default).
+
+        Lightning's AMP plugin refuses to clip when the optimizer unscales inside its own step, as
+        torch's fused AdamW does, because under fp16 the gradients are still scaled at that point.
+        bf16 has no scaler, so clipping is exact as is; under fp16 we unscale first, and
+        GradScaler.step then sees that the gradients are unscaled and does not unscale them again.
+        """
+        plugin = self.trainer.precision_plugin
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if not (gradient_clip_val and fused and isinstance(plugin, MixedPrecision)):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if plugin.scaler is not None:
+            plugin.scaler.unscale_(optimizer)
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+        Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_fn is None:

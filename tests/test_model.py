@@ -99,6 +99,20 @@ def test_mfu_is_model_flops_over_the_configured_peak():
     assert metrics["device/mfu"] == pytest.approx(flops_per_batch / 1e9)
 
 
+def test_peak_memory_counts_a_new_allocation():
+    """On a CPU it is the process's peak RSS: touching memory beyond the old peak raises it by as much."""
+    import os
+
+    from src.callbacks.throughput import peak_memory_mib
+
+    before = peak_memory_mib(torch.device("cpu"))
+    with open("/proc/self/statm") as f:
+        resident_mib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    extra = before - resident_mib + 128  # 128 MiB above the old peak
+    block = torch.ones(int(extra * 2**20) // 4)  # float32; ones() touches every page
+    assert peak_memory_mib(torch.device("cpu")) - before >= 100 and block[-1] == 1
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_fused_optimizer_clips_like_the_unfused_one_under_amp(precision):
     """Lightning refuses gradient clipping with a fused optimizer under AMP; LitModule clips anyway,
@@ -152,7 +166,10 @@ def test_train_py_runs_bf16_with_the_default_fused_adamw_and_clipping(tmp_path, 
 
     cfg = compose_cfg(FAST + path_overrides(dirs) + [
         "trainer.precision=bf16-mixed", "trainer.max_steps=4", "trainer.val_check_interval=4",
+        "trainer.log_every_n_steps=2", "callbacks.throughput.window_size=2",
         "trainer.limit_val_batches=2", "test=false", "logger=csv", "optimized_metric=val/loss"],
         tmp=tmp_path)
     assert cfg.trainer.gradient_clip_val > 0 and cfg.model.optimizer.fused
     assert 0 < train(cfg) < math.log(257)  # below the uniform guess's loss after 4 steps
+    metrics = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert {"train/device/items_per_sec", "train/device/peak_memory_mib"} <= set(metrics)  # the throughput callback

@@ -4,14 +4,18 @@ Logged keys: `train/items_per_sec` is tokens/s over all ranks (images/s for imag
 `train/device/items_per_sec` per rank; `samples_per_sec` counts sequences; `device/flops_per_sec`
 uses the model's `flops_per_batch` (6N + attention per token); `device/mfu` divides it by the
 device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `peak_flops` from
-config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak).
+config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak). `device/peak_memory_mib`
+is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
 """
 
 from __future__ import annotations
 
+import resource
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
 
 
 def _inputs(batch: Any) -> Any:
@@ -20,6 +24,13 @@ def _inputs(batch: Any) -> Any:
 
 def _batch_size(batch: Any) -> int:
     return _inputs(batch).shape[0]
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Reads counters only: no device synchronization."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _num_items(batch: Any) -> int:
@@ -38,3 +49,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
             self.available_flops = self.peak_flops
             for throughput in self._throughputs.values():
                 throughput.available_flops = self.peak_flops
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        memory = peak_memory_mib(trainer.strategy.root_device)
+        pl_module.log("train/device/peak_memory_mib", memory, rank_zero_only=True, on_step=True, on_epoch=False)

@@ -40,8 +40,9 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        batch = trainer.datamodule.batch_size * trainer.datamodule.seq_len
-        report(self.times, self.warmup, batch, self.out)
+        data = trainer.datamodule
+        items = data.batch_size * getattr(data, "seq_len", 1)  # tokens; samples for image data
+        report(self.times, self.warmup, items, self.out)
 
 
 def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> None:

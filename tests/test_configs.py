@@ -137,3 +137,24 @@ def test_ddp_means_two_cpu_processes_without_gpu(tmp_path):
     cfg = compose_cfg(["trainer=ddp"], tmp=tmp_path)
     expected = torch.cuda.device_count() if torch.cuda.is_available() else 2
     assert cfg.trainer.devices == expected and cfg.trainer.strategy == "ddp"
+
+
+@pytest.mark.parametrize("cuda,cuda_bf16,cpu_bf16,accelerator,expected", [
+    (True, True, False, "auto", "bf16-mixed"),   # Ampere and newer
+    (True, False, False, "auto", "16-mixed"),    # V100, T4: fp16 with a gradient scaler
+    (True, True, True, "cpu", "bf16-mixed"),     # trainer=cpu on a GPU machine: the CPU decides
+    (True, True, False, "cpu", "32-true"),
+    (False, False, True, "auto", "bf16-mixed"),  # AVX512-BF16 / AMX CPU
+    (False, False, False, "auto", "32-true"),    # bf16 would be emulated: slower
+])
+def test_default_precision_is_the_fastest_for_the_hardware(monkeypatch, cuda, cuda_bf16, cpu_bf16, accelerator,
+                                                            expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    trainer = "cpu" if accelerator == "cpu" else "default"
+    assert compose_cfg([f"trainer={trainer}"]).trainer.precision == expected
+    assert compose_cfg([f"trainer={trainer}", "trainer.precision=32-true"]).trainer.precision == "32-true"

@@ -1,8 +1,8 @@
-"""Training throughput, three ways, same model / data / global batch / optimizer:
+"""Training throughput, three ways, same model / data / global batch / optimizer (fused AdamW) / precision:
 (a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer.
 
-    python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision 32-true]
-    python -m bench.throughput --variants "fused=model.optimizer.fused=true" "compile=model.compile=true"
+    python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
+    python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
@@ -53,19 +53,24 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 
 
-def data_and_model(shape: str, cache_dir: str):
+def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true"):
+    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from src.datamodules.text import TextDataModule
 
     layers, heads, width, ctx, batch = SHAPES[shape]
+    if attn == "auto":
+        from src.utils.resolvers import fastest_attention
+
+        attn = fastest_attention("cpu", precision, ctx)
     dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
     dm.setup()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
                                        n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       attn_implementation="sdpa"))
+                                       attn_implementation=attn))
     model.loss_type = "ForCausalLM"
     return dm, model
 
@@ -79,8 +84,8 @@ def param_groups(model):
 def run_raw(args) -> None:
     import torch
 
-    dm, model = data_and_model(args.shape, args.cache_dir)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)
+    dm, model = data_and_model(args.shape, args.cache_dir, precision=args.precision)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)  # as the template's default
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     times, loader = [], dm.train_dataloader()
     model.train()
@@ -100,7 +105,7 @@ def run_raw(args) -> None:
 def run_hf(args) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    dm, model = data_and_model(args.shape, args.cache_dir)
+    dm, model = data_and_model(args.shape, args.cache_dir, precision=args.precision)
     times = []
 
     class Timer(TrainerCallback):
@@ -110,7 +115,8 @@ def run_hf(args) -> None:
     targs = TrainingArguments(
         output_dir=os.path.join(args.cache_dir, "hf_trainer"), per_device_train_batch_size=dm.batch_size,
         max_steps=args.steps, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=WD,
-        max_grad_norm=CLIP, lr_scheduler_type="constant", logging_steps=10_000, save_strategy="no", report_to=[],
+        max_grad_norm=CLIP, optim="adamw_torch_fused", lr_scheduler_type="constant", logging_steps=10_000,
+        save_strategy="no", report_to=[],
         use_cpu=True, bf16=args.precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True, seed=0)
     Trainer(model=model, args=targs, train_dataset=dm.splits["train"], callbacks=[Timer()]).train()
     report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
@@ -134,7 +140,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", default="small,medium")
-    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    ap.add_argument("--precision", default="auto", choices=["auto", "32-true", "bf16-mixed"],
+                    help="for all three ways; auto: what train.py picks on this machine")
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
     ap.add_argument("--child", choices=["raw", "hf"], help=argparse.SUPPRESS)
@@ -142,6 +149,10 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
+    if args.precision == "auto":
+        from src.utils.resolvers import fastest_precision
+
+        args.precision = fastest_precision("cpu")
     if args.child:
         {"raw": run_raw, "hf": run_hf}[args.child](args)
         return
@@ -171,6 +182,10 @@ def main() -> None:
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
         for way, m in med.items():
             print(f"{shape:<8}{way:<10}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
+        from src.utils.resolvers import fastest_attention
+
+        layers, heads, width, ctx, batch = SHAPES[shape]
+        print(f"{shape:<8}attention: {fastest_attention('cpu', args.precision, ctx)} (train.py's choice, all three ways)")
         t = med["template"]["tokens_per_s"]
         print(f"{shape:<8}template/raw = {t / med['raw']['tokens_per_s']:.3f}   "
               f"template/HF = {t / med['hf']['tokens_per_s']:.3f}")

@@ -158,3 +158,18 @@ def test_default_precision_is_the_fastest_for_the_hardware(monkeypatch, cuda, cu
     trainer = "cpu" if accelerator == "cpu" else "default"
     assert compose_cfg([f"trainer={trainer}"]).trainer.precision == expected
     assert compose_cfg([f"trainer={trainer}", "trainer.precision=32-true"]).trainer.precision == "32-true"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], "eager"),                              # bf16 on this kind of CPU, context 128: measured 1.55x faster
+    (["data.seq_len=512"], "sdpa"),             # longer contexts: SDPA (1.95x at 1024, less memory)
+    (["trainer.precision=32-true"], "sdpa"),    # fp32: a tie, SDPA keeps less memory
+    (["trainer=gpu"], "sdpa"),                  # GPUs: flash attention
+    (["model.attn_implementation=sdpa"], "sdpa"),
+])
+def test_default_attention_kernel_is_the_measured_faster_one(monkeypatch, overrides, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # a bf16-capable CPU, no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compose_cfg(overrides).model.attn_implementation == expected

@@ -99,6 +99,26 @@ def test_mfu_is_model_flops_over_the_configured_peak():
     assert metrics["device/mfu"] == pytest.approx(flops_per_batch / 1e9)
 
 
+def test_eager_and_sdpa_attention_compute_the_same_loss_and_gradients():
+    """model.attn_implementation is a speed switch only: with right padding masked, both give the same numbers."""
+    ids = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[2, 20:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=16, attn_implementation=attn)
+        assert model.config._attn_implementation == attn
+        loss = model(ids, labels, mask).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_peak_memory_counts_a_new_allocation():
     """On a CPU it is the process's peak RSS: touching memory beyond the old peak raises it by as much."""
     import os

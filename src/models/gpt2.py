@@ -16,9 +16,9 @@ IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
 
 
-def load_pretrained(name_or_path: str) -> GPT2LMHeadModel:
+def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> GPT2LMHeadModel:
     try:
-        return GPT2LMHeadModel.from_pretrained(name_or_path, attn_implementation="sdpa")
+        return GPT2LMHeadModel.from_pretrained(name_or_path, attn_implementation=attn_implementation)
     except OSError as e:
         raise FileNotFoundError(f"model.pretrained={name_or_path!r} could not be loaded: {e}\nPass a local dir with "
                                 "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
@@ -51,10 +51,11 @@ class GPT2LitModule(LitModule):
         lora: Optional[dict[str, Any]] = None,
         peft: Optional[Any] = None,
         compile: bool = False,
+        attn_implementation: str = "sdpa",
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
-            model = load_pretrained(pretrained)
+            model = load_pretrained(pretrained, attn_implementation)
             if seq_len > model.config.n_positions:
                 raise ValueError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
             if vocab_size < model.config.vocab_size:
@@ -68,7 +69,7 @@ class GPT2LitModule(LitModule):
                 vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                 resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                 bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-                attn_implementation="sdpa",  # torch's fused scaled_dot_product_attention
+                attn_implementation=attn_implementation,
             ))
         model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
         self.config = model.config

@@ -26,6 +26,8 @@ import lightning as L
 SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer keeps the LM head small
     "small": (4, 4, 128, 128, 16),
     "medium": (6, 6, 384, 256, 16),
+    "ctx512": (6, 6, 384, 512, 8),  # longer contexts, same tokens per step: where SDPA starts to pay on a CPU
+    "ctx1024": (6, 6, 384, 1024, 4),
 }
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 

@@ -42,6 +42,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
         super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
         self.peak_flops = peak_flops
+        self._memory_logged_at = -1
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -53,5 +54,12 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
-        memory = peak_memory_mib(trainer.strategy.root_device)
-        pl_module.log("train/device/peak_memory_mib", memory, rank_zero_only=True, on_step=True, on_epoch=False)
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps or step == self._memory_logged_at:  # mid-accumulation: same step
+            return
+        # A Python float straight to the loggers: self.log would put it in a device tensor every step,
+        # and a host-to-GPU copy from pageable memory waits for the stream.
+        memory = {"train/device/peak_memory_mib": peak_memory_mib(trainer.strategy.root_device)}
+        for logger in trainer.loggers:
+            logger.log_metrics(memory, step=step)
+        self._memory_logged_at = step

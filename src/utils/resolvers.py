@@ -57,8 +57,8 @@ def fastest_precision(accelerator: str = "auto") -> str:
 def fastest_attention(accelerator: str, precision: str, seq_len: int) -> str:
     """GPT-2's attention kernel (model.attn_implementation): torch's fused SDPA, except where plain
     matmuls measured faster: bf16 on a CPU at contexts up to 256, 1.25-1.55x here; at 512 eager
-    gained only 1.08-1.14x for 35% more memory, at 1024 SDPA won 2x, and in fp32 they are within 5%
-    (docs/performance.md). GPUs: SDPA, which dispatches to flash attention there (not measured here).
+    gained only 1.08-1.14x for 35% more memory, at 1024 SDPA won 2x, and in fp32 they are within
+    6% up to 512 (docs/performance.md). GPUs: SDPA, which dispatches to flash attention there (not measured here).
     """
     import torch
 

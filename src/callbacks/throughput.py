@@ -55,7 +55,8 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
         step = trainer.global_step
-        if step % trainer.log_every_n_steps or step == self._memory_logged_at:  # mid-accumulation: same step
+        # Once per logging step; under gradient accumulation this hook runs for every micro-batch.
+        if step == 0 or step % trainer.log_every_n_steps or step == self._memory_logged_at:
             return
         # A Python float straight to the loggers: self.log would put it in a device tensor every step,
         # and a host-to-GPU copy from pageable memory waits for the stream.

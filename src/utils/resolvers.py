@@ -37,11 +37,11 @@ def num_nodes() -> int:
 
 
 def fastest_precision(accelerator: str = "auto") -> str:
-    """The fastest correct precision for the hardware found (trainer.precision: auto).
+    """The fastest correct precision for the hardware found: trainer.precision's default.
 
     GPU: bf16-mixed where bf16 is native (Ampere and newer), else 16-mixed (fp16 with a gradient scaler).
     CPU: bf16-mixed with AVX512-BF16 or AMX instructions (measured 1.3-2.4x faster than fp32 on such a
-    CPU, docs/performance.md), else 32-true: without them bf16 is emulated and slower.
+    CPU, docs/performance.md), else 32-true, as bf16 has no fast matmul path without them.
     """
     import torch
 
@@ -58,7 +58,8 @@ def fastest_attention(accelerator: str, precision: str, seq_len: int) -> str:
     """GPT-2's attention kernel (model.attn_implementation): torch's fused SDPA, except where plain
     matmuls measured faster: bf16 on a CPU at contexts up to 256, 1.25-1.55x here; at 512 eager
     gained only 1.08-1.14x for 35% more memory, at 1024 SDPA won 2x, and in fp32 they are within
-    6% up to 512 (docs/performance.md). GPUs: SDPA, which dispatches to flash attention there (not measured here).
+    6% up to 512 (docs/performance.md). GPUs: SDPA, which dispatches to flash attention there
+    (not measured here).
     """
     import torch
 

@@ -11,36 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from bench.throughput import BETAS, CLIP, LR, data_and_model, param_groups
+from bench.throughput import raw_loop, resolve_precision
+
+PHASES = ("data", "forward", "backward", "clip+optimizer")
 
 
 def breakdown(shape: str, precision: str, steps: int, warmup: int, cache_dir: str, attn: str) -> dict[str, float]:
-    dm, model = data_and_model(shape, cache_dir, attn, precision)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
-    parts: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "clip+optimizer": []}
-    batches = iter(dm.train_dataloader())
-    for step in range(steps):
-        t0 = time.perf_counter()
-        batch = next(batches)
-        t1 = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        if step >= warmup:
-            for part, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                parts[part].append(seconds)
-    return {part: statistics.median(times) for part, times in parts.items()}
+    """Median seconds of each phase of a step, over the steps after the warm-up."""
+    times = raw_loop(shape, cache_dir, precision, steps, attn)[warmup:]
+    return {phase: statistics.median(t[i + 1] - t[i] for t in times) for i, phase in enumerate(PHASES)}
 
 
 def main() -> None:
@@ -52,10 +34,7 @@ def main() -> None:
     ap.add_argument("--attn", default="auto", help="attention kernels to compare, e.g. sdpa,eager; auto: train.py's")
     ap.add_argument("--cache-dir", default=".cache/bench/tokens")
     args = ap.parse_args()
-    if args.precision == "auto":
-        from src.utils.resolvers import fastest_precision
-
-        args.precision = fastest_precision("cpu")
+    args.precision = resolve_precision(args.precision)
     print(f"precision {args.precision}, median of {args.steps - args.warmup} steps, {torch.get_num_threads()} threads")
     for shape in args.shapes.split(","):
         for attn in args.attn.split(","):

@@ -77,31 +77,52 @@ def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: st
     return dm, model
 
 
+def resolve_precision(precision: str) -> str:
+    """auto: what train.py picks on this machine's CPU."""
+    if precision != "auto":
+        return precision
+    from src.utils.resolvers import fastest_precision
+
+    return fastest_precision("cpu")
+
+
 def param_groups(model):
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def run_raw(args) -> None:
+def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto") -> list[list[float]]:
+    """The minimal PyTorch loop; per step, the times at which it has its batch, ends forward, ends
+    backward and ends the optimizer step, after a start time (bench.step_breakdown reads the phases)."""
     import torch
 
-    dm, model = data_and_model(args.shape, args.cache_dir, precision=args.precision)
+    dm, model = data_and_model(shape, cache_dir, attn, precision)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)  # as the template's default
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
-    times, loader = [], dm.train_dataloader()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    batches, times = iter(dm.train_dataloader()), []
     model.train()
-    for step, batch in enumerate(loader):
-        if step == args.steps:
-            break
+    for _ in range(steps):
+        t = [time.perf_counter()]
+        batch = next(batches)
+        t.append(time.perf_counter())
         with autocast:
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        t.append(time.perf_counter())
         loss.backward()
+        t.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter())
-    report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
+        t.append(time.perf_counter())
+        times.append(t)
+    return times
+
+
+def run_raw(args) -> None:
+    times = raw_loop(args.shape, args.cache_dir, args.precision, args.steps)
+    layers, heads, width, ctx, batch = SHAPES[args.shape]
+    report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
 
 def run_hf(args) -> None:
@@ -151,10 +172,7 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
-    if args.precision == "auto":
-        from src.utils.resolvers import fastest_precision
-
-        args.precision = fastest_precision("cpu")
+    args.precision = resolve_precision(args.precision)
     if args.child:
         {"raw": run_raw, "hf": run_hf}[args.child](args)
         return

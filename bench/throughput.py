@@ -1,12 +1,15 @@
 """Training throughput, three ways, same model / data / global batch / optimizer (fused AdamW) / precision:
-(a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer.
+(a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer; and
+(d) `hf_default`: transformers.Trainer as it comes, fp32 and SDPA attention unless told otherwise.
 
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
+    python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
-and peak RSS. Ratios are template/raw and template/HF from the medians over rounds. A variant is
+and peak RSS. Ratios (template/raw, template/HF, ...) are the median over rounds of each round's
+ratio, with the lowest and highest in brackets: that spread is the machine's noise. A variant is
 the template with extra overrides (NAME=OVERRIDE[,OVERRIDE...]), to measure one switch at a time.
 """
 
@@ -28,6 +31,7 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer k
     "medium": (6, 6, 384, 256, 16),
     "ctx512": (6, 6, 384, 512, 8),  # longer contexts, same tokens per step: where SDPA starts to pay on a CPU
     "ctx1024": (6, 6, 384, 1024, 4),
+    "overhead": (1, 1, 16, 16, 2),  # next to no compute: the step time is the loop's own cost per step
 }
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 
@@ -125,10 +129,12 @@ def run_raw(args) -> None:
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
 
-def run_hf(args) -> None:
+def run_hf(args, defaults: bool = False) -> None:
+    """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    dm, model = data_and_model(args.shape, args.cache_dir, precision=args.precision)
+    precision = "32-true" if defaults else args.precision
+    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision)
     times = []
 
     class Timer(TrainerCallback):
@@ -140,7 +146,7 @@ def run_hf(args) -> None:
         max_steps=args.steps, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=WD,
         max_grad_norm=CLIP, optim="adamw_torch_fused", lr_scheduler_type="constant", logging_steps=10_000,
         save_strategy="no", report_to=[],
-        use_cpu=True, bf16=args.precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        use_cpu=True, bf16=precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True, seed=0)
     Trainer(model=model, args=targs, train_dataset=dm.splits["train"], callbacks=[Timer()]).train()
     report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
 
@@ -167,20 +173,20 @@ def main() -> None:
                     help="for all three ways; auto: what train.py picks on this machine")
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
-    ap.add_argument("--child", choices=["raw", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["raw", "hf", "hf_default"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
     args.precision = resolve_precision(args.precision)
     if args.child:
-        {"raw": run_raw, "hf": run_hf}[args.child](args)
+        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True)}[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = ["template", "raw", "hf", *variants]
+            ways = ["template", "raw", "hf", "hf_default", *variants]
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
@@ -197,20 +203,27 @@ def main() -> None:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
           f"interleaved rounds, {os.cpu_count()} CPU cores")
-    print(f"{'shape':<8}{'way':<10}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
+    print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
         for way, m in med.items():
-            print(f"{shape:<8}{way:<10}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
+            print(f"{shape:<10}{way:<12}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
         from src.utils.resolvers import fastest_attention
 
         layers, heads, width, ctx, batch = SHAPES[shape]
-        print(f"{shape:<8}attention: {fastest_attention('cpu', args.precision, ctx)} (train.py's choice, all three ways)")
-        t = med["template"]["tokens_per_s"]
-        print(f"{shape:<8}template/raw = {t / med['raw']['tokens_per_s']:.3f}   "
-              f"template/HF = {t / med['hf']['tokens_per_s']:.3f}")
-        for name in variants:
-            print(f"{shape:<8}{name}/template = {med[name]['tokens_per_s'] / t:.3f}")
+        attn = fastest_attention("cpu", args.precision, ctx)
+        print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
+        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default")}
+        ratios.update({f"{name}/template": ("template", name) for name in variants})
+        for label, (below, above) in ratios.items():
+            low, mid, high = paired_ratio(ways[above], ways[below])
+            print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")
+
+
+def paired_ratio(numerator: list[dict], denominator: list[dict]) -> tuple[float, float, float]:
+    """Lowest, median and highest of the per-round tokens/s ratios: runs of one round ran back to back."""
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(numerator, denominator)]
+    return min(ratios), statistics.median(ratios), max(ratios)
 
 
 if __name__ == "__main__":

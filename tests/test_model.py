@@ -198,3 +198,66 @@ def test_train_py_runs_bf16_with_the_default_fused_adamw_and_clipping(tmp_path, 
     assert any(row["train/device/items_per_sec"] for row in rows)  # the throughput callback
     memory_steps = [int(row["step"]) for row in rows if row["train/device/peak_memory_mib"]]
     assert memory_steps == [2, 4]  # once per logging step (log_every_n_steps=2), not every step
+
+
+def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_out(tmp_path, monkeypatch):
+    """A fake clock: every training batch takes 1 s, every validation batch 100 s. The logged rates must
+    be exactly one batch per second (validation left out, also when it starts between logging steps),
+    with one device sync per logging step or validation, not one per batch."""
+    import csv
+    import types
+
+    import lightning as L
+    from lightning.pytorch.callbacks import throughput_monitor
+
+    import src.callbacks.throughput as throughput
+
+    now = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(throughput, "time", clock)
+    monkeypatch.setattr(throughput_monitor, "time", clock)
+    syncs = []
+    monkeypatch.setattr(throughput, "wait_for_device", lambda device: syncs.append(device))
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *args):
+            now[0] += 1.0
+
+        def on_validation_batch_start(self, *args):
+            now[0] += 100.0
+
+    class Tokens(L.LightningModule):
+        flops_per_batch = 1000.0
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.embed(batch["input_ids"]).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batches = [{"input_ids": torch.zeros(8, 16, dtype=torch.long)}] * 20
+    monitor = throughput.TokenThroughputMonitor(window_size=10, peak_flops=1e4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=20, log_every_n_steps=5, val_check_interval=7,
+                        limit_val_batches=2, num_sanity_val_steps=0, callbacks=[monitor, Clock()],
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tokens(), torch.utils.data.DataLoader(batches, batch_size=None),
+                torch.utils.data.DataLoader(batches[:2], batch_size=None))
+
+    assert len(syncs) == 6  # logging steps 5, 10, 15, 20 and validations after steps 7 and 14
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/device/batches_per_sec")]
+    assert [int(row["step"]) for row in rows] == [9, 14, 19]  # a full window from the 3rd reading on
+    for row in rows:
+        assert float(row["train/device/batches_per_sec"]) == pytest.approx(1.0)
+        assert float(row["train/device/samples_per_sec"]) == pytest.approx(8.0)
+        assert float(row["train/device/items_per_sec"]) == pytest.approx(8 * 16)  # tokens
+        assert float(row["train/device/flops_per_sec"]) == pytest.approx(1000.0)
+        assert float(row["train/device/mfu"]) == pytest.approx(0.1)

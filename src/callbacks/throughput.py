@@ -6,16 +6,27 @@ uses the model's `flops_per_batch` (6N + attention per token); `device/mfu` divi
 device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `peak_flops` from
 config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak). `device/peak_memory_mib`
 is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
+
+Training throughput is timed on logging steps only. Lightning's ThroughputMonitor synchronizes
+CUDA after every batch to timestamp it, which stops the host from queueing the next step's
+kernels while the GPU works; here the counts add up on the host every step, and the clock is
+read, after one synchronization, every `trainer.log_every_n_steps` steps and before validation.
+The rates are the same: work done between two readings over the time between them.
 """
 
 from __future__ import annotations
 
 import resource
+import time
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+
+TRAIN = RunningStage.TRAINING
 
 
 def _inputs(batch: Any) -> Any:
@@ -33,6 +44,12 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Let the device finish its queued work, so that the clock read next includes it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _num_items(batch: Any) -> int:
     """Tokens for text batches, samples otherwise."""
     return _inputs(batch).numel() if isinstance(batch, dict) else _batch_size(batch)
@@ -41,8 +58,8 @@ def _num_items(batch: Any) -> int:
 class TokenThroughputMonitor(ThroughputMonitor):
     def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
         super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
-        self.peak_flops = peak_flops
-        self._memory_logged_at = -1
+        self.window_size, self.peak_flops = window_size, peak_flops
+        self._pending = {"batches": 0, "samples": 0, "lengths": 0, "flops": 0.0}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -50,17 +67,53 @@ class TokenThroughputMonitor(ThroughputMonitor):
             self.available_flops = self.peak_flops
             for throughput in self._throughputs.values():
                 throughput.available_flops = self.peak_flops
+        if TRAIN in self._throughputs:  # one reading per logging step: a window of `window_size` steps
+            readings = max(2, round(self.window_size / max(1, trainer.log_every_n_steps)) + 1)
+            self._throughputs[TRAIN] = Throughput(available_flops=self.available_flops,
+                                                  world_size=trainer.world_size, window_size=readings)
+
+    @rank_zero_only
+    def on_train_start(self, trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._pending = dict.fromkeys(self._pending, 0)
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
-        step = trainer.global_step
-        # Once per logging step; under gradient accumulation this hook runs for every micro-batch.
-        if step == 0 or step % trainer.log_every_n_steps or step == self._memory_logged_at:
+        pending = self._pending
+        pending["batches"] += 1
+        pending["samples"] += _batch_size(batch)
+        pending["lengths"] += _num_items(batch)
+        pending["flops"] += getattr(pl_module, "flops_per_batch", 0.0)
+        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
+        self._read_clock(trainer)
+        self._compute(trainer)
+        self._log_peak_memory(trainer)
+
+    @rank_zero_only
+    def on_validation_start(self, trainer, *args: Any) -> None:
+        # Lightning takes the training time up to the last reading out of the clock it pauses for
+        # validation: read it now, or the steps since the last logging step would count as paused.
+        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+            self._read_clock(trainer)
+        super().on_validation_start(trainer, *args)
+
+    def _read_clock(self, trainer) -> None:
+        """Record the work done since the last reading, and the time it took: the one host sync."""
+        pending = self._pending
+        if not pending["batches"]:
+            return
+        wait_for_device(trainer.strategy.root_device)
+        for key in ("batches", "samples", "lengths"):
+            getattr(self, f"_{key}")[TRAIN] += pending[key]
+        self._throughputs[TRAIN].update(
+            time=time.perf_counter() - self._t0s[TRAIN], batches=self._batches[TRAIN],
+            samples=self._samples[TRAIN], lengths=self._lengths[TRAIN], flops=pending["flops"] or None)
+        self._pending = dict.fromkeys(pending, 0)
+
+    def _log_peak_memory(self, trainer) -> None:
         # A Python float straight to the loggers: self.log would put it in a device tensor every step,
         # and a host-to-GPU copy from pageable memory waits for the stream.
         memory = {"train/device/peak_memory_mib": peak_memory_mib(trainer.strategy.root_device)}
         for logger in trainer.loggers:
-            logger.log_metrics(memory, step=step)
-        self._memory_logged_at = step
+            logger.log_metrics(memory, step=trainer.global_step)

@@ -201,9 +201,9 @@ def test_train_py_runs_bf16_with_the_default_fused_adamw_and_clipping(tmp_path, 
 
 
 def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_out(tmp_path, monkeypatch):
-    """A fake clock: every training batch takes 1 s, every validation batch 100 s. The logged rates must
-    be exactly one batch per second (validation left out, also when it starts between logging steps),
-    with one device sync per logging step or validation, not one per batch."""
+    """A fake clock: every training batch takes 1 s, every validation batch 100 s, every test batch 10 s.
+    The logged rates must be exactly those (validation left out of training's, also when it starts
+    between logging steps), with one device sync per logging step or evaluation, not one per batch."""
     import csv
     import types
 
@@ -226,6 +226,9 @@ def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_
         def on_validation_batch_start(self, *args):
             now[0] += 100.0
 
+        def on_test_batch_start(self, *args):
+            now[0] += 10.0
+
     class Tokens(L.LightningModule):
         flops_per_batch = 1000.0
 
@@ -239,6 +242,9 @@ def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_
         def validation_step(self, batch, batch_idx):
             pass
 
+        def test_step(self, batch, batch_idx):
+            pass
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -248,16 +254,27 @@ def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_
                         limit_val_batches=2, num_sanity_val_steps=0, callbacks=[monitor, Clock()],
                         logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tokens(), torch.utils.data.DataLoader(batches, batch_size=None),
+    model = Tokens()
+    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None),
                 torch.utils.data.DataLoader(batches[:2], batch_size=None))
+    trainer.test(model, torch.utils.data.DataLoader(batches[:3], batch_size=None))
 
-    assert len(syncs) == 6  # logging steps 5, 10, 15, 20 and validations after steps 7 and 14
+    # logging steps 5, 10, 15, 20; validations after steps 7 and 14: at their start and end; the test's end
+    assert len(syncs) == 4 + 2 * 2 + 1
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = [row for row in csv.DictReader(f) if row.get("train/device/batches_per_sec")]
-    assert [int(row["step"]) for row in rows] == [9, 14, 19]  # a full window from the 3rd reading on
-    for row in rows:
+        rows = list(csv.DictReader(f))
+    train = [row for row in rows if row.get("train/device/batches_per_sec")]
+    assert [int(row["step"]) for row in train] == [9, 14, 19]  # a full window from the 3rd reading on
+    for row in train:
         assert float(row["train/device/batches_per_sec"]) == pytest.approx(1.0)
         assert float(row["train/device/samples_per_sec"]) == pytest.approx(8.0)
         assert float(row["train/device/items_per_sec"]) == pytest.approx(8 * 16)  # tokens
         assert float(row["train/device/flops_per_sec"]) == pytest.approx(1000.0)
         assert float(row["train/device/mfu"]) == pytest.approx(0.1)
+    val = [row for row in rows if row.get("validate/device/batches_per_sec")]
+    assert [int(row["step"]) for row in val] == [7, 14]  # once per validation
+    for row in val:
+        assert float(row["validate/device/batches_per_sec"]) == pytest.approx(0.01)
+        assert float(row["validate/device/items_per_sec"]) == pytest.approx(8 * 16 / 100)
+    test = [row for row in rows if row.get("test/device/batches_per_sec")]
+    assert len(test) == 1 and float(test[0]["test/device/samples_per_sec"]) == pytest.approx(0.8)

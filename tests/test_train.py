@@ -38,7 +38,8 @@ def test_tensorboard_has_what_a_user_looks_for(trained):
     ea = read_events(trained["run"] / "tensorboard")
     scalars = set(ea.Tags()["scalars"])
     for tag in ["train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/decay", "lr-AdamW/no_decay",
-                "train/device/items_per_sec", "train/device/peak_memory_mib", "test/loss"]:  # items = tokens
+                "train/device/items_per_sec", "train/device/peak_memory_mib", "test/loss",  # items = tokens
+                "validate/device/items_per_sec", "test/device/items_per_sec"]:
         assert tag in scalars, f"{tag} missing from TensorBoard; have {sorted(scalars)}"
     memory = [e.value for e in ea.Scalars("train/device/peak_memory_mib")]
     assert 100 < memory[0] <= memory[-1] < 24 * 1024  # peak RSS of rank 0 in MiB: a peak never goes down

@@ -7,11 +7,14 @@ device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `pea
 config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak). `device/peak_memory_mib`
 is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
 
-Training throughput is timed on logging steps only. Lightning's ThroughputMonitor synchronizes
-CUDA after every batch to timestamp it, which stops the host from queueing the next step's
-kernels while the GPU works; here the counts add up on the host every step, and the clock is
-read, after one synchronization, every `trainer.log_every_n_steps` steps and before validation.
-The rates are the same: work done between two readings over the time between them.
+No host sync per step. Lightning's ThroughputMonitor synchronizes CUDA after every batch, training
+and evaluation, to timestamp it, which stops the host from queueing the next step's kernels while
+the GPU works. Here the counts add up on the host every batch, and the clock is read, after one
+synchronization, on training logging steps, when validation starts and when an evaluation ends.
+Training rates are the same arithmetic as Lightning's (work between two readings over the time
+between them), with validation time left out; `validate/...` and `test/...` rates cover a whole
+evaluation and are logged at its end (Lightning logged them per batch, and only when the batch
+happened to fall on a training logging step, i.e. hardly ever).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
         super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
         self.window_size, self.peak_flops = window_size, peak_flops
         self._pending = {"batches": 0, "samples": 0, "lengths": 0, "flops": 0.0}
+        self._start_eval()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -92,11 +96,58 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_validation_start(self, trainer, *args: Any) -> None:
-        # Lightning takes the training time up to the last reading out of the clock it pauses for
-        # validation: read it now, or the steps since the last logging step would count as paused.
-        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
-            self._read_clock(trainer)
-        super().on_validation_start(trainer, *args)
+        if trainer.sanity_checking:
+            return
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._read_clock(trainer)  # the training steps since the last logging step, before the pause
+        self._start_eval()
+
+    @rank_zero_only
+    def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        if not trainer.sanity_checking:
+            self._count_eval(batch)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, *args: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        seconds = self._end_eval(trainer, "validate")
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._t0s[TRAIN] += seconds  # the training clock does not run during validation
+
+    @rank_zero_only
+    def on_test_start(self, trainer, *args: Any) -> None:
+        self._start_eval()
+
+    @rank_zero_only
+    def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        self._count_eval(batch)
+
+    @rank_zero_only
+    def on_test_end(self, trainer, *args: Any) -> None:
+        self._end_eval(trainer, "test")
+
+    def _start_eval(self) -> None:
+        self._eval = {"batches": 0, "samples": 0, "items": 0}
+        self._eval_t0 = time.perf_counter()
+
+    def _count_eval(self, batch: Any) -> None:
+        self._eval["batches"] += 1
+        self._eval["samples"] += _batch_size(batch)
+        self._eval["items"] += _num_items(batch)
+
+    def _end_eval(self, trainer, stage: str) -> float:
+        """Log the evaluation's rates (one sync); return its duration."""
+        wait_for_device(trainer.strategy.root_device)
+        seconds = time.perf_counter() - self._eval_t0
+        if self._eval["batches"]:
+            metrics = {f"{stage}/device/{key}_per_sec": count / seconds for key, count in self._eval.items()}
+            if trainer.world_size > 1:  # as Lightning: rank 0's rate times the ranks
+                metrics.update({f"{stage}/{key}_per_sec": count / seconds * trainer.world_size
+                                for key, count in self._eval.items()})
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        return seconds
 
     def _read_clock(self, trainer) -> None:
         """Record the work done since the last reading, and the time it took: the one host sync."""

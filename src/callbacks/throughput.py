@@ -58,11 +58,18 @@ def _num_items(batch: Any) -> int:
     return _inputs(batch).numel() if isinstance(batch, dict) else _batch_size(batch)
 
 
+def _count(counts: dict, batch: Any) -> None:
+    """Add one batch to running counts; shapes only, so nothing waits for the device."""
+    counts["batches"] += 1
+    counts["samples"] += _batch_size(batch)
+    counts["items"] += _num_items(batch)
+
+
 class TokenThroughputMonitor(ThroughputMonitor):
     def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
         super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
         self.window_size, self.peak_flops = window_size, peak_flops
-        self._pending = {"batches": 0, "samples": 0, "lengths": 0, "flops": 0.0}
+        self._pending = {"batches": 0, "samples": 0, "items": 0, "flops": 0.0}  # training, since the last reading
         self._start_eval()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -83,11 +90,8 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
-        pending = self._pending
-        pending["batches"] += 1
-        pending["samples"] += _batch_size(batch)
-        pending["lengths"] += _num_items(batch)
-        pending["flops"] += getattr(pl_module, "flops_per_batch", 0.0)
+        _count(self._pending, batch)
+        self._pending["flops"] += getattr(pl_module, "flops_per_batch", 0.0)
         if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
         self._read_clock(trainer)
@@ -105,7 +109,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @rank_zero_only
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if not trainer.sanity_checking:
-            self._count_eval(batch)
+            _count(self._eval, batch)
 
     @rank_zero_only
     def on_validation_end(self, trainer, *args: Any) -> None:
@@ -121,7 +125,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-        self._count_eval(batch)
+        _count(self._eval, batch)
 
     @rank_zero_only
     def on_test_end(self, trainer, *args: Any) -> None:
@@ -130,11 +134,6 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def _start_eval(self) -> None:
         self._eval = {"batches": 0, "samples": 0, "items": 0}
         self._eval_t0 = time.perf_counter()
-
-    def _count_eval(self, batch: Any) -> None:
-        self._eval["batches"] += 1
-        self._eval["samples"] += _batch_size(batch)
-        self._eval["items"] += _num_items(batch)
 
     def _end_eval(self, trainer, stage: str) -> float:
         """Log the evaluation's rates (one sync); return its duration."""
@@ -155,8 +154,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
         if not pending["batches"]:
             return
         wait_for_device(trainer.strategy.root_device)
-        for key in ("batches", "samples", "lengths"):
-            getattr(self, f"_{key}")[TRAIN] += pending[key]
+        self._batches[TRAIN] += pending["batches"]  # Lightning's running totals, which Throughput takes
+        self._samples[TRAIN] += pending["samples"]
+        self._lengths[TRAIN] += pending["items"]
         self._throughputs[TRAIN].update(
             time=time.perf_counter() - self._t0s[TRAIN], batches=self._batches[TRAIN],
             samples=self._samples[TRAIN], lengths=self._lengths[TRAIN], flops=pending["flops"] or None)

@@ -63,6 +63,30 @@ def test_user_json_file_is_read_and_checked(tmp_path):
         DeepSpeedStrategy(stage=2, offload_parameters=True)
 
 
+def test_lightning_still_hands_the_layer_sync_plugin_to_the_strategy():
+    """apply_layer_sync reads Lightning's private `strategy._layer_sync`: fail here if Lightning renames it."""
+    import lightning as L
+
+    from src.distributed.fsdp import FSDP2Strategy
+    from src.distributed.sync_batchnorm import SyncBatchNorm
+
+    plugin = SyncBatchNorm()
+    for strategy in (FSDP2Strategy(), DeepSpeedStrategy(stage=2)):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin], logger=False)
+        assert trainer.strategy._layer_sync is plugin
+
+
+def test_deepspeed_precision_follows_the_hardware():
+    """trainer=deepspeed takes the default's precision (bf16 where native, fp16 + loss scaling on V100/T4)."""
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=deepspeed"])
+    assert cfg.trainer._get_node("precision")._value() == "${fastest_precision:${trainer.accelerator}}"
+
+
 # ---- real runs on gloo (slow) ----
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -151,3 +175,19 @@ def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
     ids = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path):
+    """Lightning's DeepSpeedStrategy never applies trainer.plugins' LayerSync; ours does, so 3 ranks = 1."""
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import VISION, assert_same_series, max_param_diff, train
+    from src.tools.checkpoints import load_checkpoint
+
+    split = ["data.val_size=10", "data.test_size=11"]
+    one = train(tmp_path, "1", VISION + split)
+    ds = train_sharded(tmp_path, "ds", VISION + split + CPU_DS + ["trainer.devices=3", "trainer.strategy.stage=2"])
+    for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
+        assert_same_series(one, ds, tag, 1e-5)
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 
+from src.distributed.sync_batchnorm import apply_layer_sync
 from src.utils.config import ConfigError
 
 OURS = {  # DeepSpeed key -> the config keys that decide it here
@@ -82,6 +83,10 @@ class DeepSpeedStrategy(LightningDeepSpeed):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             self.optimizer_class = DeepSpeedCPUAdam
+
+    def setup(self, trainer) -> None:
+        apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm: Lightning skips DeepSpeed
+        super().setup(trainer)
 
     def _format_config(self) -> None:
         trainer = self.lightning_module.trainer

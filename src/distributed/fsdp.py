@@ -18,6 +18,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from src.distributed.sync_batchnorm import apply_layer_sync
+
 log = logging.getLogger(__name__)
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +88,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup(self, trainer) -> None:
         if not isinstance(self.lightning_module.network(), FSDPModule):  # setup runs again for test after fit
-            if self._layer_sync is not None:  # trainer.plugins' SyncBatchNorm; Lightning applies it for DDP only
-                self._layer_sync.apply(self.lightning_module)
+            apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm; Lightning skips FSDP2
             parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
         super().setup(trainer)

@@ -98,3 +98,16 @@ class SyncBatchNorm(TorchSyncBatchNorm):
 
     def revert(self, model: nn.Module) -> nn.Module:
         return super().revert(_convert(model, to_gloo=False))  # Lightning's revert handles torch's kind
+
+
+def apply_layer_sync(strategy, module: nn.Module) -> None:
+    """Apply `trainer.plugins`' LayerSync (SyncBatchNorm) to `module` for strategies Lightning skips.
+
+    Lightning applies it in its DDP and FSDP1 strategies only; FSDP2 (ModelParallelStrategy) and
+    DeepSpeed would silently train with per-rank BatchNorm. Lightning hands the plugin to the strategy
+    as the private attribute `_layer_sync`: this is the one place we read it, and
+    tests/test_deepspeed.py fails if Lightning renames it.
+    """
+    plugin = strategy._layer_sync
+    if plugin is not None:
+        plugin.apply(module)  # converts the layers in place (their parent modules get the new ones)

@@ -32,3 +32,18 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
             model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
             lr_scheduler=lr_scheduler, dist_init_required=False)
         return engine, ds_optimizer
+
+    def _initialize_deepspeed_inference(self, model) -> None:
+        """As Lightning's (used by validate/test outside fit), with the local rank as device_rank:
+        Lightning passes root_device.index, which is None for a CPU device."""
+        import argparse
+
+        import deepspeed
+
+        initialize = deepspeed.initialize
+        deepspeed.initialize = lambda args, **kwargs: initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), **kwargs)
+        try:
+            super()._initialize_deepspeed_inference(model)
+        finally:
+            deepspeed.initialize = initialize

@@ -173,3 +173,15 @@ def test_default_attention_kernel_is_the_measured_faster_one(monkeypatch, overri
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # a bf16-capable CPU, no GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert compose_cfg(overrides).model.attn_implementation == expected
+
+
+@pytest.mark.parametrize("script,args", [("train.py", []), ("eval.py", ["ckpt_path=some.ckpt"])])
+def test_printing_the_resolved_config_works_outside_a_run(tmp_path, script, args):
+    """`--cfg job --resolve` resolves paths.output_dir too (Hydra's runtime.output_dir is unset then)."""
+    from conftest import run_script
+
+    proc = run_script(script, ["--cfg", "job", "--resolve", f"paths.log_dir={tmp_path}", *args], timeout=120)
+    task = "train" if script == "train.py" else "eval"
+    assert f"output_dir: {tmp_path}/{task}/runs/" in proc.stdout
+    assert "${" not in proc.stdout  # every interpolation resolved
+    assert not (tmp_path / task).exists()  # printing creates no run dir

@@ -67,6 +67,18 @@ def fastest_attention(accelerator: str, precision: str, seq_len: int) -> str:
     return "eager" if on_cpu and precision == "bf16-mixed" and int(seq_len) <= 256 else "sdpa"
 
 
+def run_dir() -> str:
+    """This run's dir (paths.output_dir): Hydra's runtime.output_dir, or where Hydra has made none
+    (`python train.py --cfg job --resolve` prints the config without running), the dir a run would use."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from omegaconf import OmegaConf
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", throw_on_missing=False)
+    return output_dir or hydra_cfg.run.dir
+
+
 def register() -> None:
     resolvers = {
         "project_root": lambda: str(PROJECT_ROOT),
@@ -75,6 +87,7 @@ def register() -> None:
         "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "fastest_precision": fastest_precision,
         "fastest_attention": fastest_attention,
+        "run_dir": run_dir,
         "coalesce": lambda *values: next((v for v in values if v is not None), None),  # first non-null
     }
     for name, fn in resolvers.items():

@@ -5,6 +5,7 @@ train.py), applies any `data.*` / `model.*` overrides given on the command line,
 validation and test and prints both.
 """
 
+import logging
 from pathlib import Path
 
 import hydra
@@ -15,11 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import src.utils.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
-from src.tools.checkpoints import consolidate, is_sharded, load_checkpoint
+from src.tools.checkpoints import consolidate, is_sharded, read_config
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.run import prepare
 
 register_schemas()
+log = logging.getLogger(__name__)
 
 
 def trained_config(cfg: DictConfig) -> DictConfig:
@@ -28,11 +30,24 @@ def trained_config(cfg: DictConfig) -> DictConfig:
     if not (path.is_file() or is_sharded(path)):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "
                           "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt")
-    stored = load_checkpoint(path).get("config")
+    stored = read_config(path)  # without loading (or, for shards, gathering) the weights
     if stored is None:  # not written by train.py: trust the composed config
         return OmegaConf.masked_copy(cfg, ["model", "data"])
     overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].startswith(("data.", "model."))]
     return OmegaConf.merge(OmegaConf.create(stored), OmegaConf.from_dotlist(overrides))
+
+
+def consolidated_once(ckpt_path: str, out: Path) -> str:
+    """Shards -> one weights file, built by the first rank to get here; the others (all ranks share the
+    run dir) wait for it and reuse it instead of each gathering the whole checkpoint again."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not out.is_file():
+            log.info(f"Consolidating {ckpt_path} into {out} (model weights only)")
+            consolidate(ckpt_path, out)  # written under a temporary name, then renamed
+    return str(out)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
@@ -47,7 +62,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     ckpt_path = cfg.ckpt_path
     if is_sharded(ckpt_path) and not isinstance(trainer.strategy, (ModelParallelStrategy, DeepSpeedStrategy)):
-        ckpt_path = consolidate(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")  # shards -> 1 file
+        ckpt_path = consolidated_once(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")
     metrics = {}
     for run in (trainer.validate, trainer.test):
         for results in run(model, datamodule=datamodule, ckpt_path=ckpt_path):

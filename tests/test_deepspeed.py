@@ -160,7 +160,7 @@ def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path
 def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+    from src.tools.checkpoints import build_module, export_hf, load_checkpoint, read_config
     from test_parity import max_param_diff
 
     epoch = ["trainer.limit_train_batches=6", "trainer.val_check_interval=6", "model.scheduler=null"]
@@ -169,6 +169,7 @@ def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
     straight = ds_run(tmp_path, "straight", epoch + ["trainer.max_steps=12"])
     a, b = load_checkpoint(resumed["ckpt"]), load_checkpoint(straight["ckpt"])
     assert a["global_step"] == b["global_step"] == 12
+    assert read_config(straight["ckpt"]) == b["config"]  # from DeepSpeed's client state, no zero_to_fp32
     assert max_param_diff(a["state_dict"], b["state_dict"]) <= 1e-6
     hf = AutoModelForCausalLM.from_pretrained(export_hf(straight["ckpt"], tmp_path / "hf")).eval()
     module, _ = build_module(b)

@@ -52,7 +52,11 @@ class ShardedDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
-        self.batch_size = micro_batch_size(self.global_batch_size, rank_and_world()[1], accumulate)
+        world = rank_and_world()[1]
+        if stage in (None, "fit"):
+            self.batch_size = micro_batch_size(self.global_batch_size, world, accumulate)
+        else:  # evaluating only (eval.py): there is no optimizer step, so the global batch need not divide
+            self.batch_size = max(1, self.global_batch_size // (world * accumulate))
         if not self.splits:
             self.splits = self.build_splits()
 

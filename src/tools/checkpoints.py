@@ -13,6 +13,7 @@ optimizer state.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint as one dict with "state_dict" (and "config" when train.py wrote it)."""
+    """The checkpoint as one dict with "state_dict" (and "config" when train.py wrote it); sharded forms
+    are gathered into full fp32 weights, without their optimizer state."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.")
@@ -45,18 +47,52 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             return torch.load(Path(tmp) / "full.ckpt", map_location="cpu", weights_only=False)
     if not is_dcp(path):
         return torch.load(path, map_location="cpu", weights_only=False)
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "full.pt")  # gathers every rank's shards, no process group needed
-        tensors = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
     meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False) if (path / "meta.pt").exists() else {}
-    return {**meta, "state_dict": tensors["state_dict"]}
+    return {**meta, "state_dict": dcp_model_weights(path)}
+
+
+def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a DCP dir, every rank's shards joined, without the optimizer state
+    (two thirds of an Adam checkpoint). No process group needed."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(path))
+    prefix = "state_dict."  # Lightning saves {"state_dict": model, "optimizer_0": ...}; DCP flattens the keys
+    weights = {key: torch.empty(m.size, dtype=m.properties.dtype)
+               for key, m in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    load(weights, storage_reader=reader, no_dist=True)
+    return {key[len(prefix):]: tensor for key, tensor in weights.items()}
+
+
+def read_config(path: str | Path) -> dict[str, Any] | None:
+    """The model/data config train.py stored in a checkpoint, read without loading or gathering weights:
+    a DCP dir's meta.pt, a DeepSpeed dir's client state, a single file memory-mapped."""
+    path = Path(path)
+    if is_dcp(path):
+        files = [path / "meta.pt"]
+    elif is_deepspeed(path):  # Lightning hands the non-tensor state to DeepSpeed as client_state
+        files = sorted((path / (path / "latest").read_text().strip()).glob("*model_states.pt"))
+    else:
+        files = [path]
+    for file in files:
+        if file.is_file():
+            state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            if isinstance(state, dict) and "config" in state:
+                return state["config"]
+    return None
 
 
 def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
+    """One .ckpt file from a sharded dir, written under a temporary name and renamed: `out` is whole or absent."""
     out = Path(out) if out else Path(str(path).rstrip("/") + ".consolidated.ckpt")
-    torch.save(load_checkpoint(path), out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        torch.save(load_checkpoint(path), tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

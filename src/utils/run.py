@@ -43,12 +43,35 @@ def check_machine(trainer_cfg: DictConfig) -> None:
                           "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
 
 
+# Config values that name files or dirs (model.pretrained also decides data.tokenizer's default).
+PATH_KEYS = ("model.pretrained", "data.path", "data.tokenizer", "trainer.strategy.config", "ckpt_path")
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """Paths typed relative to the launch dir, made absolute in `cfg` before anything reads them.
+
+    The checkpoint stores the config, and eval.py or `src.tools.checkpoints export-hf` started from
+    another dir must find the same files. Only values that exist on disk change, so hub names
+    (`gpt2`) and interpolations (they follow their source) stay as written.
+    """
+    nodes = [(key.rpartition(".")[0], key.rpartition(".")[2]) for key in PATH_KEYS]
+    nodes += [(f"data.mix[{i}]", "path") for i in range(len(OmegaConf.select(cfg, "data.mix") or []))]
+    for parent_key, leaf in nodes:
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if not isinstance(parent, DictConfig) or leaf not in parent or OmegaConf.is_interpolation(parent, leaf):
+            continue
+        value = parent[leaf]
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute() and Path(value).exists():
+            parent[leaf] = str(Path(value).resolve())
+
+
 def prepare(cfg: DictConfig) -> None:
     """Checks before any expensive work, then seed and config tree."""
     import lightning as L
 
     check_targets(cfg)
     check_machine(cfg.trainer)
+    absolute_paths(cfg)
     if cfg.trainer.get("use_distributed_sampler", True):
         raise ConfigError("trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
                           "(Lightning's sampler would pad val/test with repeated samples and shard twice).")

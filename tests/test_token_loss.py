@@ -1,0 +1,98 @@
+"""The loss of an optimizer step is the mean over ALL its target tokens (every rank, every accumulation
+micro-batch), so padded instruction batches train the same on 1 x 8, 2 x 4 and 1 x 4 x accumulation 2.
+
+A per-micro-batch mean, averaged by DDP and by accumulation, weights a token of a short micro-batch
+more than one of a long micro-batch; which tokens share a micro-batch depends on the device count.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import shared
+from src.datamodules.instruct import InstructDataModule, pad_collate
+from src.datamodules.text import IGNORE_INDEX
+from src.distributed.samplers import ResumableDistributedSampler
+
+
+def instruct_train_set(seq_len: int = 64):
+    dm = InstructDataModule(str(shared("alpaca", "alpaca_en_demo.json")), tokenizer=str(shared("gpt2-tokenizer")),
+                            seq_len=seq_len, global_batch_size=8)
+    dm.setup()
+    return dm.splits["train"], dm.tokenizer.eos_id
+
+
+@pytest.mark.parametrize("world,accumulate", [(1, 1), (2, 1), (1, 2), (2, 3)])
+def test_step_totals_are_the_targets_the_loaders_deliver_on_all_ranks(world, accumulate):
+    """The table each rank computes alone equals, step by step, the target tokens that the real
+    loaders of all ranks deliver (also in a second epoch and after a mid-epoch resume skip)."""
+    dataset, eos = instruct_train_set()
+    micro = 2
+    for epoch, skip_batches in [(0, 0), (1, 0), (0, 5 * accumulate)]:
+        per_rank = []
+        for rank in range(world):
+            sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3,
+                                                  drop_last=True)
+            sampler.set_epoch(epoch)
+            sampler.skip = skip_batches * micro
+            loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=pad_collate(eos))
+            per_rank.append([int((b["labels"] != IGNORE_INDEX).sum()) for b in loader])
+        delivered = np.sum(per_rank, axis=0)  # micro-batch k of every rank together
+        steps = [int(delivered[k : k + accumulate].sum()) for k in range(0, len(delivered), accumulate)]
+        table = sampler.step_totals(dataset.target_counts(), micro, accumulate, epoch)
+        assert steps == table[skip_batches // accumulate :].tolist()
+        assert len(set(steps)) > 1  # padded records: the steps do differ in their number of targets
+
+
+def tiny_gpt2_without_dropout(tmp: Path) -> Path:
+    """tiny-gpt2 with its checkpoint's dropout (0.1) set to 0: each rank draws its own dropout masks,
+    so with dropout no device count can match another number for number."""
+    path = tmp / "tiny-gpt2"
+    shutil.copytree(shared("tiny-gpt2"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def first_step_token_mean(pretrained: Path, seed: int, global_batch: int) -> float:
+    """Σ token losses / Σ targets of the first global batch, computed here without the template's loop."""
+    from transformers import GPT2LMHeadModel
+
+    dataset, eos = instruct_train_set()
+    sampler = ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    batch = pad_collate(eos)([dataset[int(i)] for i in sampler.epoch_order(0)[:global_batch]])
+    model = GPT2LMHeadModel.from_pretrained(pretrained)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                             ignore_index=IGNORE_INDEX).item()
+
+
+@pytest.mark.slow
+def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
+    """Full fine-tune of tiny GPT-2 on Alpaca records (padded batches, prompt masked): final parameters
+    and the logged train/loss at every step agree to 1e-5, and train/loss is the global batch's token mean."""
+    from test_parity import assert_same_series, max_param_diff, train
+
+    pretrained = tiny_gpt2_without_dropout(tmp_path)
+    args = ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=64", "data.global_batch_size=8", "seed=7", "trainer.max_steps=4",
+            "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "test=false",
+            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2"]
+    one = train(tmp_path, "1x8", args)
+    two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"])
+    acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
+    diffs = max_param_diff(one["params"], two["params"]), max_param_diff(one["params"], acc["params"])
+    assert max(diffs) <= 1e-5, diffs
+    assert_same_series(one, two, "train/loss", 1e-5)
+    assert_same_series(one, acc, "train/loss", 1e-5)
+    assert len(one["scalars"]["train/loss"]) == 4
+    assert one["scalars"]["train/loss"][0][1] == pytest.approx(first_step_token_mean(pretrained, 7, 8), abs=1e-5)

@@ -99,3 +99,25 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
         assert_same_series(one, other, "train/loss", 1e-5)
     assert len(one["scalars"]["train/loss"]) == 3
     assert one["scalars"]["train/loss"][0][1] == pytest.approx(first_step_token_mean(pretrained, 7, 8), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path):
+    """Stopped after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed to 8
+    steps (so into the next epoch): the same parameters and train/loss as 8 steps straight. Each step's
+    token count is looked up by batch index, which must continue where the checkpoint left off."""
+    from test_parity import assert_same_series, max_param_diff, train
+
+    pretrained = tiny_gpt2_without_dropout(tmp_path)
+    args = ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=64", "data.global_batch_size=8", "trainer.accumulate_grad_batches=2",
+            "trainer.limit_train_batches=12", "trainer.val_check_interval=12", "trainer.limit_val_batches=1",
+            "test=false", "model.scheduler=null", "model.optimizer.lr=1e-2", "optimized_metric=train/loss",
+            "callbacks.last_checkpoint.every_n_train_steps=1"]
+    train(tmp_path, "first", args + ["trainer.max_steps=3"])
+    (run,) = (tmp_path / "first" / "train" / "runs").iterdir()
+    resumed = train(tmp_path, "resumed", args + ["trainer.max_steps=8", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"])
+    straight = train(tmp_path, "straight", args + ["trainer.max_steps=8"])
+    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-6
+    straight["scalars"]["train/loss"] = straight["scalars"]["train/loss"][3:]  # the resumed run logs steps 3..7
+    assert_same_series(resumed, straight, "train/loss", 1e-6)

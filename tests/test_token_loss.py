@@ -7,6 +7,7 @@ more than one of a long micro-batch; which tokens share a micro-batch depends on
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -76,6 +77,13 @@ def first_step_token_mean(pretrained: Path, seed: int, global_batch: int) -> flo
                                              ignore_index=IGNORE_INDEX).item()
 
 
+def instruct_args(pretrained: Path) -> list[str]:
+    return ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=64", "data.global_batch_size=8", "seed=7", "trainer.max_steps=3",
+            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "test=false",
+            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2"]
+
+
 @pytest.mark.slow
 def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
     """Full fine-tune of tiny GPT-2 on Alpaca records (padded batches, prompt masked): 1 x 8, DDP 2 x 4,
@@ -84,10 +92,7 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
     from test_parity import assert_same_series, max_param_diff, train
 
     pretrained = tiny_gpt2_without_dropout(tmp_path)
-    args = ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
-            "data.seq_len=64", "data.global_batch_size=8", "seed=7", "trainer.max_steps=3",
-            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "test=false",
-            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2"]
+    args = instruct_args(pretrained)
     one = train(tmp_path, "1x8", args)
     two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"])
     acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
@@ -99,6 +104,23 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
         assert_same_series(one, other, "train/loss", 1e-5)
     assert len(one["scalars"]["train/loss"]) == 3
     assert one["scalars"]["train/loss"][0][1] == pytest.approx(first_step_token_mean(pretrained, 7, 8), abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
+def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path):
+    """DeepSpeed divides the loss by its gradient_accumulation_steps itself, after Lightning already did:
+    ZeRO-2 on 2 ranks x 2 x accumulation 2 must still equal 1 x 8 (parameters and train/loss)."""
+    from src.tools.checkpoints import load_checkpoint
+    from test_deepspeed import CPU_DS
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import assert_same_series, max_param_diff, train
+
+    args = instruct_args(tiny_gpt2_without_dropout(tmp_path))
+    one = train(tmp_path, "1x8", args)
+    ds = train_sharded(tmp_path, "ds", args + CPU_DS + ["trainer.strategy.stage=2", "trainer.accumulate_grad_batches=2"])
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5
+    assert_same_series(one, ds, "train/loss", 1e-5)
 
 
 @pytest.mark.slow

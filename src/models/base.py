@@ -81,11 +81,17 @@ class LitModule(L.LightningModule):
         total = self._step_total(batch_idx)
         if total is None:
             return loss_sum / n_targets.clamp(min=1)
-        trainer, (_, _, world) = self.trainer, self._step_totals
-        # Lightning divides by A; DeepSpeed (which "handles accumulation") divides by A once more itself
-        divided = trainer.accumulate_grad_batches * (trainer.accumulate_grad_batches
-                                                     if trainer.strategy.handles_gradient_accumulation else 1)
-        return loss_sum * (world * divided / max(total, 1))
+        world = self._step_totals[2]
+        return loss_sum * (world * self.trainer.accumulate_grad_batches / max(total, 1))
+
+    def loss_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """What training_step returns for `loss`: Lightning divides it by A (accumulation), and DeepSpeed,
+        the strategy that "handles accumulation", divides by its gradient_accumulation_steps (= A) once
+        more in engine.backward; so under DeepSpeed we multiply by A to leave one division."""
+        trainer = self.trainer
+        if trainer.strategy.handles_gradient_accumulation and trainer.accumulate_grad_batches > 1:
+            return loss * trainer.accumulate_grad_batches
+        return loss
 
     def _step_total(self, batch_idx: int) -> Optional[int]:
         """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches.

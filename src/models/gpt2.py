@@ -177,7 +177,7 @@ class GPT2LitModule(LitModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
         self.log_train_loss(loss, batch_idx)
-        return loss
+        return self.loss_for_backward(loss)
 
     def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"train/loss": loss, "train/ppl": torch.exp(loss)}

@@ -52,6 +52,21 @@ def test_step_totals_are_the_targets_the_loaders_deliver_on_all_ranks(world, acc
         assert len(set(steps)) > 1  # padded records: the steps do differ in their number of targets
 
 
+def test_the_shared_order_is_torchs_distributed_sampler_order():
+    """step_totals and the loaders read one function, epoch_order; it draws what torch's DistributedSampler
+    (shuffle, drop_last) draws, so the resume skip and every rank's share stay as they were."""
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(23))
+    for world in (1, 3):
+        for rank in range(world):
+            ours = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=5, drop_last=True)
+            torchs = DistributedSampler(data, num_replicas=world, rank=rank, seed=5, drop_last=True)
+            for epoch in (0, 1):
+                ours.set_epoch(epoch), torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs)
+
+
 def tiny_gpt2_without_dropout(tmp: Path) -> Path:
     """tiny-gpt2 with its checkpoint's dropout (0.1) set to 0: each rank draws its own dropout masks,
     so with dropout no device count can match another number for number."""

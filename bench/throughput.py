@@ -111,7 +111,9 @@ def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str =
         batch = next(batches)
         t.append(time.perf_counter())
         with autocast:
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            logits = model(input_ids=batch["input_ids"]).logits  # labels are already shifted (src/datamodules)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                                     ignore_index=-100)
         t.append(time.perf_counter())
         loss.backward()
         t.append(time.perf_counter())

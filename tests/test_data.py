@@ -48,8 +48,34 @@ def test_packing_keeps_every_token(tmp_path, tok, seq_len):
     assert all(len(b["input_ids"]) == seq_len for b in blocks)
     labels = torch.cat([b["labels"] for b in blocks])
     kept = labels[labels != IGNORE_INDEX].numpy()
-    np.testing.assert_array_equal(kept, stream)  # every token in exactly one block, in order
-    assert (labels == IGNORE_INDEX).sum() == len(blocks) * seq_len - len(stream)  # only the tail is padding
+    # labels are shifted targets: every token but the first (which has no context) once, in order
+    np.testing.assert_array_equal(kept, stream[1:])
+    assert (labels == IGNORE_INDEX).sum() == len(blocks) * seq_len - (len(stream) - 1)  # only the tail is padding
+    for b in blocks:  # each target is the token that follows its input
+        real = b["labels"] != IGNORE_INDEX
+        np.testing.assert_array_equal(b["input_ids"][1:][real[:-1]], b["labels"][:-1][real[:-1]])
+    assert dm.splits["train"].target_counts().tolist() == [int((b["labels"] != IGNORE_INDEX).sum()) for b in blocks]
+
+
+def test_every_token_after_the_first_is_a_target_exactly_once_over_train_val_test(tmp_path):
+    """Blocks read seq_len + 1 tokens (overlapping by one): no token is lost at block boundaries,
+    and the padding of the stream's last, partial block is masked."""
+    stream_len = 1 + 10 * 13 + 5  # 136 tokens: 10 full blocks of 13 targets and one partial block of 5
+    (tmp_path / "t.txt").write_bytes(bytes(range(65, 65 + 26)) * 5 + b"abcde")  # + EOS = 136 tokens
+    dm = TextDataModule(path=str(tmp_path / "t.txt"), seq_len=13, global_batch_size=1, val_fraction=0.2,
+                        test_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    dm.setup()
+    stream = np.asarray(dm.tokens())
+    assert len(stream) == stream_len
+    blocks = [dm.splits[s][i] for s in ("train", "val", "test") for i in range(len(dm.splits[s]))]
+    assert [len(dm.splits[s]) for s in ("train", "val", "test")] == [8, 2, 1] and len(blocks) == 11
+    targets = torch.cat([b["labels"] for b in blocks])
+    np.testing.assert_array_equal(targets[targets != IGNORE_INDEX].numpy(), stream[1:])
+    last = blocks[-1]
+    assert last["labels"].tolist()[5:] == [IGNORE_INDEX] * 8  # the partial block's padding is no target
+    assert last["input_ids"].tolist()[:6] == stream[-6:].tolist()
+    counts = np.concatenate([dm.splits[s].target_counts() for s in ("train", "val", "test")])
+    assert counts.tolist() == [13] * 10 + [5]
 
 
 def test_splits_are_disjoint_and_cover_all_blocks(tmp_path):
@@ -58,9 +84,9 @@ def test_splits_are_disjoint_and_cover_all_blocks(tmp_path):
                         test_fraction=0.05, cache_dir=str(tmp_path / "cache"))
     dm.setup()
     sizes = [len(dm.splits[s]) for s in ("train", "val", "test")]
-    assert sizes == [86, 10, 5] and sum(sizes) == 101  # 10001 tokens (text + EOS) -> 101 blocks
+    assert sizes == [85, 10, 5] and sum(sizes) == 100  # 10001 tokens (text + EOS) -> 10000 targets in 100 blocks
     starts = [dm.splits[s].first for s in ("train", "val", "test")]
-    assert starts == [0, 86, 96]
+    assert starts == [0, 85, 95]
 
 
 def test_cache_is_reused_and_invalidated_when_corpus_or_tokenizer_change(tmp_path):

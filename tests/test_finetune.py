@@ -22,9 +22,11 @@ def test_masking_is_exact_token_by_token():
     prompt = ALPACA.format(**record)
     prompt_ids = tok.encode_batch([prompt])[0].tolist()
     response_ids = tok.encode_batch(["The sum is 5."])[0].tolist()
-    assert ids.tolist() == prompt_ids + response_ids + [50256]  # EOS appended
-    assert labels.tolist() == [IGNORE_INDEX] * len(prompt_ids) + response_ids + [50256]
-    assert tok.decode([i for i, l in zip(ids, labels) if l != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
+    # labels are shifted targets: the EOS (appended) is only a target, never an input
+    assert ids.tolist() == prompt_ids + response_ids
+    assert labels.tolist() == [IGNORE_INDEX] * (len(prompt_ids) - 1) + response_ids + [50256]
+    assert tok.decode([l for l in labels if l != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
+    assert (labels[:-1][labels[:-1] != IGNORE_INDEX] == ids[1:][labels[:-1] != IGNORE_INDEX]).all()  # next token
     no_input = encode({"instruction": "Say hi.", "input": "", "output": "Hi"}, tok, ALPACA, ALPACA_NO_INPUT)
     assert tok.decode(no_input[0].tolist()).startswith(ALPACA_NO_INPUT.format(instruction="Say hi."))
 

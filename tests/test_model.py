@@ -30,15 +30,38 @@ def test_generation_does_not_touch_the_training_rng():
 
 
 def test_padding_labels_are_not_counted():
+    """Labels are already shifted (labels[t] is the target of position t): the loss is their summed
+    cross-entropy in fp32, and -100 is no target."""
     model = tiny_model()
     ids = torch.randint(0, 256, (2, 32))
-    labels = ids.clone()
+    labels = torch.randint(0, 256, (2, 32))
+    labels[0, -1] = -100
     labels[1, 20:] = -100
-    loss, n = model._loss_and_count({"input_ids": ids, "labels": labels})
-    assert n == 31 + 19  # targets are shifted by one: 31 in row 0, positions 1..19 in row 1
-    logits = model(ids).logits[:, :-1]
-    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), labels[:, 1:].reshape(-1), ignore_index=-100)
-    torch.testing.assert_close(loss, manual)
+    loss_sum, n = model._loss_and_count({"input_ids": ids, "labels": labels})
+    assert n == 31 + 20
+    logits = model(ids).logits
+    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), labels.reshape(-1), ignore_index=-100,
+                                               reduction="sum")
+    torch.testing.assert_close(loss_sum, manual)
+    torch.testing.assert_close(model(ids, labels).loss, manual / 51)
+
+
+def test_eval_loss_is_summed_tokens_over_targets_zero_target_batches_add_nothing_and_nan_shows():
+    """An evaluation batch whose labels are all -100 (padding of a short shard) adds exactly 0 to the
+    loss sum and the count; a NaN loss is not dropped (torchmetrics' MeanMetric would drop it)."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 32))
+    labels = torch.randint(0, 256, (2, 32))
+    metric = model.val_metrics["loss"]
+    metric.update(*model._loss_and_count({"input_ids": ids, "labels": labels}))
+    expected = metric.compute().clone()
+    empty = model._loss_and_count({"input_ids": ids, "labels": torch.full_like(labels, -100)})
+    assert empty[0].item() == 0.0 and empty[1].item() == 0
+    metric.update(*empty)
+    assert metric.compute().item() == expected.item()
+    torch.testing.assert_close(expected, model(ids, labels).loss)
+    metric.update(torch.tensor(float("nan")), torch.tensor(64))
+    assert torch.isnan(metric.compute())
 
 
 def test_flops_per_token_by_hand():

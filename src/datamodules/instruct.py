@@ -1,7 +1,8 @@
 """Instruction tuning data: Alpaca-style records {instruction, input, output} from JSON or JSONL.
 
-Each record becomes prompt + response + EOS. Labels are -100 on the prompt, so the loss (and
-the gradient) comes from the response and its EOS only. Records are tokenized once, at setup,
+Each record becomes prompt + response + EOS. Labels (already shifted: labels[t] is the token after
+input t) are -100 where that token is the prompt's, so the loss (and the gradient) comes from the
+response and its EOS only. Records are tokenized once, at setup,
 and batches are padded to their longest record with an attention mask; no packing (packing
 without attention crossing records would need a block-diagonal mask).
 """
@@ -64,12 +65,14 @@ def read_records(path: str) -> list[dict]:
 
 
 def encode(record: dict, tokenizer: Tokenizer, template: str, template_no_input: str) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids, labels): prompt tokens carry label -100; the response and EOS carry their own ids."""
+    """(input_ids, labels) of prompt + response + EOS, labels already shifted as all data here:
+    labels[t] is the token after input_ids[t], -100 while that token is still the prompt's. So the
+    response and its EOS are the targets, and the EOS, which predicts nothing, is not an input."""
     prompt = (template if record.get("input") else template_no_input).format(**{k: record.get(k, "") for k in FIELDS})
     prompt_ids, response_ids = tokenizer.encode_batch([prompt, record["output"]])
-    ids = np.concatenate([prompt_ids, response_ids, [tokenizer.eos_id]]).astype(np.int64)
-    labels = ids.copy()
-    labels[: len(prompt_ids)] = IGNORE_INDEX
+    tokens = np.concatenate([prompt_ids, response_ids, [tokenizer.eos_id]]).astype(np.int64)
+    ids, labels = tokens[:-1], tokens[1:].copy()
+    labels[: max(len(prompt_ids) - 1, 0)] = IGNORE_INDEX
     return ids, labels
 
 
@@ -82,6 +85,10 @@ class Records(Dataset):
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.items[i]
+
+    def target_counts(self) -> np.ndarray:
+        """Target tokens per record: the loss normaliser (see LitModule.token_mean_scale)."""
+        return np.array([(labels != IGNORE_INDEX).sum() for _, labels in self.items], dtype=np.int64)
 
 
 def pad_collate(pad_id: int):

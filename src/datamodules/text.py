@@ -1,8 +1,9 @@
 """Causal-LM data: a token stream packed into fixed `seq_len` blocks, split train/val/test.
 
 Packing: documents are joined with EOS and cut into consecutive blocks, so long documents
-are split across blocks, never truncated, and no token is lost (the last, partial block is
-padded, and its padding is masked out of the loss with label -100).
+are split across blocks, never truncated, and no token is lost: every token after the stream's
+first is a target exactly once (blocks overlap by one token; the last, partial block is padded,
+and its padding is masked out of the loss with label -100).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) sk
 
 
 class PackedBlocks(Dataset):
-    """Blocks `first .. first+count-1` of `seq_len` tokens each from a flat token stream."""
+    """Blocks `first .. first+count-1` of a flat token stream: block j reads the seq_len + 1 tokens
+    from j * seq_len on (consecutive blocks overlap by one), inputs are its first seq_len and labels
+    the next seq_len. Labels are already shifted (labels[t] is the token that follows inputs[t], the
+    convention of all data here), so every token after the stream's first is a target exactly once."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int, pad_id: int) -> None:
         self.tokens, self.seq_len, self.first, self.count, self.pad_id = tokens, seq_len, first, count, pad_id
@@ -39,13 +43,22 @@ class PackedBlocks(Dataset):
         if not 0 <= i < self.count:
             raise IndexError(i)
         start = (self.first + i) * self.seq_len
-        ids = torch.from_numpy(self.tokens[start : start + self.seq_len].astype(np.int64))
-        labels = ids.clone()
-        if len(ids) < self.seq_len:  # only the very last block of the stream
-            pad = self.seq_len - len(ids)
-            ids = torch.cat([ids, torch.full((pad,), self.pad_id)])
-            labels = torch.cat([labels, torch.full((pad,), IGNORE_INDEX)])
+        chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        ids, labels = chunk[: self.seq_len], chunk[1:]
+        if len(labels) < self.seq_len:  # only the very last block of the stream
+            ids = torch.cat([ids, torch.full((self.seq_len - len(ids),), self.pad_id)])
+            labels = torch.cat([labels, torch.full((self.seq_len - len(labels),), IGNORE_INDEX)])
         return {"input_ids": ids, "labels": labels}
+
+    def target_counts(self) -> np.ndarray:
+        """Target tokens per block (seq_len, fewer in the stream's last block): the loss normaliser."""
+        starts = (self.first + np.arange(self.count, dtype=np.int64)) * self.seq_len
+        return np.minimum(self.seq_len, len(self.tokens) - 1 - starts)
+
+
+def count_blocks(n_tokens: int, seq_len: int) -> int:
+    """Blocks needed so that every token but the first is a target once (the first has no context)."""
+    return math.ceil((n_tokens - 1) / seq_len)
 
 
 class WeightedMix(Dataset):
@@ -71,6 +84,13 @@ class WeightedMix(Dataset):
 
     def __getitem__(self, i: int):
         return self.datasets[self.source[i]][self.index[i]]
+
+    def target_counts(self) -> np.ndarray:
+        counts = np.empty(len(self.source), dtype=np.int64)
+        for s, dataset in enumerate(self.datasets):
+            where = self.source == s
+            counts[where] = dataset.target_counts()[self.index[where]]
+        return counts
 
 
 def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
@@ -141,7 +161,7 @@ class TextDataModule(ShardedDataModule):
 
     def _splits_of(self, path: Optional[str]) -> dict[str, PackedBlocks]:
         tokens = self.tokens(path)
-        n_train, n_val, n_test = split_blocks(math.ceil(len(tokens) / self.seq_len), self.val_fraction,
+        n_train, n_val, n_test = split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction,
                                               self.test_fraction)
         eos = self.tokenizer.eos_id
         log.info(f"{path or self.path or 'corpus'}: {len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} "

@@ -6,7 +6,10 @@ repeating samples: 10 samples on 3 ranks become 12 evaluated, and the metrics co
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Optional
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
@@ -24,10 +27,31 @@ class ResumableDistributedSampler(DistributedSampler):
 
     skip = 0  # indices of this rank's next pass to leave out; reset after one pass
 
+    def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The epoch's permutation as every rank computes it, the dropped tail removed (what
+        DistributedSampler draws with shuffle=True, drop_last=True); rank r reads positions r, r+W, ..."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+        return torch.randperm(len(self.dataset), generator=g).numpy()[: self.total_size]
+
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
+        indices = self.epoch_order()[self.rank :: self.num_replicas].tolist()
         skip, self.skip = self.skip, 0
         return iter(indices[skip:])
+
+    def step_totals(self, counts: np.ndarray, micro_batch: int, accumulate: int, epoch: int) -> np.ndarray:
+        """Per optimizer step of `epoch`: the sum of `counts` (e.g. target tokens per sample) over the
+        step's samples on all ranks and all accumulation micro-batches.
+
+        Every rank computes the same table from the shared permutation, so no communication is needed:
+        the k-th micro-batch of every rank together is positions [k*b*W, (k+1)*b*W) of the order, and
+        step s is micro-batches [s*A, (s+1)*A) (the epoch's last step may have fewer, as Lightning runs it).
+        """
+        world = self.num_replicas
+        n_micro = self.num_samples // micro_batch  # DataLoader(drop_last=True) drops each rank's partial batch
+        order = self.epoch_order(epoch)[: n_micro * micro_batch * world]
+        per_micro = np.asarray(counts, dtype=np.int64)[order].reshape(n_micro, micro_batch * world).sum(1)
+        return np.add.reduceat(per_micro, np.arange(0, n_micro, accumulate)) if n_micro else per_micro
 
 
 def train_sampler(dataset, seed: int) -> ResumableDistributedSampler:

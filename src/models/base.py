@@ -1,5 +1,6 @@
-"""What every model here shares: train loss averaged over ranks, epoch metrics synced over ranks,
-and an optimizer whose LR can follow the global batch size."""
+"""What every model here shares: a train loss normalised by the tokens of the whole optimizer step
+(so 1 x 8, 2 x 4 and 1 x 4 x accumulation 2 optimise the same objective), epoch metrics synced over
+ranks, and an optimizer whose LR can follow the global batch size."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+from src.distributed.samplers import train_sampler
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ class LitModule(L.LightningModule):
         self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self._loss_sum: Optional[torch.Tensor] = None
-        self._loss_count = 0
+        self._target_counts: Optional[tuple[Any, Any]] = None  # (train dataset, its target tokens per sample)
+        self._step_totals: Optional[tuple[int, Any, int]] = None  # (epoch, target tokens per step, world size)
 
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
         """The model's repeated blocks as (parent, name, block): the units FSDP shards and checkpoints."""
@@ -64,22 +68,70 @@ class LitModule(L.LightningModule):
     def configure_model(self) -> None:
         """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook)."""
 
-    def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """Log the step's loss averaged over ranks and accumulation micro-batches.
+    def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The micro-batch's share of its optimizer step's loss, the mean over the step's target tokens
+        on all ranks and accumulation micro-batches (the idea of transformers' `num_items_in_batch`).
 
-        One all-reduce on logging steps only; other steps just add on the device (no host sync).
-        Lightning's `self.log(..., sync_dist=True)` would all-reduce on every step, and logging
-        without it shows rank 0's own loss, which is not the loss of the global batch.
+        Returned to Lightning, which divides it by A (accumulation); DDP and FSDP average the gradients
+        over the W ranks. So we return (sum of this micro-batch's token losses) x W x A / N_step, and
+        the step's gradient is that of (sum of all its token losses) / N_step, whatever W and A are.
+        N_step comes from a table every rank computes alike (see _step_total): no communication, no
+        host sync. Without a table (the train set cannot count its targets), the micro-batch's own mean.
         """
-        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
-        self._loss_count += 1
+        total = self._step_total(batch_idx)
+        if total is None:
+            return loss_sum / n_targets.clamp(min=1)
+        world = self._step_totals[2]
+        return loss_sum * (world * self.trainer.accumulate_grad_batches / max(total, 1))
+
+    def loss_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """What training_step returns for `loss`: Lightning divides it by A (accumulation), and DeepSpeed,
+        the strategy that "handles accumulation", divides by its gradient_accumulation_steps (= A) once
+        more in engine.backward; so under DeepSpeed we multiply by A to leave one division."""
         trainer = self.trainer
+        if trainer.strategy.handles_gradient_accumulation and trainer.accumulate_grad_batches > 1:
+            return loss * trainer.accumulate_grad_batches
+        return loss
+
+    def _step_total(self, batch_idx: int) -> Optional[int]:
+        """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches.
+
+        The training sampler draws one seeded permutation per epoch that all ranks share, so each rank
+        can sum the per-sample target counts (computed once, numpy) over every global step of the epoch.
+        `batch_idx` counts on from a mid-epoch checkpoint, as the sampler skips the batches done.
+        """
+        trainer = self._trainer
+        datamodule = getattr(trainer, "datamodule", None)
+        dataset = getattr(datamodule, "splits", {}).get("train")
+        if not hasattr(dataset, "target_counts"):
+            return None
+        if self._target_counts is None or self._target_counts[0] is not dataset:
+            self._target_counts, self._step_totals = (dataset, dataset.target_counts()), None
+        epoch, accumulate = trainer.current_epoch, trainer.accumulate_grad_batches
+        if self._step_totals is None or self._step_totals[0] != epoch:
+            sampler = train_sampler(dataset, datamodule.seed or 0)  # the order the train loader reads
+            totals = sampler.step_totals(self._target_counts[1], datamodule.batch_size, accumulate, epoch)
+            self._step_totals = (epoch, totals.tolist(), sampler.num_replicas)
+        return self._step_totals[1][batch_idx // accumulate]
+
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Log the step's loss: the sum over its micro-batches of `loss` / A, averaged over ranks.
+
+        With `token_mean_loss` that is the mean over the step's target tokens on all ranks; with
+        per-micro-batch means, the mean of those means. One all-reduce on logging steps only; other
+        steps just add on the device (no host sync). Lightning's `self.log(..., sync_dist=True)` would
+        all-reduce on every step, and logging without it shows rank 0's own loss, which is not the
+        loss of the global batch.
+        """
+        trainer = self.trainer
+        share = loss.detach() / trainer.accumulate_grad_batches  # what Lightning backpropagates
+        self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
         if (batch_idx + 1) % trainer.accumulate_grad_batches:  # mid-accumulation: the step is not over
             return
         if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
-            mean = trainer.strategy.reduce(self._loss_sum / self._loss_count, reduce_op="mean")
+            mean = trainer.strategy.reduce(self._loss_sum, reduce_op="mean")
             self.log_dict(self.train_metrics(mean), prog_bar=True)
-        self._loss_sum, self._loss_count = None, 0
+        self._loss_sum = None
 
     def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"train/loss": loss}

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from src.models.base import LitModule
@@ -30,6 +30,39 @@ def lora_config(r: int, alpha: int, dropout: float, target_modules: list[str]):
     # GPT-2's projections are transformers Conv1D layers, whose weights are stored transposed.
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                       fan_in_fan_out=True, task_type="CAUSAL_LM")
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token cross-entropies, number of targets), in fp32.
+
+    Labels are already shifted, the convention of all data here: labels[t] is the target of
+    position t (the token after input t), -100 where there is none. A batch with no target gives
+    exactly (0, 0), never NaN, so it can be added to any sum; a NaN logit still gives NaN.
+    """
+    logits = logits[:, -labels.shape[1] :]  # prompt tuning prepends virtual tokens to the logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+class TokenMeanLoss(Metric):
+    """Σ token losses / Σ targets over all ranks: torchmetrics all-gathers the two sums, not a mean of
+    means. Unlike MeanMetric it never drops NaNs (a diverged model must show NaN), and batches
+    without targets add exactly 0 to both sums."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("n_targets", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
+        self.loss_sum += loss_sum.detach().float()
+        self.n_targets += n_targets
+
+    def compute(self) -> torch.Tensor:
+        return self.loss_sum / self.n_targets
 
 
 class GPT2LitModule(LitModule):
@@ -97,9 +130,8 @@ class GPT2LitModule(LitModule):
         if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
             model.compile()
         self.model = model
-        # Token-weighted mean losses: torchmetrics syncs the sum and the weight, not a mean of means.
-        self.val_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
-        self.test_metrics = torch.nn.ModuleDict({"loss": MeanMetric()})
+        self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+        self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
 
     @property
     def hf_model(self) -> GPT2LMHeadModel:
@@ -129,28 +161,32 @@ class GPT2LitModule(LitModule):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        """The model's output; with `labels` (already shifted, see summed_token_loss) its `.loss` is their
+        token mean. Training normalises differently: by the whole optimizer step's targets."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        if labels is not None:
+            loss_sum, n_targets = summed_token_loss(out.logits, labels)
+            out.loss = loss_sum / n_targets
+        return out
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self(batch["input_ids"], batch["labels"], batch.get("attention_mask")).loss
-        n_targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # HF shifts labels by one inside
-        return loss, n_targets
+        """(sum of the batch's token losses, number of targets)."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        return summed_token_loss(logits, batch["labels"])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch["input_ids"], batch["labels"], batch.get("attention_mask")).loss  # no token count needed
+        loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
         self.log_train_loss(loss, batch_idx)
-        return loss
+        return self.loss_for_backward(loss)
 
     def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"train/loss": loss, "train/ppl": torch.exp(loss)}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, n = self._loss_and_count(batch)
-        self.val_metrics["loss"].update(loss, weight=n)
+        self.val_metrics["loss"].update(*self._loss_and_count(batch))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, n = self._loss_and_count(batch)
-        self.test_metrics["loss"].update(loss, weight=n)
+        self.test_metrics["loss"].update(*self._loss_and_count(batch))
 
     def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
         loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]

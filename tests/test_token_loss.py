@@ -1,0 +1,160 @@
+"""The loss of an optimizer step is the mean over ALL its target tokens (every rank, every accumulation
+micro-batch), so padded instruction batches train the same on 1 x 8, 2 x 4 and 1 x 4 x accumulation 2.
+
+A per-micro-batch mean, averaged by DDP and by accumulation, weights a token of a short micro-batch
+more than one of a long micro-batch; which tokens share a micro-batch depends on the device count.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import shared
+from src.datamodules.instruct import InstructDataModule, pad_collate
+from src.datamodules.text import IGNORE_INDEX
+from src.distributed.samplers import ResumableDistributedSampler
+
+
+def instruct_train_set(seq_len: int = 64):
+    dm = InstructDataModule(str(shared("alpaca", "alpaca_en_demo.json")), tokenizer=str(shared("gpt2-tokenizer")),
+                            seq_len=seq_len, global_batch_size=8)
+    dm.setup()
+    return dm.splits["train"], dm.tokenizer.eos_id
+
+
+@pytest.mark.parametrize("world,accumulate", [(1, 1), (2, 1), (1, 2), (2, 3)])
+def test_step_totals_are_the_targets_the_loaders_deliver_on_all_ranks(world, accumulate):
+    """The table each rank computes alone equals, step by step, the target tokens that the real
+    loaders of all ranks deliver (also in a second epoch and after a mid-epoch resume skip)."""
+    dataset, eos = instruct_train_set()
+    micro = 2
+    for epoch, skip_batches in [(0, 0), (1, 0), (0, 5 * accumulate)]:
+        per_rank = []
+        for rank in range(world):
+            sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3,
+                                                  drop_last=True)
+            sampler.set_epoch(epoch)
+            sampler.skip = skip_batches * micro
+            loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=pad_collate(eos))
+            per_rank.append([int((b["labels"] != IGNORE_INDEX).sum()) for b in loader])
+        delivered = np.sum(per_rank, axis=0)  # micro-batch k of every rank together
+        steps = [int(delivered[k : k + accumulate].sum()) for k in range(0, len(delivered), accumulate)]
+        table = sampler.step_totals(dataset.target_counts(), micro, accumulate, epoch)
+        assert steps == table[skip_batches // accumulate :].tolist()
+        assert len(set(steps)) > 1  # padded records: the steps do differ in their number of targets
+
+
+def test_the_shared_order_is_torchs_distributed_sampler_order():
+    """step_totals and the loaders read one function, epoch_order; it draws what torch's DistributedSampler
+    (shuffle, drop_last) draws, so the resume skip and every rank's share stay as they were."""
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(23))
+    for world in (1, 3):
+        for rank in range(world):
+            ours = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=5, drop_last=True)
+            torchs = DistributedSampler(data, num_replicas=world, rank=rank, seed=5, drop_last=True)
+            for epoch in (0, 1):
+                ours.set_epoch(epoch), torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs)
+
+
+def tiny_gpt2_without_dropout(tmp: Path) -> Path:
+    """tiny-gpt2 with its checkpoint's dropout (0.1) set to 0: each rank draws its own dropout masks,
+    so with dropout no device count can match another number for number."""
+    path = tmp / "tiny-gpt2"
+    shutil.copytree(shared("tiny-gpt2"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def first_step_token_mean(pretrained: Path, seed: int, global_batch: int) -> float:
+    """Σ token losses / Σ targets of the first global batch, computed here without the template's loop."""
+    from transformers import GPT2LMHeadModel
+
+    dataset, eos = instruct_train_set()
+    sampler = ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    batch = pad_collate(eos)([dataset[int(i)] for i in sampler.epoch_order(0)[:global_batch]])
+    model = GPT2LMHeadModel.from_pretrained(pretrained)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                             ignore_index=IGNORE_INDEX).item()
+
+
+def instruct_args(pretrained: Path) -> list[str]:
+    return ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=64", "data.global_batch_size=8", "seed=7", "trainer.max_steps=3",
+            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "test=false",
+            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2"]
+
+
+@pytest.mark.slow
+def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
+    """Full fine-tune of tiny GPT-2 on Alpaca records (padded batches, prompt masked): 1 x 8, DDP 2 x 4,
+    FSDP2 2 x 4 and 1 x 4 x accumulation 2 agree to 1e-5 in final parameters and in the logged train/loss
+    at every step, and train/loss is the global batch's token mean."""
+    from test_parity import assert_same_series, max_param_diff, train
+
+    pretrained = tiny_gpt2_without_dropout(tmp_path)
+    args = instruct_args(pretrained)
+    one = train(tmp_path, "1x8", args)
+    two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"])
+    acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
+    fsdp = train(tmp_path, "fsdp2x4", args + ["trainer=fsdp", "trainer.devices=2",
+                                              "trainer.strategy.save_distributed_checkpoint=false"])
+    diffs = [max_param_diff(one["params"], other["params"]) for other in (two, acc, fsdp)]
+    assert max(diffs) <= 1e-5, diffs
+    for other in (two, acc, fsdp):
+        assert_same_series(one, other, "train/loss", 1e-5)
+    assert len(one["scalars"]["train/loss"]) == 3
+    assert one["scalars"]["train/loss"][0][1] == pytest.approx(first_step_token_mean(pretrained, 7, 8), abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
+def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path):
+    """DeepSpeed divides the loss by its gradient_accumulation_steps itself, after Lightning already did:
+    ZeRO-2 on 2 ranks x 2 x accumulation 2 must still equal 1 x 8 (parameters and train/loss)."""
+    from src.tools.checkpoints import load_checkpoint
+    from test_deepspeed import CPU_DS
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import assert_same_series, max_param_diff, train
+
+    args = instruct_args(tiny_gpt2_without_dropout(tmp_path))
+    one = train(tmp_path, "1x8", args)
+    ds = train_sharded(tmp_path, "ds", args + CPU_DS + ["trainer.strategy.stage=2", "trainer.accumulate_grad_batches=2"])
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5
+    assert_same_series(one, ds, "train/loss", 1e-5)
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path):
+    """Stopped after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed to 8
+    steps (so into the next epoch): the same parameters and train/loss as 8 steps straight. Each step's
+    token count is looked up by batch index, which must continue where the checkpoint left off."""
+    from test_parity import assert_same_series, max_param_diff, train
+
+    pretrained = tiny_gpt2_without_dropout(tmp_path)
+    args = ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=64", "data.global_batch_size=8", "trainer.accumulate_grad_batches=2",
+            "trainer.limit_train_batches=12", "trainer.val_check_interval=12", "trainer.limit_val_batches=1",
+            "test=false", "model.scheduler=null", "model.optimizer.lr=1e-2", "optimized_metric=train/loss",
+            "callbacks.last_checkpoint.every_n_train_steps=1"]
+    train(tmp_path, "first", args + ["trainer.max_steps=3"])
+    (run,) = (tmp_path / "first" / "train" / "runs").iterdir()
+    resumed = train(tmp_path, "resumed", args + ["trainer.max_steps=8", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"])
+    straight = train(tmp_path, "straight", args + ["trainer.max_steps=8"])
+    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-6
+    straight["scalars"]["train/loss"] = straight["scalars"]["train/loss"][3:]  # the resumed run logs steps 3..7
+    assert_same_series(resumed, straight, "train/loss", 1e-6)

@@ -87,3 +87,17 @@ def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_
     zero3 = train_or_kill(tmp_path, "zero3", UNEVEN + [corpus(tmp_path), *args, "trainer.devices=3",
                                                       "trainer.strategy.stage=3", "test=false"])
     assert_same_eval(one_process, zero3, ("val/loss",))
+
+
+def test_convnet_on_3_ranks_with_all_padding_batches_counts_each_image_once(tmp_path):
+    """digits, 11 val and 11 test images, 1 per batch, on 3 DDP ranks: ranks 1 and 2 end with a batch
+    that is all padding (label -100), which must add nothing to the loss or the accuracy (counted as a
+    wrong answer, it gave val/acc 2/12 instead of 2/11)."""
+    from test_parity import VISION
+
+    args = VISION + ["data.val_size=11", "data.test_size=11", "data.eval_batch_size=1"]
+    one = train(tmp_path, "1", args)
+    three = train(tmp_path, "3", args + ["trainer=ddp", "trainer.devices=3"])
+    assert_same_eval(one, three, ("val/loss", "val/acc", "test/loss", "test/acc"))
+    acc = one["scalars"]["test/acc"][-1][1]
+    assert abs(acc * 11 - round(acc * 11)) < 1e-4  # a count over the 11 real images

@@ -208,8 +208,9 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
 
 
 @pytest.mark.slow
-def test_overfit_with_instruct_data_keeps_its_collate(dirs):
-    """Lightning rebuilds loaders from their constructor arguments; a collate_fn set afterwards was lost."""
+def test_overfit_with_instruct_data_runs(dirs):
+    """debug=overfit on instruction data: its padding collate (now a DataLoader constructor argument, the
+    form Lightning uses when it rebuilds a loader) batches records of different lengths."""
     from test_parity import QUIET
 
     proc = run_script("train.py", QUIET + path_overrides(dirs) + [

@@ -94,24 +94,55 @@ def test_syncbatchnorm_plugin_is_a_no_op_for_one_process_and_reverts():
 # ---- gathering and sharding ----
 
 def gather_case(rank: int, world: int) -> list:
-    indices = list(ShardSampler(10))
-    local = torch.tensor(indices, dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
-    return gather_shards(local).tolist()
+    sampler = ShardSampler(10)
+    local = torch.tensor(list(sampler), dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
+    real = local[[not sampler.is_padding(i) for i in sampler]]  # a caller may drop the padding first
+    return [gather_shards(local, 10).tolist(), gather_shards(real, 10).tolist()]
 
 
 def test_gather_shards_returns_every_sample_once_in_dataset_order():
-    results = run_ranks(3, gather_case)  # 10 samples on 3 ranks: shards of 4, 3, 3
+    results = run_ranks(3, gather_case)  # 10 samples on 3 ranks: 4 real + 0 padding, 3 + 1, 3 + 1
     expected = [[float(i), -float(i)] for i in range(10)]
-    assert all(results[r] == expected for r in range(3))
+    assert all(results[r] == [expected, expected] for r in range(3))
 
 
-def test_shard_sampler_has_no_padding(monkeypatch):
+def shards_of(n: int, world: int, monkeypatch) -> list[list[int]]:
     shards = []
-    for rank in range(3):
-        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, 3))
-        shards.append(list(ShardSampler(11)))
-    assert sorted(i for shard in shards for i in shard) == list(range(11))
-    assert [len(s) for s in shards] == [4, 4, 3]
+    for rank in range(world):
+        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, world))
+        sampler = ShardSampler(n)
+        assert len(sampler) == len(list(sampler))
+        assert all(sampler.is_padding(i) == (i == n) for i in sampler)  # padding is marked: index n
+        shards.append(list(sampler))
+    return shards
+
+
+@pytest.mark.parametrize("n,world", [(11, 3), (10, 3), (12, 3), (9, 4), (5, 5), (7, 1)])
+def test_shard_sampler_equal_lengths_every_real_index_once_padding_marked(monkeypatch, n, world):
+    """Equal shard lengths (FSDP / ZeRO-3 all-gather in every evaluation forward: a rank with a batch
+    less would hang the others), each real index exactly once, the rest the padding index n."""
+    shards = shards_of(n, world, monkeypatch)
+    assert {len(s) for s in shards} == {-(-n // world)}
+    real = [i for shard in shards for i in shard if i < n]
+    assert sorted(real) == list(range(n))
+    assert sum(i == n for shard in shards for i in shard) == -(-n // world) * world - n
+    assert shards_of(11, 3, monkeypatch) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]  # round-robin, padding last
+
+
+def test_padded_split_labels_are_ignored():
+    """The padding item: a real sample's inputs, every label -100 (dicts, and (x, y) tuples)."""
+    from torch.utils.data import TensorDataset
+
+    from src.datamodules.base import PaddedSplit, ignore_labels
+
+    data = [{"input_ids": torch.arange(4), "labels": torch.arange(4)}]
+    padded = PaddedSplit(data, ignore_labels(data[0]))
+    assert len(padded) == 2 and padded[0] is data[0]
+    assert padded[1]["input_ids"].tolist() == [0, 1, 2, 3] and padded[1]["labels"].tolist() == [-100] * 4
+    x, y = ignore_labels(TensorDataset(torch.ones(2, 1, 8, 8), torch.tensor([3, 4]))[0])
+    assert x.shape == (1, 8, 8) and y.item() == -100
+    ids, labels = ignore_labels((torch.arange(3).numpy(), torch.arange(3).numpy()))
+    assert ids.tolist() == [0, 1, 2] and labels.tolist() == [-100] * 3
 
 
 def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):

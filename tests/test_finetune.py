@@ -182,3 +182,63 @@ def test_gradient_checkpointing_changes_memory_not_math():
     torch.testing.assert_close(grads[0][0], grads[1][0])
     for a, b in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(a, b)
+
+
+# ---- debug=overfit: data.overfit_batches, sharded like any run ----
+
+def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_path):
+    """data.overfit_batches=2 with a global batch of 8: 16 samples, split between 2 ranks without overlap
+    (Lightning's trainer.overfit_batches gives every rank the same batches), and evaluated on the same 16."""
+    from pathlib import Path
+
+    from src.datamodules.text import TextDataModule
+
+    corpus = Path(__file__).parent / "data" / "tiny_corpus.txt"
+    seen = {}
+    for rank in range(2):
+        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, 2))
+        monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda: (rank, 2))
+        dm = TextDataModule(path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2,
+                            cache_dir=str(tmp_path))
+        dm.setup("fit")
+        train = dm.train_dataloader()
+        assert len(train) == 2  # 16 samples / 2 ranks / micro-batch 4: an epoch is the 2 global batches
+        seen[rank] = [i for batch in train.batch_sampler for i in batch]
+        assert list(dm.val_dataloader().sampler) == list(range(rank, 16, 2))
+        assert dm.splits["val"] is dm.splits["train"] is dm.splits["test"]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(16))
+
+
+@pytest.mark.slow
+def test_overfit_with_instruct_data_runs(dirs):
+    """debug=overfit on instruction data: its padding collate (now a DataLoader constructor argument, the
+    form Lightning uses when it rebuilds a loader) batches records of different lengths."""
+    from test_parity import QUIET
+
+    proc = run_script("train.py", QUIET + path_overrides(dirs) + [
+        "debug=overfit", "data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=128", "data.overfit_batches=2",
+        "trainer.max_steps=4", "trainer.val_check_interval=4"])
+    out = proc.stdout + proc.stderr
+    assert "train, val and test are the first 16 training samples" in out and "val/loss = " in out
+
+
+@pytest.mark.slow
+def test_overfit_on_2_ranks_trains_as_1_process(tmp_path):
+    """debug=overfit under DDP: each rank reads its half of every global batch, so 2 processes end with
+    the parameters of 1 (with Lightning's overfit_batches both ranks read the same micro-batches)."""
+    from test_parity import GPT2, assert_same_series, max_param_diff, train
+
+    overfit = GPT2 + ["debug=overfit", "data.overfit_batches=2", "trainer.max_steps=6", "trainer.val_check_interval=6"]
+    one = train(tmp_path, "1", overfit)
+    two = train(tmp_path, "2", overfit + ["trainer=ddp", "trainer.devices=2"])
+    assert max_param_diff(one["params"], two["params"]) <= 1e-5
+    assert_same_series(one, two, "train/loss", 1e-5)
+    assert_same_series(one, two, "val/loss", 1e-5)
+
+
+def test_lightning_overfit_batches_is_a_clear_error(dirs):
+    proc = run_script("train.py", path_overrides(dirs) + ["+trainer.overfit_batches=4"], check=False)
+    assert proc.returncode != 0
+    assert "trainer.overfit_batches=4 is not supported" in proc.stderr + proc.stdout
+    assert "data.overfit_batches" in proc.stderr + proc.stdout

@@ -1,15 +1,21 @@
 """What every datamodule here shares: a global batch that does not depend on the device count, and
-samplers that give each rank its own samples in training and each sample exactly once in evaluation."""
+samplers that give each rank its own samples in training and each sample exactly once in evaluation
+(every rank the same number of evaluation batches, short shards filled with label-less padding)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Any, Callable, Optional
 
 import lightning as L
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.distributed.samplers import ShardSampler, rank_and_world, train_sampler
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100  # the label that torch's cross-entropy, HF models and our metrics skip
 
 
 class ResumableLoader(DataLoader):
@@ -21,6 +27,41 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict) -> None:
         pass
+
+
+def ignore_labels(sample: Any) -> Any:
+    """`sample` with every label set to IGNORE_INDEX: a dict's "labels", or a tuple's last item (x, y)."""
+    def ignored(labels: Any) -> Any:
+        if isinstance(labels, torch.Tensor):
+            return torch.full_like(labels, IGNORE_INDEX)
+        if isinstance(labels, int):
+            return IGNORE_INDEX
+        if isinstance(labels, (np.ndarray, np.generic)):
+            return np.full_like(labels, IGNORE_INDEX)
+        raise TypeError(f"Cannot make a padding sample from labels of type {type(labels).__name__}; "
+                        "override ShardedDataModule.padding_sample for this data.")
+
+    if isinstance(sample, dict) and "labels" in sample:
+        return {**sample, "labels": ignored(sample["labels"])}
+    if isinstance(sample, (tuple, list)) and len(sample) >= 2:
+        return type(sample)([*sample[:-1], ignored(sample[-1])])
+    raise TypeError(f"Cannot make a padding sample from a {type(sample).__name__} (expected a dict with 'labels' "
+                    "or an (inputs, labels) tuple); override ShardedDataModule.padding_sample for this data.")
+
+
+class PaddedSplit(Dataset):
+    """An evaluation split plus one padding item at index len(split) (where ShardSampler points
+    short shards): a real sample's inputs with every label ignored, so it runs the same forward
+    as the others and adds nothing to any loss or metric."""
+
+    def __init__(self, split: Dataset, padding: Any) -> None:
+        self.split, self.padding = split, padding
+
+    def __len__(self) -> int:
+        return len(self.split) + 1
+
+    def __getitem__(self, i: int) -> Any:
+        return self.padding if i == len(self.split) else self.split[i]
 
 
 def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
@@ -39,10 +80,12 @@ class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
     def __init__(self, global_batch_size: int, eval_batch_size: Optional[int], num_workers: int,
-                 seed: Optional[int]) -> None:
+                 seed: Optional[int], overfit_batches: int = 0) -> None:
         super().__init__()
+        if overfit_batches < 0:
+            raise ValueError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
-        self.num_workers, self.seed = num_workers, seed
+        self.num_workers, self.seed, self.overfit_batches = num_workers, seed, overfit_batches
         self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()
         self.splits: dict[str, Dataset] = {}
 
@@ -59,6 +102,32 @@ class ShardedDataModule(L.LightningDataModule):
             self.batch_size = max(1, self.global_batch_size // (world * accumulate))
         if not self.splits:
             self.splits = self.build_splits()
+            if self.overfit_batches:
+                self.splits = self.overfit_splits(self.splits["train"])
+
+    def overfit_splits(self, train: Dataset) -> dict[str, Dataset]:
+        """`data.overfit_batches=N`: train, validate and test on the first N global batches' samples.
+
+        Unlike Lightning's `trainer.overfit_batches` (which swaps in a SequentialSampler, so every
+        rank reads the same batches), this keeps our samplers: ranks share the samples between them
+        and a global batch is the same samples on 1 or N devices.
+        """
+        n = self.overfit_batches * self.global_batch_size
+        if n > len(train):
+            raise ValueError(f"data.overfit_batches={self.overfit_batches} x data.global_batch_size="
+                             f"{self.global_batch_size} = {n} samples, but the training split has {len(train)}.")
+        subset = Subset(train, range(n))
+        log.info(f"data.overfit_batches={self.overfit_batches}: train, val and test are the first {n} training samples")
+        return {"train": subset, "val": subset, "test": subset}
+
+    def collate_fn(self) -> Optional[Callable]:
+        """The loaders' collate function; None = torch's default. Passed to the DataLoader constructor,
+        as Lightning rebuilds loaders from their constructor arguments (e.g. for fault tolerance)."""
+        return None
+
+    def padding_sample(self, sample: Any) -> Any:
+        """The evaluation padding made from a real `sample`: the same inputs, every label ignored."""
+        return ignore_labels(sample)
 
     def batches_done_this_epoch(self, batches_per_epoch: int) -> int:
         """Batches of the current epoch already trained when fit resumes from a mid-epoch checkpoint."""
@@ -80,9 +149,11 @@ class ShardedDataModule(L.LightningDataModule):
         else:
             sampler, batch, drop_last = ShardSampler(len(dataset)), self.eval_batch_size or self.batch_size, False
             loader_class = DataLoader
+            if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
+                dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
         return loader_class(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last,
-                            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                            pin_memory=torch.cuda.is_available())
+                            collate_fn=self.collate_fn(), num_workers=self.num_workers,
+                            persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -69,8 +69,9 @@ class ImageDataModule(ShardedDataModule):
         eval_batch_size: Optional[int] = None,
         num_workers: int = 0,
         seed: int = 42,
+        overfit_batches: int = 0,
     ) -> None:
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         if dataset not in ("digits", "mnist"):
             raise ValueError(f"data.dataset={dataset!r}: use digits or mnist.")
         self.dataset, self.path, self.val_size, self.test_size = dataset, path, val_size, test_size

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import CorpusError
@@ -122,8 +122,9 @@ class InstructDataModule(ShardedDataModule):
         num_workers: int = 0,
         seed: int = 42,
         special_tokens: Sequence[str] = (),
+        overfit_batches: int = 0,
     ) -> None:
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         if overlong not in ("truncate", "drop"):
             raise ValueError(f"data.overlong={overlong!r}: use truncate or drop.")
         self.path, self.tokenizer_name, self.seq_len = path, tokenizer, seq_len
@@ -160,7 +161,5 @@ class InstructDataModule(ShardedDataModule):
         return {"train": Records(items[:n_train]), "val": Records(items[n_train : n_train + n_val]),
                 "test": Records(items[n_train + n_val :])}
 
-    def _loader(self, split: str) -> DataLoader:
-        loader = super()._loader(split)
-        loader.collate_fn = pad_collate(self.tokenizer.eos_id)
-        return loader
+    def collate_fn(self):
+        return pad_collate(self.tokenizer.eos_id)

@@ -124,8 +124,9 @@ class TextDataModule(ShardedDataModule):
         seed: int = 42,
         special_tokens: Sequence[str] = (),
         mix: Optional[list[dict]] = None,
+        overfit_batches: int = 0,
     ) -> None:
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed)
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir

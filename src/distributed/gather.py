@@ -1,9 +1,11 @@
 """Gather per-rank evaluation outputs into one tensor in dataset order, each sample exactly once.
 
 The all_gather pattern for custom metrics: collect predictions and targets in `validation_step`,
-then in `on_validation_epoch_end` call `gather_shards(torch.cat(preds))` on every rank. It relies
-on `ShardSampler`'s round-robin deal (rank r holds samples r, r+W, ...), so no padding and no
-duplicates reach the result, unlike `LightningModule.all_gather` over a padding DistributedSampler.
+then in `on_validation_epoch_end` call `gather_shards(torch.cat(preds), n_samples)` on every rank,
+with `n_samples = len(self.trainer.datamodule.splits["val"])`. It relies on `ShardSampler`'s
+round-robin deal (rank r holds samples r, r+W, ..., then padding up to ceil(n / W)), so the padding
+is dropped and no duplicates reach the result, unlike `LightningModule.all_gather` over a
+DistributedSampler, which pads with repeated samples.
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ import torch.distributed as dist
 from src.distributed.samplers import rank_and_world
 
 
-def gather_shards(local: torch.Tensor) -> torch.Tensor:
-    """All ranks' rows of `local` (dim 0), interleaved back into dataset order. A collective: call on every rank."""
-    _, world = rank_and_world()
+def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
+    """The `n_samples` real rows of all ranks, in dataset order. A collective: call on every rank.
+
+    `local` is this rank's rows (dim 0) in the order its ShardSampler gave them: either with the
+    padding row (every rank ceil(n / W) rows) or with the padding already dropped.
+    """
+    rank, world = rank_and_world()
+    per_rank, real = -(-n_samples // world), len(range(rank, n_samples, world))
+    if local.shape[0] not in (per_rank, real):
+        raise ValueError(f"gather_shards: rank {rank} holds {real} of the {n_samples} samples (+{per_rank - real} "
+                         f"padding) but was given {local.shape[0]} rows; pass n_samples = the split's length.")
     if world == 1:
         return local
-    sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device))
-    sizes = [int(s) for s in sizes]
-    padded = local.new_zeros((max(sizes), *local.shape[1:]))  # all_gather needs equal shapes
-    padded[: local.shape[0]] = local
+    padded = local.new_zeros((per_rank, *local.shape[1:]))  # all_gather needs equal shapes
+    padded[:real] = local[:real]
     shards = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(shards, padded)
-    out = local.new_empty((sum(sizes), *local.shape[1:]))
-    for rank, (shard, size) in enumerate(zip(shards, sizes)):
-        out[rank::world] = shard[:size]
-    return out
+    # row k of rank r is sample k * W + r: interleave, then cut the padding off the end
+    return torch.stack(shards, dim=1).reshape(world * per_rank, *local.shape[1:])[:n_samples]

@@ -66,10 +66,15 @@ def train_sampler(dataset, seed: int) -> ResumableDistributedSampler:
 
 
 class ShardSampler(Sampler[int]):
-    """Every index exactly once over all ranks, dealt round-robin; shards may differ in length by one.
+    """Every index exactly once over all ranks, dealt round-robin (rank r: r, r+W, r+2W, ...), each
+    shard padded to ceil(n / W) with the index `dataset_len`: one past the end, which the loader maps
+    to a padding sample whose labels are all ignored (see `PaddedSplit`).
 
-    Uneven shards are safe: metrics sync sums and counts (torchmetrics), not per-rank means, and
-    Lightning's evaluation loop runs no collective per batch, so ranks with one batch less do not hang.
+    Why pad: FSDP2 and ZeRO-3 all-gather the parameters in every forward, evaluation included, so
+    a rank with one batch less would leave the others blocked in that collective forever. Equal
+    shards give every rank the same number of batches of the same size; the padding carries no
+    target, so the metrics (sums and counts, synced by torchmetrics) still count each real sample
+    once. Lightning's `DistributedSampler` pads too, but with repeated real samples, which count twice.
     """
 
     def __init__(self, dataset_len: int) -> None:
@@ -77,10 +82,17 @@ class ShardSampler(Sampler[int]):
         if dataset_len < self.world:
             raise ValueError(f"An evaluation split of {dataset_len} sample(s) cannot give each of "
                              f"{self.world} ranks at least one; use a larger val/test split or fewer devices.")
-        self.indices = range(self.rank, dataset_len, self.world)
+        self.dataset_len = dataset_len
+        self.per_rank = -(-dataset_len // self.world)  # ceil: the longest shard
+        self.real = range(self.rank, dataset_len, self.world)
+        self.n_padding = self.per_rank - len(self.real)  # 0 or 1 on this rank
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+        yield from self.real
+        yield from [self.dataset_len] * self.n_padding
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return self.per_rank
+
+    def is_padding(self, index: int) -> bool:
+        return index >= self.dataset_len

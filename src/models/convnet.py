@@ -11,6 +11,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from src.models.base import LitModule
 
+IGNORE_INDEX = -100  # a label that counts in no loss or metric
+
 
 def conv_block(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
@@ -35,8 +37,10 @@ class ConvNetLitModule(LitModule):
             c = width
         self.features = nn.Sequential(*blocks)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
-        # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks.
-        make = lambda: nn.ModuleDict({"loss": MeanMetric(), "acc": MulticlassAccuracy(num_classes, average="micro")})  # noqa
+        # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks; label
+        # IGNORE_INDEX (evaluation padding, see src/datamodules/base.py) counts in neither.
+        make = lambda: nn.ModuleDict({"loss": MeanMetric(), "acc": MulticlassAccuracy(  # noqa
+            num_classes, average="micro", ignore_index=IGNORE_INDEX)})
         self.val_metrics, self.test_metrics = make(), make()
 
     def blocks(self) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -54,7 +58,10 @@ class ConvNetLitModule(LitModule):
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: nn.ModuleDict) -> None:
         x, y = batch
         logits = self(x)
-        metrics["loss"].update(nn.functional.cross_entropy(logits, y), weight=len(y))
+        n = (y != IGNORE_INDEX).sum()
+        # a sum over the real samples (0 for an all-padding batch, where a mean would be 0/0)
+        loss_sum = nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        metrics["loss"].update(loss_sum / n.clamp(min=1), weight=n)
         metrics["acc"].update(logits, y)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -75,6 +75,9 @@ def prepare(cfg: DictConfig) -> None:
     if cfg.trainer.get("use_distributed_sampler", True):
         raise ConfigError("trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
                           "(Lightning's sampler would pad val/test with repeated samples and shard twice).")
+    if cfg.trainer.get("overfit_batches", 0):
+        raise ConfigError(f"trainer.overfit_batches={cfg.trainer.overfit_batches} is not supported (Lightning's makes every "
+                          "rank read the same batches); use data.overfit_batches=N or debug=overfit instead.")
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     save_resolved_config(cfg, Path(cfg.paths.output_dir))

@@ -18,6 +18,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from src.distributed.checkpointing import save_sharded
+
 log = logging.getLogger(__name__)
 
 DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,3 +92,10 @@ class FSDP2Strategy(ModelParallelStrategy):
                 self._layer_sync.apply(self.lightning_module)
             parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
         super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """The DCP dir is written beside `filepath` and renamed into place once every shard is on disk."""
+        if not self._save_distributed_checkpoint:  # one file on rank 0, via trainer.plugins' AtomicCheckpointIO
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options),
+                     filepath)

@@ -191,5 +191,6 @@ class SameResumeOnAllRanks(Callback):
         mine = json.loads(os.environ[RESUME_ENV]).get("ckpt")
         rank0 = trainer.strategy.broadcast(mine, src=0)
         if trainer.strategy.reduce_boolean_decision(mine != rank0, all=False):
-            raise RuntimeError(f"resume=auto: rank {trainer.global_rank} chose {mine} but rank 0 chose {rank0} (their "
-                               f"file systems disagree); pass ckpt_path={rank0} so every rank starts from the same one.")
+            who = f"rank {trainer.global_rank} chose {mine}" if mine != rank0 else "another rank chose differently"
+            raise RuntimeError(f"resume=auto: {who} but rank 0 chose {rank0} (their views of the file system differ); "
+                               f"pass ckpt_path={rank0} so every rank starts from the same checkpoint.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -86,6 +87,22 @@ def test_resume_auto_falls_back_from_a_truncated_or_foreign_last_ckpt(tmp_path):
     assert failed.returncode != 0 and "cannot be resumed from" in failed.stderr
 
 
+@pytest.mark.parametrize("trainer", ["default", "ddp", "fsdp"])
+def test_every_trainer_writes_single_files_through_the_atomic_io(trainer, tmp_path):
+    """trainer.plugins' AtomicCheckpointIO reaches the strategy Lightning builds (DDP, 1 device, and FSDP2's
+    save_distributed_checkpoint=false file), and FSDP2's sharded save is our rename-into-place one."""
+    from hydra.utils import instantiate
+    from test_configs import compose_cfg
+
+    from src.distributed.fsdp import FSDP2Strategy
+
+    cfg = compose_cfg([f"trainer={trainer}", "trainer.accelerator=cpu"], tmp=tmp_path)
+    strategy = instantiate(cfg.trainer, logger=False).strategy
+    assert isinstance(strategy.checkpoint_io, AtomicCheckpointIO)
+    if trainer == "fsdp":
+        assert type(strategy).save_checkpoint is FSDP2Strategy.save_checkpoint
+
+
 # ---- sharded checkpoints: a kill in the middle of a save (2 gloo processes) ----
 
 def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -96,18 +113,31 @@ def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) ->
         time.sleep(0.2)
 
 
+KILLS = {  # strategy -> its overrides and the test callback that stalls its save at step 6
+    "fsdp": (FSDP, "StallShardedSave"),
+    "deepspeed": (["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+                   "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.stage=2", "model.scheduler=null"],
+                  "StallDeepSpeedSave"),
+}
+
+
 @pytest.mark.slow
-def test_fsdp_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(tmp_path):
-    """SIGKILL to the whole process group while both ranks have written their step-6 shards of last.ckpt (the
-    .metadata not yet): resume=auto in the same dir goes on from the complete step-3 checkpoint and ends with
-    the parameters of a run never killed. Before atomic saves, step-6 shards sat beside step-3 metadata."""
+@pytest.mark.parametrize("strategy", list(KILLS))
+def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(strategy, tmp_path):
+    """SIGKILL to the whole process group in the middle of the step-6 save of last.ckpt (FSDP2: both ranks'
+    shards written, not the .metadata; DeepSpeed: model states written, not the ZeRO partitions): resume=auto in
+    the same dir goes on from the complete step-3 checkpoint and ends with the parameters of a run never killed.
+    Before atomic saves, step-6 files sat beside step-3 ones in last.ckpt and the resumed run mixed the two."""
+    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    overrides, stall = KILLS[strategy]
     run = ["trainer.max_steps=9", "trainer.limit_train_batches=3", "trainer.val_check_interval=9",
            "callbacks.last_checkpoint.every_n_train_steps=3", "resume=auto"]
-    args = base(tmp_path) + FSDP + run
+    args = base(tmp_path) + overrides + run
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
     env.pop("OMP_NUM_THREADS", None)
-    stall = ["+callbacks.stall._target_=tests.helpers.checkpoint_faults.StallShardedSave", "+callbacks.stall.step=6"]
+    stall = [f"+callbacks.stall._target_=tests.helpers.checkpoint_faults.{stall}", "+callbacks.stall.step=6"]
     proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={killed}", *stall], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

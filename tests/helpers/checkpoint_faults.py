@@ -58,3 +58,24 @@ class RecordStartStep(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         Path(trainer.default_root_dir, f"start_step_rank{trainer.global_rank}").write_text(str(trainer.global_step))
+
+
+class StallDeepSpeedSave(L.Callback):
+    """As StallShardedSave, for DeepSpeed: the model states of the save at `step` are written, then every rank
+    stalls before writing its ZeRO optimizer partition."""
+
+    def __init__(self, step: int, name: str = "last.ckpt") -> None:
+        self.step, self.name = step, name
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        original, callback = DeepSpeedEngine._save_zero_checkpoint, self
+
+        def save_zero(engine, save_path, tag):
+            if trainer.global_step == callback.step and callback.name in str(save_path):
+                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(save_path))
+                time.sleep(600)  # killed here
+            return original(engine, save_path, tag)
+
+        DeepSpeedEngine._save_zero_checkpoint = save_zero

@@ -172,3 +172,31 @@ def test_resume_auto_is_decided_by_rank_0_for_every_rank(tmp_path):
     run_script("train.py", args + hide, timeout=300)
     assert [(run_dir / f"start_step_rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 12
+
+
+def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
+    """2 "nodes" x 1 process on localhost, each with its own run dir (as if each node saw its own file system)."""
+    from test_scaleout import free_port
+
+    port, procs = free_port(), []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for node in (0, 1):
+        run = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=resume", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={tmp / f'node{node}'}"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run, *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_resume_auto_under_torchrun_is_rank_0s_decision(tmp_path):
+    """Under torchrun every rank starts train.py itself. Only rank 0 (node 0) has the checkpoint in its view; rank 1
+    (node 1, nothing there) still resumes from rank 0's choice instead of starting from scratch beside it."""
+    args = base(tmp_path) + ["resume=auto", "+callbacks.start._target_=tests.helpers.checkpoint_faults.RecordStartStep"]
+    torchrun_two_nodes(tmp_path, args)
+    assert (tmp_path / "node0" / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "node1" / "checkpoints").exists()
+    torchrun_two_nodes(tmp_path, args + ["trainer.max_steps=12"])
+    assert [(tmp_path / f"node{r}" / f"start_step_rank{r}").read_text() for r in (0, 1)] == ["6", "6"]

@@ -130,10 +130,11 @@ def _launch_rank() -> int:
 def resume_from(cfg: DictConfig) -> Optional[str]:
     """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's newest complete one.
 
-    resume=auto is decided once, by rank 0: the ranks Lightning's launcher starts inherit its choice
-    through the environment (they never look at the file system themselves, which on a shared file
-    system may lag). Ranks started together by torchrun/SLURM each decide, and
-    `SameResumeOnAllRanks` stops the run with one sentence if they disagree.
+    resume=auto is decided once, by rank 0, and every rank uses that decision: no other rank looks at
+    the file system, whose view on a shared file system may lag. The ranks Lightning's launcher starts
+    inherit the decision through the environment; under torchrun rank 0 posts it in torchrun's
+    rendezvous store. Ranks started together otherwise (SLURM's srun, one launcher per node) each
+    decide, and `SameResumeOnAllRanks` stops the run with one sentence if they disagree.
     """
     if cfg.resume not in (None, "auto"):
         raise ConfigError(f"resume={cfg.resume!r}: use resume=auto, or ckpt_path=<checkpoint> for a given one.")
@@ -142,12 +143,40 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
     if cfg.ckpt_path:
         raise ConfigError("Set resume=auto or ckpt_path, not both.")
     ckpt_dir = Path(cfg.paths.output_dir).resolve() / "checkpoints"
+    rank = _launch_rank()
     inherited = json.loads(os.environ.get(RESUME_ENV, "{}"))
-    if _launch_rank() != 0 and "LOCAL_RANK" in os.environ and inherited.get("dir") == str(ckpt_dir):
+    if rank != 0 and "LOCAL_RANK" in os.environ and inherited.get("dir") == str(ckpt_dir):
         return inherited["ckpt"]  # started by rank 0's launcher: its decision
-    ckpt = decide_resume(ckpt_dir, may_repair=_launch_rank() == 0)
+    store = _torchrun_store()
+    key = f"template/resume_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store is not None and rank != 0:  # torchrun: rank 0 posts its decision in the rendezvous store
+        decision = json.loads(store.get(key))
+        if "error" in decision:
+            raise ConfigError(decision["error"])
+        ckpt = decision["ckpt"]
+    else:
+        try:
+            ckpt = decide_resume(ckpt_dir, may_repair=rank == 0)
+        except ConfigError as e:
+            if store is not None:
+                store.set(key, json.dumps({"error": str(e)}))
+            raise
+        if store is not None:
+            store.set(key, json.dumps({"ckpt": ckpt}))
     os.environ[RESUME_ENV] = json.dumps({"dir": str(ckpt_dir), "ckpt": ckpt})
     return ckpt
+
+
+def _torchrun_store():
+    """torchrun's own rendezvous store (its agent serves it before any process group exists), else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timedelta(minutes=10))
 
 
 def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:

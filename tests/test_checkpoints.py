@@ -156,6 +156,11 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
     assert max_param_diff(resumed["state_dict"], uninterrupted["state_dict"]) <= 1e-6
     assert sorted(p.name for p in last.parent.iterdir()) == sorted(p.name for p in (straight / "checkpoints").iterdir())
 
+    # a shard cut in half (a copy gone wrong): resume=auto falls back to the best checkpoint, a complete dir
+    shard = next(last.glob("__1_*.distcp") if strategy == "fsdp" else last.glob("checkpoint/*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert "truncated" in problem(last) and decide_resume(last.parent) == str(last.parent / "step_000009.ckpt")
+
 
 # ---- one resume decision: rank 0's ----
 

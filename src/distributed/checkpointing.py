@@ -138,7 +138,10 @@ def problem(path: str | Path) -> Optional[str]:
         return _zip_problem(path)
     if (path / "latest").is_file():  # DeepSpeed: `latest` names the tag dir holding the shards
         tag = (path / "latest").read_text().strip()
-        return None if tag and any((path / tag).glob("*")) else f"its shard dir {tag!r} is missing or empty"
+        parts = sorted((path / tag).glob("*.pt")) if tag else []
+        if not parts:
+            return f"its shard dir {tag!r} is missing or empty"
+        return next((f"its {p.name}: {why}" for p in parts if (why := _zip_problem(p))), None)
     if not (path / ".metadata").is_file():
         return "it is a directory without DCP .metadata or DeepSpeed 'latest'"
     from torch.distributed.checkpoint import FileSystemReader
@@ -175,12 +178,13 @@ def candidates(ckpt_dir: str | Path) -> list[Path]:
 
 
 class SameResumeOnAllRanks(Callback):
-    """Stop with one sentence when ranks started together (torchrun, SLURM) chose different resume points.
+    """Stop with one sentence when ranks chose different resume points, before any checkpoint is loaded.
 
-    Ranks that Lightning's launcher starts inherit rank 0's resume=auto choice (src/utils/run.py);
-    ranks started by torchrun/SLURM each looked at the file system before any process group
-    existed, and on a shared file system their views may differ. Once the group is up, before any
-    checkpoint is loaded, they compare: mixing two steps would train silently wrong.
+    resume=auto is rank 0's decision for the ranks Lightning's launcher starts (they inherit it) and
+    under torchrun (rank 0 posts it in the rendezvous store): src/utils/run.py resume_from. Ranks
+    started together by other means (SLURM's srun, one Lightning launcher per node) each looked at
+    the file system before any process group existed, and on a shared file system their views may
+    differ: mixing two steps would train silently wrong, so once the group is up they compare.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -83,7 +82,7 @@ def swap_in(new: Path, path: Path) -> None:
     _remove(old)
 
 
-def save_sharded(strategy: Any, write: Callable[[Path], None], filepath: _PATH) -> None:
+def save_sharded(strategy: Any, write: Callable[[Path], None], filepath: str | Path) -> None:
     """All ranks write their shards with `write(<path>.tmp)`; once all are done, rank 0 renames it to `path`."""
     path = Path(strategy.broadcast(str(filepath)))
     if strategy.is_global_zero:
@@ -99,7 +98,7 @@ def save_sharded(strategy: Any, write: Callable[[Path], None], filepath: _PATH) 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's torch.save checkpoint IO, but a local file is written as `<path>.tmp` and renamed."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)

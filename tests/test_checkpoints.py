@@ -56,6 +56,7 @@ def test_recover_puts_the_previous_sharded_dir_back_after_a_kill_between_the_ren
     assert (path / "meta.pt").read_text() == "previous" and not old.exists() and not tmp.exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_falls_back_from_a_truncated_or_foreign_last_ckpt(tmp_path):
     """A real run leaves its best step_*.ckpt and last.ckpt; last.ckpt cut in half or replaced by text is
     skipped with one log line and the run continues from the best one; with nothing readable, one sentence."""

@@ -117,6 +117,7 @@ def _flatten(d: dict, prefix: str = ""):
 
 
 RESUME_ENV = "TEMPLATE_RESUME_DECISION"  # rank 0's resume=auto choice, inherited by the ranks Lightning starts
+_RESUME_CALLS: list[Path] = []  # resume=auto decisions taken in this process (one per Hydra job)
 
 
 def _launch_rank() -> int:
@@ -148,7 +149,8 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
     if rank != 0 and "LOCAL_RANK" in os.environ and inherited.get("dir") == str(ckpt_dir):
         return inherited["ckpt"]  # started by rank 0's launcher: its decision
     store = _torchrun_store()
-    key = f"template/resume_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    _RESUME_CALLS.append(ckpt_dir)  # every rank runs the same jobs in order: the count names this job's decision
+    key = f"template/resume_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{len(_RESUME_CALLS)}"
     if store is not None and rank != 0:  # torchrun: rank 0 posts its decision in the rendezvous store
         decision = json.loads(store.get(key))
         if "error" in decision:

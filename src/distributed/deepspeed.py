@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 
+from src.distributed.checkpointing import save_sharded
 from src.distributed.sync_batchnorm import apply_layer_sync
 from src.utils.config import ConfigError
 
@@ -100,3 +101,8 @@ class DeepSpeedStrategy(LightningDeepSpeed):
                                  loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window,
                                  min_loss_scale=self.min_loss_scale, initial_scale_power=self.initial_scale_power,
                                  hysteresis=self.hysteresis)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """The ZeRO dir is written beside `filepath` and renamed into place once every rank's part is on disk."""
+        save_sharded(self, lambda tmp: super(DeepSpeedStrategy, self).save_checkpoint(checkpoint, str(tmp),
+                                                                                      storage_options), filepath)

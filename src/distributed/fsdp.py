@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from src.distributed.checkpointing import save_sharded
 from src.distributed.sync_batchnorm import apply_layer_sync
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint)
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.options = dict(reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
 
@@ -91,3 +93,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm; Lightning skips FSDP2
             parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
         super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """The DCP dir is written beside `filepath` and renamed into place once every shard is on disk."""
+        if not self.save_distributed_checkpoint:  # one file on rank 0, via trainer.plugins' AtomicCheckpointIO
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options),
+                     filepath)

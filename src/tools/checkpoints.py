@@ -7,7 +7,8 @@ ZeRO dir (converted with DeepSpeed's zero_to_fp32).
 
 Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with the same strategy);
 the consolidated file holds the weights, step counters and config for eval and export, not the
-optimizer state.
+optimizer state. Names ending in .tmp or .old beside a checkpoint are a save in progress or the
+previous version during its swap (src/distributed/checkpointing.py), never checkpoints to read.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     are gathered into full fp32 weights, without their optimizer state."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.")
+        old = path.with_name(path.name + ".old")  # a save killed between its two renames (src/distributed/checkpointing.py)
+        hint = f" A save of it was interrupted: {old.name} holds the previous one (resume=auto puts it back)." \
+            if old.exists() else ""
+        raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
     if is_deepspeed(path):
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 

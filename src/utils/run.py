@@ -3,7 +3,9 @@ show and save the resolved config, log hyperparameters, and read back the optimi
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -140,19 +142,93 @@ def _flatten(d: dict, prefix: str = ""):
             yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
+RESUME_ENV = "TEMPLATE_RESUME_DECISION"  # rank 0's resume=auto choice, inherited by the ranks Lightning starts
+_RESUME_CALLS: list[Path] = []  # resume=auto decisions taken in this process (one per Hydra job)
+
+
+def _launch_rank() -> int:
+    """This process's global rank as far as the environment tells before any process group exists."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return int(os.environ.get("NODE_RANK", 0)) + int(os.environ.get("LOCAL_RANK", 0))
+
+
 def resume_from(cfg: DictConfig) -> Optional[str]:
-    """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's last.ckpt if any."""
+    """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's newest complete one.
+
+    resume=auto is decided once, by rank 0, and every rank uses that decision: no other rank looks at
+    the file system, whose view on a shared file system may lag. The ranks Lightning's launcher starts
+    inherit the decision through the environment; under torchrun rank 0 posts it in torchrun's
+    rendezvous store. Ranks started together otherwise (SLURM's srun, one launcher per node) each
+    decide, and `SameResumeOnAllRanks` stops the run with one sentence if they disagree.
+    """
     if cfg.resume not in (None, "auto"):
         raise ConfigError(f"resume={cfg.resume!r}: use resume=auto, or ckpt_path=<checkpoint> for a given one.")
-    if cfg.resume == "auto":
-        if cfg.ckpt_path:
-            raise ConfigError("Set resume=auto or ckpt_path, not both.")
-        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-        if last.exists():
-            log.info(f"resume=auto: continuing from {last}")
-            return str(last)
-        log.info(f"resume=auto: no {last} yet, starting fresh")
-    return cfg.ckpt_path
+    if cfg.resume != "auto":
+        return cfg.ckpt_path
+    if cfg.ckpt_path:
+        raise ConfigError("Set resume=auto or ckpt_path, not both.")
+    ckpt_dir = Path(cfg.paths.output_dir).resolve() / "checkpoints"
+    rank = _launch_rank()
+    inherited = json.loads(os.environ.get(RESUME_ENV, "{}"))
+    if rank != 0 and "LOCAL_RANK" in os.environ and inherited.get("dir") == str(ckpt_dir):
+        return inherited["ckpt"]  # started by rank 0's launcher: its decision
+    store = _torchrun_store()
+    _RESUME_CALLS.append(ckpt_dir)  # every rank runs the same jobs in order: the count names this job's decision
+    key = f"template/resume_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{len(_RESUME_CALLS)}"
+    if store is not None and rank != 0:  # torchrun: rank 0 posts its decision in the rendezvous store
+        decision = json.loads(store.get(key))
+        if "error" in decision:
+            raise ConfigError(decision["error"])
+        ckpt = decision["ckpt"]
+    else:
+        try:
+            ckpt = decide_resume(ckpt_dir, may_repair=rank == 0)
+        except ConfigError as e:
+            if store is not None:
+                store.set(key, json.dumps({"error": str(e)}))
+            raise
+        if store is not None:
+            store.set(key, json.dumps({"ckpt": ckpt}))
+    os.environ[RESUME_ENV] = json.dumps({"dir": str(ckpt_dir), "ckpt": ckpt})
+    return ckpt
+
+
+def _torchrun_store():
+    """torchrun's own rendezvous store (its agent serves it before any process group exists), else None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timedelta(minutes=10))
+
+
+def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:
+    """last.ckpt if complete, else the newest complete checkpoint in ckpt_dir, else None (fresh start)."""
+    from src.distributed.checkpointing import candidates, problem, recover
+
+    last = ckpt_dir / "last.ckpt"
+    if may_repair:
+        recover(last)  # a kill between a save's two renames: put the previous last.ckpt back
+    found = candidates(ckpt_dir)
+    if not found:
+        log.info(f"resume=auto: no checkpoint in {ckpt_dir} yet, starting fresh")
+        return None
+    why = problem(last) if last.exists() else "it does not exist"
+    if why is None:
+        log.info(f"resume=auto: continuing from {last}")
+        return str(last)
+    for ckpt in found:
+        if ckpt != last and not ckpt.name.endswith(".consolidated.ckpt") and problem(ckpt) is None:
+            log.warning(f"resume=auto: {last} cannot be resumed from ({why}); continuing from {ckpt}, "
+                        "the newest complete checkpoint in that dir")
+            return str(ckpt)
+    raise ConfigError(f"resume=auto: {last} cannot be resumed from ({why}) and no other checkpoint in {ckpt_dir} is "
+                      f"complete; delete {ckpt_dir} to start this run afresh, or pass ckpt_path=<a good checkpoint>.")
 
 
 def metric_value(metrics: dict[str, Any], name: Optional[str]) -> Optional[float]:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import src.utils.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
-from src.distributed.timeouts import collective_errors
+from src.distributed.timeouts import distributed_errors
 from src.tools.checkpoints import consolidate, is_sharded, load_checkpoint
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.run import prepare
@@ -37,7 +37,7 @@ def trained_config(cfg: DictConfig) -> DictConfig:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
-@collective_errors()  # a failed collective (timeout, lost rank) is one line naming the rank and the collective
+@distributed_errors()  # a failed collective is one line naming rank and collective; SIGTERM exits 143
 def main(cfg: DictConfig) -> dict[str, float]:
     prepare(cfg)
     trained = trained_config(cfg)

@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 from tests.test_parity import GPT2, QUIET
 
 TIMEOUT_S = 30
-FAULT = ["+callbacks.fault._target_=tests.helpers.faults.RankFault", "+callbacks.fault.step=3"]
+FAULT = ["+callbacks.fault._target_=tests.helpers.faults.RankFault"]
 JOB = QUIET + GPT2 + ["trainer=ddp", "trainer.devices=2", "trainer.max_steps=40", "trainer.val_check_interval=40",
                       f"trainer.strategy.timeout.minutes={TIMEOUT_S / 60}"] + FAULT
 LIMIT_S = TIMEOUT_S + 120  # far below torch's 30 min: without the timeout the job is still hanging here
@@ -43,10 +43,10 @@ def pids(run: Path) -> list[int]:
     return [int(p.read_text()) for p in sorted(run.glob("pid_rank*"))]
 
 
-def start(tmp_path: Path, action: str) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "OMP_NUM_THREADS")}
-    args = JOB + [f"+callbacks.fault.action={action}", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}", *extra]
     proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, run
@@ -68,7 +68,7 @@ def finish(proc: subprocess.Popen, run: Path, limit: float) -> tuple[str, float]
     orphans = [pid for pid in pids(run) if alive(pid)]
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
-    assert not orphans, f"rank processes {orphans} outlived the job"
+    assert not orphans, f"rank processes {orphans} outlived the job (exit {proc.returncode}):\n{out[-3000:]}"
     return out, ended
 
 
@@ -105,6 +105,8 @@ def test_killed_rank_ends_the_job_quickly_without_orphans(tmp_path):
     print(f"killed rank: exit {proc.returncode} {waited:.1f}s after the kill")
     assert proc.returncode != 0
     assert waited <= TIMEOUT_S + 10, out[-3000:]
+    assert re.search(r"Rank 0: collective \S+.* failed: another rank exited or was killed", out), out[-3000:]
+    assert "Traceback" not in out
 
 
 @pytest.mark.slow
@@ -122,6 +124,25 @@ def test_sigterm_to_a_blocked_job_ends_it_within_the_timeout(tmp_path):
     assert ended - sent <= TIMEOUT_S + 30, out[-3000:]
 
 
+@pytest.mark.slow
+def test_sigterm_to_a_running_job_exits_143_not_0(tmp_path):
+    """Lightning ends a SIGTERMed fit with exit status 0, as if it had finished: a cancelled or preempted
+    job must say otherwise (143 = 128 + SIGTERM), and leave no rank behind.
+
+    Lightning's SIGTERM handler broadcasts from inside the handler, at whatever point each rank is; when
+    that broadcast meets another collective, the job ends by the collective timeout instead (exit 1)."""
+    proc, run = start(tmp_path, "kill", step=-1, extra=("trainer.max_steps=100000",))  # no fault: pid files only
+    wait_for(run / "pid_rank1", LIMIT_S)
+    time.sleep(3)  # training
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, ended = finish(proc, run, LIMIT_S)
+    print(f"SIGTERM while training: exit {proc.returncode} {ended - sent:.1f}s after SIGTERM")
+    assert proc.returncode in (143, 1), out[-3000:]
+    assert "Rank 0: stopped by SIGTERM" in out or re.search("Rank [01]: collective", out), out[-3000:]
+    assert ended - sent <= TIMEOUT_S + 30
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,20 +152,20 @@ def free_port() -> int:
 def test_short_message_names_rank_and_collective_and_full_trace_on_request(monkeypatch, caplog):
     """A real gloo timeout (rank 0 of 2 waiting for a rank that never starts) becomes one line and exit 1;
     with HYDRA_FULL_ERROR=1 the original exception and its traceback come through."""
-    from src.distributed.timeouts import collective_errors
+    from src.distributed.timeouts import distributed_errors
 
     def rendezvous_alone():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2,
                                 timeout=timedelta(seconds=1))
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    with pytest.raises(SystemExit) as exit_info, collective_errors():
+    with pytest.raises(SystemExit) as exit_info, distributed_errors():
         rendezvous_alone()
     assert exit_info.value.code == 1
     assert "Rank 0: the other ranks did not all start within trainer.strategy.timeout (init_process_group)" \
         in caplog.text
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    with pytest.raises(Exception, match="(?i)timed out") as exc_info, collective_errors():
+    with pytest.raises(Exception, match="(?i)timed out") as exc_info, distributed_errors():
         rendezvous_alone()
     assert not isinstance(exc_info.value, SystemExit) and exc_info.traceback
 

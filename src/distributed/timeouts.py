@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from types import TracebackType
 from typing import Optional
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 KEY = "trainer.strategy.timeout"
 log = logging.getLogger(__name__)
@@ -71,8 +73,7 @@ def describe(exc: BaseException) -> Optional[str]:
     is_dist_error = isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
     if name is None and not is_dist_error:
         return None
-    rank = (dist.get_rank() if dist.is_available() and dist.is_initialized()
-            else os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    rank = _rank()
     where = f"collective {name}" if name else "a collective"
     if TIMED_OUT.search(text) and not PEER_LOST.search(text):
         ms = MILLISECONDS.search(text)
@@ -89,6 +90,12 @@ def describe(exc: BaseException) -> Optional[str]:
     return f"Rank {rank}: {where} failed: {text.splitlines()[0][:300]} Full trace: HYDRA_FULL_ERROR=1."
 
 
+def _rank() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+
+
 def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -97,10 +104,17 @@ def _in_multirun() -> bool:
 
 
 @contextmanager
-def collective_errors() -> Iterator[None]:
-    """Report a failed collective in one line and exit 1, instead of a long traceback per rank."""
+def distributed_errors() -> Iterator[None]:
+    """Report a failed collective in one line and exit 1, instead of a long traceback per rank.
+
+    Also: Lightning ends a run stopped by SIGTERM with `SIGTERMException`, a SystemExit with no code,
+    i.e. exit status 0, so a preempted or cancelled job would look finished. It exits 143 (128 + SIGTERM).
+    """
     try:
         yield
+    except SIGTERMException:
+        log.error(f"Rank {_rank()}: stopped by SIGTERM; exiting with status 143.")
+        raise SystemExit(128 + signal.SIGTERM) from None
     except Exception as exc:
         message = describe(exc)
         if message is None:

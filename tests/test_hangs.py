@@ -171,7 +171,8 @@ def test_short_message_names_rank_and_collective_and_full_trace_on_request(monke
 
 
 def test_every_multi_process_trainer_sets_the_collective_timeout(tmp_path):
-    """trainer=ddp / fsdp / deepspeed* build their strategy with trainer.strategy.timeout (10 min), not 30 min."""
+    """trainer=ddp / fsdp / deepspeed* build their strategy with trainer.strategy.timeout (10 min), not 30 min;
+    `_timeout` is what Lightning passes to init_process_group (this fails if Lightning renames it)."""
     from hydra.utils import instantiate
 
     from tests.test_configs import compose_cfg
@@ -179,6 +180,6 @@ def test_every_multi_process_trainer_sets_the_collective_timeout(tmp_path):
     for trainer in ("ddp", "fsdp", "deepspeed", "deepspeed_stage_3_offload"):
         cfg = compose_cfg([f"trainer={trainer}"], tmp=tmp_path)
         assert instantiate(cfg.trainer.strategy.timeout) == timedelta(minutes=10), trainer
-    cfg = compose_cfg(["trainer=ddp", "trainer.strategy.timeout.minutes=2"], tmp=tmp_path)
-    strategy = instantiate(cfg.trainer.strategy)
-    assert strategy._timeout == timedelta(minutes=2)  # Lightning's attribute, passed to init_process_group
+    for trainer in ("ddp", "fsdp", "deepspeed"):
+        cfg = compose_cfg([f"trainer={trainer}", "trainer.strategy.timeout.minutes=2"], tmp=tmp_path)
+        assert instantiate(cfg.trainer.strategy)._timeout == timedelta(minutes=2), trainer

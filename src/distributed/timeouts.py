@@ -8,9 +8,9 @@ and this module turns what a rank raises when it runs out into a short message:
     Rank 1: collective all_reduce timed out after 30 s (trainer.strategy.timeout): another rank is stuck, ...
 
 The collective is named from the traceback: the innermost torch.distributed.distributed_c10d
-function (all_reduce, all_gather_into_tensor, barrier, ...), or DDP's gradient all-reduce when the
+function (all_reduce, all_gather_single for FSDP2, barrier, ...), or DDP's gradient all-reduce when the
 wait happened inside backward (DDP's reducer runs in C++, below any Python frame). With
-HYDRA_FULL_ERROR=1 the full traceback follows the message. On NCCL, torch's watchdog aborts the
+HYDRA_FULL_ERROR=1 the full traceback follows the message. On NCCL (not run by the tests), torch's watchdog aborts the
 process on timeout with its own line ("Watchdog caught collective operation timeout: ...
 OpType=ALLREDUCE ... Timeout(ms)=600000"); the other ranks then fail fast here.
 The job's other ranks are then stopped by `hydra_ddp.ddp_job` within seconds, so no process lingers.

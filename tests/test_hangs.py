@@ -43,11 +43,11 @@ def pids(run: Path) -> list[int]:
     return [int(p.read_text()) for p in sorted(run.glob("pid_rank*"))]
 
 
-def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = ()
-          ) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "OMP_NUM_THREADS")}
-    args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}", *extra]
+    args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}",
+                  f"paths.cache_dir={tmp_path / 'cache'}", *extra]
     proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, run

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
 from src.distributed.hydra_ddp import ddp_job
+from src.distributed.timeouts import distributed_errors
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
 
@@ -43,7 +44,8 @@ def train(cfg: DictConfig) -> Optional[float]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
-    with ddp_job():  # DDP ranks join this job, in this job's dir, also inside a sweep
+    # DDP ranks join this job, in this job's dir, also inside a sweep; a failed collective is one line, not a hang
+    with ddp_job(), distributed_errors():
         return train(cfg)
 
 

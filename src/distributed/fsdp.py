@@ -9,9 +9,11 @@ FSDP1 `FSDPStrategy` refuses to start.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Optional
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -77,8 +79,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: Optional[str] = None,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
+        timeout: timedelta = default_pg_timeout,  # collective timeout (conf/trainer/fsdp.yaml)
     ) -> None:
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint)
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout=timeout)
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.options = dict(reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)

@@ -28,22 +28,28 @@ import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+FAILED_JOB_GRACE_S = 5.0  # after a failed job, its ranks get this long to print their own error, then SIGKILL
 log = logging.getLogger(__name__)
 
 
 def reap_child_ranks(timeout: float = 60.0) -> None:
-    """Wait for the finished job's child ranks (kill them if they hang) and stop Lightning watching them."""
+    """Wait up to `timeout` s for the finished job's child ranks, then SIGKILL those still running.
+
+    Lightning's observer thread is detached first: it would SIGKILL this process as soon as a child
+    exits non-zero, in the middle of this cleanup. A failed job passes a short timeout: its children
+    may be blocked in a collective, where they ignore SIGTERM until the collective timeout.
+    """
     for thread in threading.enumerate():
         if thread.name != "child-process-observer":  # lightning.fabric's _ChildProcessObserver
             continue
-        for proc in thread._child_processes:
+        children, thread._child_processes = thread._child_processes, []  # its next check ends it, killing no one
+        for proc in children:
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 log.warning(f"Rank process {proc.pid} still running {timeout:.0f}s after its job ended: killing it")
                 proc.kill()
                 proc.wait()
-        thread._child_processes = []  # its next check sees nothing to watch and ends, killing no one
 
 
 def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
@@ -72,11 +78,15 @@ def ddp_job() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     original = subprocess_script._hydra_subprocess_cmd
     subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True  # e.g. a collective timed out here: the other ranks are stuck or already failing
+        raise
     finally:
         subprocess_script._hydra_subprocess_cmd = original
-        reap_child_ranks()
+        reap_child_ranks(FAILED_JOB_GRACE_S if failed else 60.0)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for key, value in saved.items():

@@ -27,7 +27,9 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 
-RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+from src.distributed import launcher_env
+
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS")
 log = logging.getLogger(__name__)
 
 
@@ -61,15 +63,46 @@ def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
     command += [f"--config-name={hc.job.config_name}"]
     command += [f"--config-dir={s['path']}" for s in hc.runtime.config_sources if s["provider"] == "command-line"]
     command += list(hc.overrides.task)  # this job's values, e.g. model.optimizer.lr=0.001, not the sweep
-    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', f"hydra.job.name={hc.job.name}_rank{local_rank}",
-                "hydra.output_subdir=null"]
+    # hydra.mode=RUN: a sweeper's group (hparams_search=optuna) sets MULTIRUN, and is in the job's overrides
+    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.mode=RUN", "hydra.output_subdir=null"]
     return command, get_original_cwd()
+
+
+def prepare_slurm() -> None:
+    """Log how SLURM lays the ranks out; with one task per node, let Lightning start the ranks per node.
+
+    Lightning's SLURM environment takes every SLURM task as one rank and never starts ranks itself, so
+    `--ntasks-per-node=1 --gpus-per-node=8` would train on 1 GPU per node (or fail devices=8 vs
+    ntasks-per-node=1). For that layout we hand Lightning the rendezvous as its own launcher reads it
+    (MASTER_ADDR = first node, NODE_RANK = this node) and hide SLURM_NTASKS, by which Lightning detects
+    SLURM; its ranks then start like on a workstation, on every node.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from src.utils.resolvers import device_count, num_nodes
+
+    env, job = os.environ, launcher_env.slurm_job_id()
+    if job is None or "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env:  # not SLURM, torchrun, or a child rank
+        return
+    nodes, per_node = num_nodes(), launcher_env.slurm_tasks_per_node() or 1
+    if launcher_env.slurm_starts_ranks():
+        log.info(f"SLURM job {job}: one task per rank ({per_node} per node x {nodes} node(s)): "
+                 f"SLURM started {per_node * nodes} ranks")
+        return
+    env["MASTER_ADDR"] = env.get("MASTER_ADDR") or SLURMEnvironment.resolve_root_node_address(
+        env.get("SLURM_NODELIST", "127.0.0.1"))
+    env.setdefault("MASTER_PORT", str(15000 + int(job.replace("_", "")[-4:])))  # Lightning's choice for SLURM
+    env["NODE_RANK"] = env.get("SLURM_NODEID", "0")
+    env.pop("SLURM_NTASKS", None)
+    log.info(f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts trainer.devices ranks "
+             f"on each node (default {device_count()}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
 
 
 @contextmanager
 def ddp_job() -> Iterator[None]:
     """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next."""
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
+    prepare_slurm()
     original = subprocess_script._hydra_subprocess_cmd
     subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
     try:

@@ -165,10 +165,10 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
 
 @pytest.mark.slow
 def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight):
-    """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 6); torchrun --max-restarts=1 restarts both ranks,
+    """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 5); torchrun --max-restarts=1 restarts both ranks,
     which come back to the same agreed run dir and end with an uninterrupted run's parameters."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "train.py", "trainer=ddp", "callbacks.last_checkpoint.every_n_train_steps=3",
+           "train.py", "trainer=ddp", "callbacks.last_checkpoint.every_n_train_steps=5",
            "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep", "+callbacks.kill.step=8"]
     proc = subprocess.run(cmd + QUIET + GPT2 + RUN + path_overrides(dirs), cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=600)

@@ -29,7 +29,8 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 
 from src.distributed import launcher_env
 
-RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS")
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS",
+                   "TORCHELASTIC_USE_AGENT_STORE")
 log = logging.getLogger(__name__)
 
 
@@ -103,6 +104,7 @@ def ddp_job() -> Iterator[None]:
     """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next."""
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     prepare_slurm()
+    launcher_env.fresh_store_after_elastic_restart()
     original = subprocess_script._hydra_subprocess_cmd
     subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
     try:

@@ -19,6 +19,41 @@ log = logging.getLogger(__name__)
 STAMP_KEY = "hydra_ddp/run_stamp"  # in torchrun's agent TCPStore; it outlives elastic restarts
 
 
+def _agent_store():
+    """A client of the TCPStore torchrun's agent hosts at MASTER_ADDR:MASTER_PORT (before any process group)."""
+    from torch.distributed import TCPStore
+
+    env = os.environ
+    return TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=600))
+
+
+def fresh_store_after_elastic_restart() -> None:
+    """After torchrun restarts the group, give the new process group a store of its own.
+
+    torchrun (torch >= 2.4) shares its agent's TCPStore with the workers' process group and keeps it across
+    restarts, keys included, so a restarted gloo group read the dead group's addresses and failed
+    (measured: "Gloo connectFullMesh failed ... Connection refused", or a hang). Global rank 0 (on the
+    store's host) picks a free port for this attempt and the others learn it from the agent store; rank 0
+    then hosts the group's store there, as without an agent store.
+    """
+    env = os.environ
+    attempt = _int("TORCHELASTIC_RESTART_COUNT") or 0
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import socket
+
+    store, key = _agent_store(), f"hydra_ddp/master_port/{attempt}"
+    if _int("RANK") == 0:
+        with socket.socket() as s:
+            s.bind((env["MASTER_ADDR"], 0))
+            port = s.getsockname()[1]
+        store.set(key, str(port))
+    else:
+        port = int(store.get(key))
+    log.info(f"torchrun restart {attempt}: the process group gets a fresh store at {env['MASTER_ADDR']}:{port}")
+    env["MASTER_PORT"], env["TORCHELASTIC_USE_AGENT_STORE"] = str(port), "False"
+
+
 def _int(name: str) -> Optional[int]:
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else None
@@ -104,10 +139,7 @@ def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S") -> str:
     now = datetime.now().strftime(pattern)
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        from torch.distributed import TCPStore
-
-        store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=600))
+        store = _agent_store()
         if _int("RANK") == 0:
             return store.compare_set(STAMP_KEY, "", now).decode()  # an earlier attempt's stamp wins
         return store.get(STAMP_KEY).decode()  # waits for rank 0

@@ -213,3 +213,13 @@ def test_slurm_one_task_per_node_lightning_starts_the_ranks_and_a_short_run_vali
     run = tmp_path / "logs" / "train" / "runs" / "slurm-77"
     assert_logs_by_global_rank(run, 2)
     assert len(read_events(run / "tensorboard").Scalars("val/loss")) == 1  # once, at the last step
+
+
+def test_a_run_shorter_than_val_check_interval_validates_at_the_end_and_succeeds(dirs):
+    """max_steps=6 < val_check_interval=100: one validation at step 6, val/loss returned, exit 0 (was exit 1:
+    optimized_metric='val/loss' was not logged)."""
+    proc = run_script("train.py", QUIET + GPT2 + ["trainer.val_check_interval=100"] + path_overrides(dirs))
+    assert "val/loss = " in proc.stdout + proc.stderr
+    run = only_dir(dirs["log_dir"] / "train" / "runs")
+    assert len(read_events(run / "tensorboard").Scalars("val/loss")) == 1
+    assert last_ckpt(run)["global_step"] == 6

@@ -4,7 +4,9 @@ Lightning starts each extra rank by re-running the script with `sys.argv` plus
 `hydra.run.dir=<HydraConfig.run.dir>`. In a single run that is right; in a multirun `sys.argv`
 holds `-m` and the whole sweep, so rank 1 re-launches the sweep (measured here: "Launching 2
 jobs locally" printed twice) in another sweep dir, and `hydra.run.dir` is not the job's dir.
-We build each child's command from this job's own overrides and output dir instead. Between
+We build each child's command from this job's own overrides and output dir instead, in RUN mode
+(an Optuna job's overrides hold hparams_search=optuna, whose hydra.mode=MULTIRUN made each child
+rank run a sweep of its own: 3 studies, stray sweep dirs, a 60 s wait per trial). Between
 jobs, the parent also forgets the previous job's process group and rendezvous variables, or
 the next job would believe it had been launched by someone else and wait for ranks forever.
 
@@ -12,6 +14,10 @@ A failed job must not take the sweep down: Lightning's child-process observer SI
 process as soon as a child rank exits non-zero, even after Hydra has moved on to the next job.
 So when a job ends we reap its ranks and detach its observer; Hydra reports the failed job with
 its overrides and runs the rest.
+
+Before a job starts, ranks that SLURM or torchrun started are prepared here too: a SLURM job with
+one task per node lets Lightning start the ranks per node, and a group torchrun restarted gets a
+fresh store (src/distributed/launcher_env.py says why).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_multirun_with_ddp_two_jobs_two_processes(dirs):
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     for job, lr in (("0", "0.001"), ("1", "0.0003")):
         run = sweep / job
-        assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "train_rank1.log").is_file()
+        assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "train_rank1.log").is_file()  # global rank
         assert f"model.optimizer.lr={lr}" in (run / ".hydra" / "overrides.yaml").read_text()
         assert len({event_file_pid(f) for f in event_files(run)}) == 1  # this job's rank 0 only
     losses = [read_events(sweep / j / "tensorboard").Scalars("val/loss")[-1].value for j in ("0", "1")]
@@ -102,25 +102,26 @@ def free_port() -> int:
 
 
 def test_two_nodes_with_torchrun_train_in_lockstep(tmp_path):
-    """2 "nodes" x 1 process on localhost with c10d rendezvous; num_nodes and devices come from torchrun's env."""
-    port, procs = free_port(), []
+    """2 "nodes" x 1 process on localhost with c10d rendezvous, one shared hydra.run.dir (as on a shared file
+    system); num_nodes and devices come from torchrun's env."""
+    port, procs, run = free_port(), [], tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for node in (0, 1):
-        run_dir = tmp_path / f"node{node}"
         args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=lockstep", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={run_dir}",
+                "--rdzv-id=lockstep", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={run}",
                 f"paths.cache_dir={tmp_path / 'cache'}", "+callbacks.params._target_=tests.helpers.callbacks.SaveParamsAtEnd"]
         procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args] + QUIET + SHORT,
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     assert "MEMBER: 2/2" in outs[0] + outs[1]
-    node0, node1 = tmp_path / "node0", tmp_path / "node1"
-    rank0 = torch.load(node0 / "params_rank0.pt")
-    rank1 = torch.load(node1 / "params_rank1.pt")
+    rank0, rank1 = torch.load(run / "params_rank0.pt"), torch.load(run / "params_rank1.pt")
     assert max_param_diff(rank0, rank1) == 0.0  # the same parameters on both nodes
-    # only global rank 0 wrote TensorBoard logs and checkpoints
-    assert (node0 / "checkpoints" / "last.ckpt").is_file() and not (node1 / "checkpoints").exists()
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    # one log per global rank (both nodes' ranks are local rank 0: they used to share train.log)
+    assert "][rank 1][" not in (run / "train.log").read_text()
+    assert "][rank 1][" in (run / "train_rank1.log").read_text()
+    # only global rank 0 wrote TensorBoard logs
     pid0 = int(re.search(r"\[rank 0\] pid (\d+)", outs[0]).group(1))
     assert {event_file_pid(f) for f in event_files(tmp_path)} == {pid0}
 

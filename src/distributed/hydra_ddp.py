@@ -4,7 +4,9 @@ Lightning starts each extra rank by re-running the script with `sys.argv` plus
 `hydra.run.dir=<HydraConfig.run.dir>`. In a single run that is right; in a multirun `sys.argv`
 holds `-m` and the whole sweep, so rank 1 re-launches the sweep (measured here: "Launching 2
 jobs locally" printed twice) in another sweep dir, and `hydra.run.dir` is not the job's dir.
-We build each child's command from this job's own overrides and output dir instead. Between
+We build each child's command from this job's own overrides and output dir instead, in RUN mode
+(an Optuna job's overrides hold hparams_search=optuna, whose hydra.mode=MULTIRUN made each child
+rank run a sweep of its own: 3 studies, stray sweep dirs, a 60 s wait per trial). Between
 jobs, the parent also forgets the previous job's process group and rendezvous variables, or
 the next job would believe it had been launched by someone else and wait for ranks forever.
 
@@ -12,6 +14,10 @@ A failed job must not take the sweep down: Lightning's child-process observer SI
 process as soon as a child rank exits non-zero, even after Hydra has moved on to the next job.
 So when a job ends we reap its ranks and detach its observer; Hydra reports the failed job with
 its overrides and runs the rest.
+
+Before a job starts, ranks that SLURM or torchrun started are prepared here too: a SLURM job with
+one task per node lets Lightning start the ranks per node, and a group torchrun restarted gets a
+fresh store (src/distributed/launcher_env.py says why).
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 
-RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+from src.distributed import launcher_env
+
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS",
+                   "TORCHELASTIC_USE_AGENT_STORE")
 FAILED_JOB_GRACE_S = 5.0  # after a failed job, its ranks get this long to print their own error, then SIGKILL
 log = logging.getLogger(__name__)
 
@@ -67,15 +76,47 @@ def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
     command += [f"--config-name={hc.job.config_name}"]
     command += [f"--config-dir={s['path']}" for s in hc.runtime.config_sources if s["provider"] == "command-line"]
     command += list(hc.overrides.task)  # this job's values, e.g. model.optimizer.lr=0.001, not the sweep
-    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', f"hydra.job.name={hc.job.name}_rank{local_rank}",
-                "hydra.output_subdir=null"]
+    # hydra.mode=RUN: a sweeper's group (hparams_search=optuna) sets MULTIRUN, and is in the job's overrides
+    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.mode=RUN", "hydra.output_subdir=null"]
     return command, get_original_cwd()
+
+
+def prepare_slurm() -> None:
+    """Log how SLURM lays the ranks out; with one task per node, let Lightning start the ranks per node.
+
+    Lightning's SLURM environment takes every SLURM task as one rank and never starts ranks itself, so
+    `--ntasks-per-node=1 --gpus-per-node=8` would train on 1 GPU per node (or fail devices=8 vs
+    ntasks-per-node=1). For that layout we hand Lightning the rendezvous as its own launcher reads it
+    (MASTER_ADDR = first node, NODE_RANK = this node) and hide SLURM_NTASKS, by which Lightning detects
+    SLURM; its ranks then start like on a workstation, on every node.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from src.utils.resolvers import device_count, num_nodes
+
+    env, job = os.environ, launcher_env.slurm_job_id()
+    if job is None or "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env:  # not SLURM, torchrun, or a child rank
+        return
+    nodes, per_node = num_nodes(), launcher_env.slurm_tasks_per_node() or 1
+    if launcher_env.slurm_starts_ranks():
+        log.info(f"SLURM job {job}: one task per rank ({per_node} per node x {nodes} node(s)): "
+                 f"SLURM started {per_node * nodes} ranks")
+        return
+    env["MASTER_ADDR"] = env.get("MASTER_ADDR") or SLURMEnvironment.resolve_root_node_address(
+        env.get("SLURM_NODELIST", "127.0.0.1"))
+    env.setdefault("MASTER_PORT", str(15000 + int(job.replace("_", "")[-4:])))  # Lightning's choice for SLURM
+    env["NODE_RANK"] = env.get("SLURM_NODEID", "0")
+    env.pop("SLURM_NTASKS", None)
+    log.info(f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts trainer.devices ranks "
+             f"on each node (default {device_count()}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
 
 
 @contextmanager
 def ddp_job() -> Iterator[None]:
     """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next."""
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
+    prepare_slurm()
+    launcher_env.fresh_store_after_elastic_restart()
     original = subprocess_script._hydra_subprocess_cmd
     subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
     failed = False

@@ -7,19 +7,24 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from src.distributed import launcher_env
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def device_count(cpu_processes: int = 2) -> int:
-    """Processes per node: what a launcher (torchrun, SLURM) started, else every visible GPU, else
-    `cpu_processes` CPU ranks (gloo).
+    """Processes per node: what a launcher started (torchrun; SLURM with one task per rank), else every
+    visible GPU, else `cpu_processes` CPU ranks (gloo).
 
+    SLURM with one task per node (--ntasks-per-node=1 --gpus-per-node=8) is not a rank count: there
+    Lightning starts a rank per GPU on each node (src/distributed/hydra_ddp.py prepares it).
     Lightning's own `devices=auto` means 1 process on CPU, which would make `trainer=ddp`
     a no-op on a laptop; this keeps the same config meaningful on both kinds of machine.
     """
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):  # torchrun; srun with --ntasks-per-node
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if launcher_env.slurm_starts_ranks():  # srun, one task per rank
+        return launcher_env.slurm_tasks_per_node()
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else int(cpu_processes)
@@ -84,6 +89,9 @@ def register() -> None:
         "project_root": lambda: str(PROJECT_ROOT),
         "device_count": device_count,
         "num_nodes": num_nodes,
+        "run_stamp": launcher_env.run_stamp,  # run dir name agreed by all ranks (conf/hydra/default.yaml)
+        "rank_zero_value": launcher_env.rank_zero_value,
+        "log_name": launcher_env.log_name,
         "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "fastest_precision": fastest_precision,
         "fastest_attention": fastest_attention,

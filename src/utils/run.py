@@ -231,12 +231,29 @@ def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:
                       f"complete; delete {ckpt_dir} to start this run afresh, or pass ckpt_path=<a good checkpoint>.")
 
 
+def optimizing_sweeper() -> bool:
+    """Whether this job runs under a sweeper that reads train.py's return value (Optuna, ...), not a grid."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return False
+    target = str(HydraConfig.get().sweeper.get("_target_", ""))
+    return not target.endswith("BasicSweeper")
+
+
 def metric_value(metrics: dict[str, Any], name: Optional[str]) -> Optional[float]:
+    """optimized_metric's value for the sweeper. Missing, it fails the job only where an optimizing sweeper
+    needs it; a finished run (e.g. one that never validated) is not turned into a failure for it."""
     if not name:
         return None
     if name not in metrics:
-        raise ConfigError(f"optimized_metric={name!r} was not logged. Logged metrics: {sorted(metrics)}. "
-                          "Set optimized_metric to one of them.")
+        msg = (f"optimized_metric={name!r} was not logged. Logged metrics: {sorted(metrics)}. "
+               "Set optimized_metric to one of them.")
+        if optimizing_sweeper():
+            raise ConfigError(msg)
+        log.warning(msg)
+        return None
     value = float(metrics[name])
     log.info(f"{name} = {value:.6f}")
     return value

@@ -27,6 +27,12 @@ def _agent_store():
     return TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=600))
 
 
+def torchrun_store():
+    """torchrun's agent store when this process runs under it (and before a restart swapped it), else None:
+    where rank 0 posts what every rank must agree on before the process group exists."""
+    return _agent_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+
+
 def fresh_store_after_elastic_restart() -> None:
     """After torchrun restarts the group, give the new process group a store of its own.
 

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from src.distributed import launcher_env
 from src.utils.config import ConfigError, check_targets
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
     inherited = json.loads(os.environ.get(RESUME_ENV, "{}"))
     if rank != 0 and "LOCAL_RANK" in os.environ and inherited.get("dir") == str(ckpt_dir):
         return inherited["ckpt"]  # started by rank 0's launcher: its decision
-    store = _torchrun_store()
+    store = launcher_env.torchrun_store()
     _RESUME_CALLS.append(ckpt_dir)  # every rank runs the same jobs in order: the count names this job's decision
     key = f"template/resume_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{len(_RESUME_CALLS)}"
     if store is not None and rank != 0:  # torchrun: rank 0 posts its decision in the rendezvous store
@@ -193,18 +194,6 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
             store.set(key, json.dumps({"ckpt": ckpt}))
     os.environ[RESUME_ENV] = json.dumps({"dir": str(ckpt_dir), "ckpt": ckpt})
     return ckpt
-
-
-def _torchrun_store():
-    """torchrun's own rendezvous store (its agent serves it before any process group exists), else None."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    timeout=timedelta(minutes=10))
 
 
 def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:

@@ -100,7 +100,9 @@ def register() -> None:
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+            # run_stamp is cached in the config, as Hydra's ${now:} is: a job that submitit unpickles later
+            # in another process must see the sweep dir its launcher made, not a new time
+            OmegaConf.register_new_resolver(name, fn, use_cache=name == "run_stamp")
 
 
 register()

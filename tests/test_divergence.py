@@ -55,7 +55,7 @@ def test_nan_weights_are_never_saved_and_the_run_stops(tmp_path):
     out, ckpts = output(proc), tmp_path / "run" / "checkpoints"
     assert proc.returncode != 0, out[-3000:]
     assert "Training diverged at step 6" in out and "first non-finite train loss at step 6" in out, out[-3000:]
-    assert f"last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 5)" in out, out[-3000:]
+    assert f"The last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 5)" in out, out[-3000:]
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step_000004.ckpt"]
     last, before = load(ckpts / "last.ckpt"), load(tmp_path / "run" / "before_nan.pt")
     assert last["global_step"] == before["global_step"] == 5
@@ -77,7 +77,7 @@ def test_nan_validation_loss_is_logged_and_stops_the_run(tmp_path):
     assert "probability tensor" not in out, out[-3000:]
     assert "logits are not finite" in out, out[-3000:]
     assert "Training diverged at step 8: val/loss=nan" in out, out[-3000:]
-    assert f"last good checkpoint: {run / 'checkpoints'}" in out and "(saved at step 4)" in out, out[-3000:]
+    assert f"The last good checkpoint: {run / 'checkpoints'}" in out and "(saved at step 4)" in out, out[-3000:]
     val = [e.value for e in read_events(run / "tensorboard").Scalars("val/loss")]  # after steps 4 and 8
     assert len(val) == 2 and math.isfinite(val[0]) and math.isnan(val[1]), val
     last = load(run / "checkpoints" / "last.ckpt")
@@ -100,7 +100,7 @@ def test_two_ranks_stop_together(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert "Training diverged at step 3: the train loss was not finite (first non-finite train loss at step 3)" \
         in out, out[-3000:]
-    assert f"last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 2)" in out, out[-3000:]
+    assert f"The last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 2)" in out, out[-3000:]
     last = load(ckpts / "last.ckpt")
     assert last["global_step"] == 2 and all_finite(last["state_dict"])
     assert not list(ckpts.glob("*.tmp"))
@@ -146,7 +146,7 @@ def test_skip_leaves_out_the_non_finite_step_on_the_device(tmp_path):
         assert torch.equal(after["state_dict"][name], value), name
     assert all_finite(model.state_dict())
     assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {5}  # 6 steps, one skipped
-    assert next(c for c in trainer.callbacks if isinstance(c, Divergence)).skipped == 1
+    assert int(next(c for c in trainer.callbacks if isinstance(c, Divergence)).skipped) == 1
 
 
 def test_stop_at_the_next_logging_step(tmp_path):

@@ -33,8 +33,8 @@ from src.distributed.checkpointing import candidates
 
 log = logging.getLogger(__name__)
 ACTIONS = ("stop", "skip")
-ADVICE = ("Lower model.optimizer.lr, set trainer.gradient_clip_val, or use callbacks.divergence.action=skip "
-          "to skip non-finite steps")
+ADVICE = ("To go on from it, run again with resume=auto (same hydra.run.dir) and a lower model.optimizer.lr or "
+          "trainer.gradient_clip_val; callbacks.divergence.action=skip skips non-finite steps instead")
 
 
 class DivergenceError(RuntimeError):
@@ -50,18 +50,18 @@ class Divergence(L.Callback):
         if action not in ACTIONS:
             raise ValueError(f"callbacks.divergence.action={action!r}: use one of {', '.join(ACTIONS)}.")
         self.action = action
-        self.skipped = 0
+        self.skipped: Optional[torch.Tensor] = None  # on the device: optimizer updates skipped (action=skip)
         self._last_saved_step: Optional[int] = None
 
     # ---- skip: on the device, before each optimizer step ----
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.skipped = None
         if self.action != "skip":
             return
         strategy = trainer.strategy
         replicated = isinstance(strategy, SingleDeviceStrategy) or (
-            type(strategy) is DDPStrategy or (isinstance(strategy, DDPStrategy)
-                                              and not isinstance(strategy, DeepSpeedStrategy)))
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy))
         if not replicated:
             raise ValueError(f"callbacks.divergence.action=skip needs gradients that every rank holds whole "
                              f"(1 device or trainer=ddp), not {type(strategy).__name__}: use action=stop.")
@@ -80,6 +80,7 @@ class Divergence(L.Callback):
             # Same on every rank (DDP has averaged the gradients); the fused step skips the update if > 0
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
             optimizer.found_inf = (~torch.isfinite(norm)).float()
+            self.skipped = optimizer.found_inf if self.skipped is None else self.skipped + optimizer.found_inf
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         for optimizer in trainer.optimizers:
@@ -137,14 +138,15 @@ class Divergence(L.Callback):
         return int(first.item()) if torch.isfinite(first) else None
 
     def last_good_checkpoint(self, trainer: L.Trainer) -> str:
+        """Every save went through on_save_checkpoint, so the newest checkpoint is a finite one."""
         dirs = {cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
         found = sorted((p for d in dirs for p in candidates(d)), key=lambda p: p.stat().st_mtime, reverse=True)
         if found:
             step = f" (saved at step {self._last_saved_step})" if self._last_saved_step is not None else ""
-            return f"last good checkpoint: {found[0]}{step}"
+            return f"The last good checkpoint: {found[0]}{step}."
         if trainer.ckpt_path:
-            return f"no checkpoint was saved by this run; it started from {trainer.ckpt_path}"
-        return "no checkpoint was saved before it"
+            return f"This run saved no checkpoint; it started from {trainer.ckpt_path}."
+        return "No checkpoint was saved before it."
 
     def _diverged(self, trainer: L.Trainer, pl_module: L.LightningModule, what: str, force_stop: bool = False,
                   saving: bool = False) -> None:
@@ -153,13 +155,14 @@ class Divergence(L.Callback):
         pl_module.first_nonfinite = None
         since = f"first non-finite train loss at step {first}" if first is not None else "train loss finite"
         if self.action == "skip" and not force_stop:
-            self.skipped += 1
-            log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}): "
-                        f"its optimizer update was skipped (callbacks.divergence.action=skip).")
+            skipped = int(self.skipped.item()) if self.skipped is not None else 0
+            log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
+                        f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
+                        f"(callbacks.divergence.action=skip).")
             return
         now = "not saving a checkpoint; " if saving else ""
         message = (f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "
-                   f"The {self.last_good_checkpoint(trainer)}. {ADVICE}.")
+                   f"{self.last_good_checkpoint(trainer)} {ADVICE}.")
         if trainer.is_global_zero:
             log.error(message)
         raise DivergenceError(message)

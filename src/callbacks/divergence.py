@@ -156,9 +156,10 @@ class Divergence(L.Callback):
         since = f"first non-finite train loss at step {first}" if first is not None else "train loss finite"
         if self.action == "skip" and not force_stop:
             skipped = int(self.skipped.item()) if self.skipped is not None else 0
-            log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
-                        f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
-                        f"(callbacks.divergence.action=skip).")
+            if trainer.is_global_zero:
+                    log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
+                            f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
+                            f"(callbacks.divergence.action=skip).")
             return
         now = "not saving a checkpoint; " if saving else ""
         message = (f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "

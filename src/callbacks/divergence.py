@@ -28,6 +28,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from src.distributed.checkpointing import candidates
 
@@ -96,7 +97,7 @@ class Divergence(L.Callback):
     # ---- validation and checkpoint saves: sync points, checked on every rank ----
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         metrics = trainer.callback_metrics
         bad = sorted(k for k, v in metrics.items()

@@ -98,6 +98,8 @@ def test_two_ranks_stop_together(tmp_path):
         pytest.fail(f"the 2-rank job hung:\n{str(e.stdout)[-3000:]}")
     out, ckpts = output(proc), tmp_path / "run" / "checkpoints"
     assert proc.returncode != 0, out[-3000:]
+    # both ranks decided to stop: neither was left waiting for the other until the collective timeout
+    assert "timed out" not in out and "another rank exited" not in out, out[-3000:]
     assert "Training diverged at step 3: the train loss was not finite (first non-finite train loss at step 3)" \
         in out, out[-3000:]
     assert f"The last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 2)" in out, out[-3000:]

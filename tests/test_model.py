@@ -103,7 +103,8 @@ def test_train_loss_needs_one_reduce_per_logging_step_and_none_otherwise():
         trainer.global_step = batch_idx // 2
         model.log_train_loss(torch.tensor(float(batch_idx)), batch_idx)
     assert len(reduced) == 2 and len(logged) == 2
-    assert [float(t) for t in reduced] == [8.5, 18.5]  # steps 4 and 9: mean of micro-batches (8, 9) and (18, 19)
+    # steps 4 and 9: mean of micro-batches (8, 9) and (18, 19), with the divergence flag (0: all finite)
+    assert [t.tolist() for t in reduced] == [[8.5, 0.0], [18.5, 0.0]]
 
 
 def test_mfu_is_model_flops_over_the_configured_peak():

@@ -45,7 +45,7 @@ class GenerateText(L.Callback):
         if not (sharded or trainer.is_global_zero):
             return
         texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and texts:
             self._log(trainer, texts)
 
     @rank_zero_only
@@ -69,6 +69,14 @@ class GenerateText(L.Callback):
             torch.manual_seed(self.seed)
             for prompt in self.prompts:
                 input_ids = torch.tensor([tokenizer.encode_batch([prompt])[0].tolist()], device=device)
+                # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
+                # The logits are the same on every rank (also sharded), so all ranks skip together.
+                logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+                if not torch.isfinite(logits).all():
+                    rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
+                                   "diverged?); skipping samples.")
+                    texts = []
+                    break
                 room = model.config.n_positions - input_ids.shape[1]
                 out = model.generate(
                     input_ids, attention_mask=torch.ones_like(input_ids),

@@ -56,6 +56,10 @@ class LitModule(L.LightningModule):
         self._loss_sum: Optional[torch.Tensor] = None
         self._target_counts: Optional[tuple[Any, Any]] = None  # (train dataset, its target tokens per sample)
         self._step_totals: Optional[tuple[int, Any, int]] = None  # (epoch, target tokens per step, world size)
+        # Divergence (src/callbacks/divergence.py): on the device, the first optimizer step (1-based) since
+        # the last check whose loss was not finite (inf: none); on logging steps, its reduced flag.
+        self.first_nonfinite: Optional[torch.Tensor] = None
+        self.nonfinite_reduced: Optional[torch.Tensor] = None
 
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
         """The model's repeated blocks as (parent, name, block): the units FSDP shards and checkpoints."""
@@ -128,10 +132,22 @@ class LitModule(L.LightningModule):
         self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
         if (batch_idx + 1) % trainer.accumulate_grad_batches:  # mid-accumulation: the step is not over
             return
+        self._note_finite(self._loss_sum, trainer.global_step + 1)
         if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
-            mean = trainer.strategy.reduce(self._loss_sum, reduce_op="mean")
+            # the divergence flag rides along in the same all-reduce: its mean is > 0 iff a rank saw one
+            flag = torch.isfinite(self.first_nonfinite).float().to(self._loss_sum.dtype)
+            mean, self.nonfinite_reduced = trainer.strategy.reduce(torch.stack([self._loss_sum, flag]),
+                                                                   reduce_op="mean").unbind()
             self.log_dict(self.train_metrics(mean), prog_bar=True)
         self._loss_sum = None
+
+    def _note_finite(self, step_loss: torch.Tensor, step: int) -> None:
+        """Remember, on the device, the first step whose loss is not finite: no host sync. The divergence
+        callback reads it where the host waits anyway (logging steps, validation, checkpoint saves)."""
+        if self.first_nonfinite is None:
+            self.first_nonfinite = torch.full((), math.inf, device=step_loss.device)
+        bad = ~torch.isfinite(step_loss)
+        self.first_nonfinite = torch.where(bad, self.first_nonfinite.clamp(max=step), self.first_nonfinite)
 
     def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"train/loss": loss}

@@ -1,0 +1,171 @@
+"""Stop a run whose loss turns NaN/inf, and never let it overwrite a good checkpoint with NaN weights.
+
+Without this a diverged run trains on NaN to the end and rewrites last.ckpt with NaN weights, so the
+state to go back to is lost. Checks happen only where the host waits for the device anyway, so
+training runs without any extra host sync per step:
+
+* every step, `LitModule.log_train_loss` notes on the device the first step whose loss is not
+  finite; on logging steps the flag rides in the train-loss all-reduce and is read here after the
+  step (Lightning reads the logged loss at that point anyway);
+* at validation end, non-finite `val/...` metrics (GPT-2's TokenMeanLoss keeps NaN) or a pending flag;
+* before every checkpoint save (`on_save_checkpoint`, which every rank runs): a pending flag or a
+  non-finite parameter vetoes the save, so last.ckpt and the best checkpoint stay finite.
+
+Each decision is reduced over ranks, so all ranks stop together (no rank is left waiting in a
+collective). `action=stop` raises `DivergenceError` naming the step and the last good checkpoint:
+the job exits 1. `action=skip` skips the optimizer update of each step with non-finite gradients on
+the device (the fused optimizers' `found_inf` input, as torch's GradScaler uses it): no host sync.
+It needs gradients that are the same on every rank (1 device or DDP) and a fused optimizer
+(`model.optimizer.fused=true`, the default); under fp16 the GradScaler already skips such steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from src.distributed.checkpointing import candidates
+
+log = logging.getLogger(__name__)
+ACTIONS = ("stop", "skip")
+ADVICE = ("To go on from it, run again with resume=auto (same hydra.run.dir) and a lower model.optimizer.lr or "
+          "trainer.gradient_clip_val; callbacks.divergence.action=skip skips non-finite steps instead")
+
+
+class DivergenceError(RuntimeError):
+    """Training diverged (non-finite loss or weights) and callbacks.divergence.action is stop."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+
+
+class Divergence(L.Callback):
+    def __init__(self, action: str = "stop") -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"callbacks.divergence.action={action!r}: use one of {', '.join(ACTIONS)}.")
+        self.action = action
+        self.skipped: Optional[torch.Tensor] = None  # on the device: optimizer updates skipped (action=skip)
+        self._last_saved_step: Optional[int] = None
+
+    # ---- skip: on the device, before each optimizer step ----
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.skipped = None
+        if self.action != "skip":
+            return
+        strategy = trainer.strategy
+        replicated = isinstance(strategy, SingleDeviceStrategy) or (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy))
+        if not replicated:
+            raise ValueError(f"callbacks.divergence.action=skip needs gradients that every rank holds whole "
+                             f"(1 device or trainer=ddp), not {type(strategy).__name__}: use action=stop.")
+        for optimizer in trainer.optimizers:
+            # torch's mark for optimizers that take GradScaler's on-device `found_inf` (fused Adam/AdamW/SGD)
+            if not getattr(optimizer, "_step_supports_amp_scaling", False):
+                raise ValueError(f"callbacks.divergence.action=skip needs a fused optimizer, not "
+                                 f"{type(optimizer).__name__} without fused=True: set model.optimizer.fused=true "
+                                 f"or use action=stop.")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.action != "skip" or getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return  # fp16: the GradScaler sets found_inf itself and skips non-finite steps already
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            # Same on every rank (DDP has averaged the gradients); the fused step skips the update if > 0
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            optimizer.found_inf = (~torch.isfinite(norm)).float()
+            self.skipped = optimizer.found_inf if self.skipped is None else self.skipped + optimizer.found_inf
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        for optimizer in trainer.optimizers:
+            if hasattr(optimizer, "found_inf") and getattr(trainer.precision_plugin, "scaler", None) is None:
+                del optimizer.found_inf
+        reduced = getattr(pl_module, "nonfinite_reduced", None)
+        if reduced is None:
+            return
+        pl_module.nonfinite_reduced = None
+        if reduced.item() > 0:  # the host waits here anyway: Lightning reads the logged loss next
+            self._diverged(trainer, pl_module, "the train loss was not finite")
+
+    # ---- validation and checkpoint saves: sync points, checked on every rank ----
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        metrics = trainer.callback_metrics
+        bad = sorted(k for k, v in metrics.items()
+                     if k.startswith("val/") and torch.is_tensor(v) and not torch.isfinite(v).all())
+        if self._any_rank(trainer, bool(bad) or self._pending(pl_module)):
+            what = ", ".join(f"{k}={metrics[k].item():g}" for k in bad) if bad else "the train loss was not finite"
+            self._diverged(trainer, pl_module, what, force_stop=bool(bad))
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """A save waits for the device anyway: one look at every local parameter, one all-reduce."""
+        weights_bad = not all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters())
+        loss_bad = self.action == "stop" and self._pending(pl_module)
+        bad = torch.tensor([weights_bad, loss_bad], dtype=torch.float32, device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce(bad, reduce_op="sum")
+        if bad.any():
+            what = "the weights are not finite" if bad[0] > 0 else "the train loss was not finite"
+            self._diverged(trainer, pl_module, what, force_stop=True, saving=True)
+        self._last_saved_step = trainer.global_step
+
+    # ---- helpers ----
+
+    @staticmethod
+    def _pending(pl_module: L.LightningModule) -> bool:
+        first = getattr(pl_module, "first_nonfinite", None)
+        return first is not None and bool(torch.isfinite(first))
+
+    @staticmethod
+    def _any_rank(trainer: L.Trainer, flag: bool) -> bool:
+        if trainer.world_size == 1:
+            return flag
+        return trainer.strategy.reduce_boolean_decision(flag, all=False)
+
+    def _first_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[int]:
+        first = getattr(pl_module, "first_nonfinite", None)
+        if first is None:
+            first = torch.full((), math.inf, device=trainer.strategy.root_device)
+        first = trainer.strategy.reduce(first.clone(), reduce_op="min") if trainer.world_size > 1 else first
+        return int(first.item()) if torch.isfinite(first) else None
+
+    def last_good_checkpoint(self, trainer: L.Trainer) -> str:
+        """Every save went through on_save_checkpoint, so the newest checkpoint is a finite one."""
+        dirs = {cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
+        found = sorted((p for d in dirs for p in candidates(d)), key=lambda p: p.stat().st_mtime, reverse=True)
+        if found:
+            step = f" (saved at step {self._last_saved_step})" if self._last_saved_step is not None else ""
+            return f"The last good checkpoint: {found[0]}{step}."
+        if trainer.ckpt_path:
+            return f"This run saved no checkpoint; it started from {trainer.ckpt_path}."
+        return "No checkpoint was saved before it."
+
+    def _diverged(self, trainer: L.Trainer, pl_module: L.LightningModule, what: str, force_stop: bool = False,
+                  saving: bool = False) -> None:
+        """Every rank calls this together (the decision was reduced), so the collective below is safe."""
+        first = self._first_step(trainer, pl_module)
+        pl_module.first_nonfinite = None
+        since = f"first non-finite train loss at step {first}" if first is not None else "train loss finite"
+        if self.action == "skip" and not force_stop:
+            skipped = int(self.skipped.item()) if self.skipped is not None else 0
+            if trainer.is_global_zero:
+                    log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
+                            f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
+                            f"(callbacks.divergence.action=skip).")
+            return
+        now = "not saving a checkpoint; " if saving else ""
+        message = (f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "
+                   f"{self.last_good_checkpoint(trainer)} {ADVICE}.")
+        if trainer.is_global_zero:
+            log.error(message)
+        raise DivergenceError(message)
+

@@ -302,3 +302,18 @@ def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_
         assert float(row["validate/device/items_per_sec"]) == pytest.approx(8 * 16 / 100)
     test = [row for row in rows if row.get("test/device/batches_per_sec")]
     assert len(test) == 1 and float(test[0]["test/device/samples_per_sec"]) == pytest.approx(0.8)
+
+
+def test_convnet_val_loss_shows_nan_and_ignores_padding():
+    """A diverged ConvNet's val loss is NaN (torchmetrics' default would drop it); padding adds nothing."""
+    from src.models.convnet import ConvNetLitModule
+
+    model = ConvNetLitModule().eval()
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
+    with torch.no_grad():
+        model._eval_step((x, y), model.val_metrics)
+        model._eval_step((x, torch.full((4,), -100)), model.val_metrics)  # an all-padding batch
+        clean = model.val_metrics["loss"].compute()
+        assert torch.isfinite(clean)
+        model._eval_step((x * float("nan"), y), model.val_metrics)
+    assert torch.isnan(model.val_metrics["loss"].compute())

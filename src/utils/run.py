@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import launcher_env
 from src.utils.config import ConfigError, check_targets
+from src.utils.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,56 @@ def absolute_paths(cfg: DictConfig) -> None:
             parent[leaf] = str(Path(value).resolve())
 
 
+def check_top_level_keys(cfg: DictConfig) -> None:
+    """A key added with `+` (`+max_step=5`) bypasses the schema when Hydra composes: refuse it here."""
+    from dataclasses import fields
+
+    from src.utils.config import EvalConfig, TrainConfig
+
+    schema = TrainConfig if "train" in cfg else EvalConfig
+    known = {f.name for f in fields(schema)}
+    for key in cfg:
+        if key not in known and key != "hydra":
+            raise ConfigError(f"Unknown config key '{key}': nothing reads it. Check the spelling (e.g. "
+                              f"trainer.max_steps); top-level keys are: {', '.join(sorted(known))}.")
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Values whose failure would come late or from deep inside a library."""
+    trainer = cfg.trainer
+    if cfg.get("train", False):
+        steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
+            raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
+        if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
+            raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
+                              "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
+    ckpt = cfg.get("ckpt_path")
+    if ckpt:
+        from src.distributed.checkpointing import problem
+
+        why = problem(ckpt)
+        if why is not None:
+            raise CheckpointError(f"ckpt_path={ckpt!r} cannot be used: {why}. Point it at a checkpoint written by "
+                                  "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt.")
+    for key in ("log_dir", "cache_dir", "output_dir"):
+        _check_writable(f"paths.{key}", Path(cfg.paths[key]))
+
+
+def _check_writable(key: str, path: Path) -> None:
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        what = "is not a dir" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"{key}={str(path)!r} cannot be created: {existing} {what}. Set {key} to a writable dir.")
+
+
 def prepare(cfg: DictConfig) -> None:
     """Checks before any expensive work, then seed and config tree."""
     import lightning as L
 
+    check_top_level_keys(cfg)
     check_targets(cfg)
+    check_values(cfg)
     check_machine(cfg.trainer)
     absolute_paths(cfg)
     if cfg.trainer.get("use_distributed_sampler", True):

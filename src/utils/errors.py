@@ -49,7 +49,7 @@ def translate(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[s
     """The one-line message for a user error, or None for a bug. Also knows two library errors that are
     always the user's: a mandatory key left unset (OmegaConf), and a checkpoint whose tensors do not
     fit the model (torch's load_state_dict)."""
-    from omegaconf.errors import MissingMandatoryValue
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
     found = find_user_error(exc)
     if found is not None:
@@ -58,6 +58,9 @@ def translate(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[s
     if isinstance(exc, MissingMandatoryValue):
         key = getattr(exc, "full_key", "") or text
         return f"{key} must be set: pass {key}=... on the command line (see conf/)."
+    if isinstance(exc, InterpolationResolutionError):  # e.g. ${oc.env:X} unset, or a resolver given a bad value
+        key = getattr(exc, "full_key", "") or "a config value"
+        return f"{key} could not be resolved: {text.splitlines()[0][:300]}. Check the keys and values it refers to."
     if isinstance(exc, RuntimeError) and "Error(s) in loading state_dict" in text:
         detail = next((line.strip() for line in text.splitlines()[1:] if line.strip()), "")[:300]
         return (f"The checkpoint ckpt_path={ckpt_path!r} does not fit this model ({detail}). Use the model "

@@ -15,7 +15,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import launcher_env
-from src.utils.config import ConfigError, check_targets
+from src.utils.config import ConfigError, check_int, check_targets
 from src.utils.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,10 @@ def check_top_level_keys(cfg: DictConfig) -> None:
 
 def check_values(cfg: DictConfig) -> None:
     """Values whose failure would come late or from deep inside a library."""
+    for key in ("data.seq_len", "data.global_batch_size"):  # others interpolate them: name them before they resolve
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            check_int(key, value)
     trainer = cfg.trainer
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
@@ -93,6 +97,9 @@ def check_values(cfg: DictConfig) -> None:
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
                               "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
+    lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+        raise ConfigError(f"model.optimizer.lr={lr!r} is not valid: use a positive learning rate, e.g. 3e-4.")
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         from src.distributed.checkpointing import problem

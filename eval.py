@@ -17,9 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 import src.utils.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.distributed.timeouts import distributed_errors
-from src.utils.errors import user_errors
 from src.tools.checkpoints import consolidate, is_sharded, read_config
 from src.utils.config import ConfigError, instantiate_group, register_schemas
+from src.utils.errors import user_errors
 from src.utils.run import prepare
 
 register_schemas()

@@ -14,8 +14,8 @@ import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.timeouts import distributed_errors
-from src.utils.errors import user_errors
 from src.utils.config import instantiate_group, register_schemas
+from src.utils.errors import user_errors
 from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
 
 register_schemas()

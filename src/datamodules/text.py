@@ -164,8 +164,10 @@ class TextDataModule(ShardedDataModule):
     def prepare_data(self) -> None:
         for path in [m["path"] for m in self.mix] or [None]:
             tokens = self.tokens(path)  # build the caches once (local rank 0); other ranks find them in setup()
-            # too little text fails here, on rank 0 alone, rather than in every rank's setup()
-            split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction)
+            try:  # too little text fails here, on rank 0 alone, rather than in every rank's setup()
+                split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction)
+            except CorpusError as e:
+                raise CorpusError(f"{path or self.path or self.hf_dataset or 'The embedded corpus'}: {e}") from None
 
     @property
     def model_kwargs(self) -> dict[str, int]:

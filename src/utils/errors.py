@@ -22,12 +22,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from hydra.errors import CompactHydraException
+
 log = logging.getLogger(__name__)
 EXIT_USER_ERROR = 2
 
 
 class UserError(Exception):
     """Bad config, data, path, hardware request or checkpoint: the message says what and how to fix it."""
+
+
+class JobFailed(UserError, CompactHydraException):
+    """A user error ending one job of a multirun: Hydra prints a CompactHydraException as its message
+    alone (no traceback) after "Error executing job with overrides: [...]", once every job has run."""
 
 
 class CheckpointError(UserError, ValueError):
@@ -41,7 +48,7 @@ def find_user_error(exc: BaseException) -> Optional[BaseException]:
         seen.add(id(exc))
         if isinstance(exc, UserError):
             return exc
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__  # not __context__: a bug raised while handling a user error stays a bug
     return None
 
 
@@ -103,6 +110,6 @@ def user_errors(cfg: Optional[Any] = None) -> Iterator[None]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if _in_multirun():  # Hydra records this job as failed, with the message, and runs the next one
-            raise UserError(message) from None
+            raise JobFailed(message) from None
         sys.stderr.flush()
         raise SystemExit(EXIT_USER_ERROR) from None

@@ -25,7 +25,13 @@ def check_machine(trainer_cfg: DictConfig) -> None:
     """One clear sentence, instead of a stack trace from deep inside, when the machine cannot run the config."""
     import torch
 
+    devices = trainer_cfg.get("devices", "auto")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
+        raise ConfigError(f"trainer.devices={devices} is not valid: use a number of devices >= 1, -1 or auto.")
     if torch.cuda.is_available():
+        if isinstance(devices, int) and devices > torch.cuda.device_count():
+            raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} visible "
+                              "CUDA GPU(s): lower trainer.devices (or -1 for all), or check CUDA_VISIBLE_DEVICES.")
         return
     strategy = trainer_cfg.get("strategy", "auto")
     name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
@@ -94,6 +100,7 @@ def check_values(cfg: DictConfig) -> None:
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
             raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
+        _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
                               "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
@@ -110,6 +117,20 @@ def check_values(cfg: DictConfig) -> None:
                                   "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt.")
     for key in ("log_dir", "cache_dir", "output_dir"):
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
+
+
+def _check_global_batch(cfg: DictConfig) -> None:
+    """The global batch must split evenly over the ranks: checked here, once, before the ranks start (the
+    datamodule checks again in setup, where the world size is known for sure)."""
+    batch = OmegaConf.select(cfg, "data.global_batch_size", default=None)
+    sizes = [cfg.trainer.get(k, 1) for k in ("devices", "num_nodes", "accumulate_grad_batches")]
+    if batch is None or not all(isinstance(n, int) and n > 0 for n in sizes):  # "auto", -1: known only later
+        return
+    per_step = sizes[0] * sizes[1] * sizes[2]
+    if batch % per_step:
+        raise ConfigError(f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
+                          f"node(s) x {sizes[2]} accumulation step(s) = {per_step}. Pick a multiple of {per_step}, "
+                          "or change trainer.devices / trainer.accumulate_grad_batches.")
 
 
 def _check_writable(key: str, path: Path) -> None:

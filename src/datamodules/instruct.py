@@ -59,7 +59,8 @@ def read_records(path: str) -> list[dict]:
     for i, record in enumerate(records):
         bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
         if bad or not isinstance(record.get("input", ""), str):
-            raise CorpusError(f"{file}: record {i} (counting from 0) needs string fields 'instruction' and 'output' (and optional "
+            raise CorpusError(f"{file}: record {i} (counting from 0) needs string fields 'instruction' and 'output' "
+                              "(and optional "
                               f"'input'); got {record!r:.200}")
     return records
 

@@ -59,7 +59,7 @@ def read_records(path: str) -> list[dict]:
     for i, record in enumerate(records):
         bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
         if bad or not isinstance(record.get("input", ""), str):
-            raise CorpusError(f"{file}: record {i} (counting from 0) needs string fields 'instruction' and 'output' "
+            raise CorpusError(f"{file}: record {i} needs string fields 'instruction' and 'output' "
                               "(and optional "
                               f"'input'); got {record!r:.200}")
     return records
@@ -130,8 +130,6 @@ class InstructDataModule(ShardedDataModule):
         if eval_batch_size is not None:
             check_int("data.eval_batch_size", eval_batch_size)
         check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
-        if not Path(path).expanduser().is_file():  # before any rank starts
-            raise CorpusError(f"data.path={path!r} does not exist. Point it at an Alpaca-style .json or .jsonl file.")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset
 
 from src.datamodules.base import ShardedDataModule
-from src.datamodules.corpus import Corpus, CorpusError, find_files
+from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import ConfigError, check_fractions, check_int
@@ -145,8 +145,6 @@ class TextDataModule(ShardedDataModule):
                 raise ConfigError(f"data.mix: weight={m['weight']!r} of {m['path']!r} must be a positive number.")
         if self.mix and (path or hf_dataset):
             raise ConfigError("Set data.mix or data.path / data.hf_dataset, not both.")
-        for p in [m["path"] for m in self.mix] or ([path] if path else []):
-            find_files(p)  # a missing path fails here, before any rank starts, not in prepare_data
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from src.utils.config import ConfigError
+from src.utils.errors import PathNotFound
 
 
 class Tokenizer(Protocol):
@@ -68,9 +69,9 @@ def load_hf_tokenizer(name_or_path: str):
 
     local = Path(name_or_path).expanduser()
     if name_or_path.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub name
-        raise ConfigError(f"data.tokenizer={name_or_path!r} is not an existing dir (data.tokenizer follows "
-                          "model.pretrained unless set). Pass a dir with tokenizer.json (or vocab.json + merges.txt), "
-                          "or data.tokenizer=bytes.")
+        raise PathNotFound(f"data.tokenizer={name_or_path!r} is not an existing dir (data.tokenizer follows "
+                           "model.pretrained unless set). Pass a dir with tokenizer.json (or vocab.json + merges.txt), "
+                           "or data.tokenizer=bytes.")
     if local.is_dir() and not (local / "tokenizer.json").exists() and (local / "merges.txt").exists():
         return GPT2TokenizerFast.from_pretrained(str(local))
     try:

@@ -11,7 +11,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.utils.config import ConfigError, check_int
-from src.utils.errors import CheckpointError
+from src.utils.errors import CheckpointError, PathNotFound
 
 
 def check_machine(trainer_cfg: DictConfig) -> None:
@@ -81,8 +81,8 @@ def check_values(cfg: DictConfig) -> None:
     pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
     is_path = isinstance(pretrained, str) and pretrained.startswith(("/", ".", "~"))  # not a hub name
     if is_path and not Path(pretrained).expanduser().is_dir():
-        raise ConfigError(f"model.pretrained={pretrained!r} is not an existing dir: pass a dir with config.json + "
-                          "model.safetensors (save_pretrained's output), or a hub name such as gpt2 when online.")
+        raise PathNotFound(f"model.pretrained={pretrained!r} is not an existing dir: pass a dir with config.json + "
+                            "model.safetensors (save_pretrained's output), or a hub name such as gpt2 when online.")
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         from src.distributed.checkpointing import problem

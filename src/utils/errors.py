@@ -37,6 +37,10 @@ class JobFailed(UserError, CompactHydraException):
     alone (no traceback) after "Error executing job with overrides: [...]", once every job has run."""
 
 
+class PathNotFound(UserError, FileNotFoundError):
+    """A file or dir named in the config (tokenizer, pretrained model) that is not there."""
+
+
 class CheckpointError(UserError, ValueError):
     """A file or dir given as a checkpoint that cannot be read or does not fit the model."""
 

@@ -57,9 +57,9 @@ def find_user_error(exc: BaseException) -> Optional[BaseException]:
 
 
 def translate(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[str]:
-    """The one-line message for a user error, or None for a bug. Also knows two library errors that are
-    always the user's: a mandatory key left unset (OmegaConf), and a checkpoint whose tensors do not
-    fit the model (torch's load_state_dict)."""
+    """The one-line message for a user error, or None for a bug. Also knows library errors that are always
+    the user's: a mandatory key left unset or an interpolation that cannot resolve (OmegaConf), a
+    MisconfigurationException (Lightning), and a checkpoint whose tensors do not fit the model (torch)."""
     from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
     found = find_user_error(exc)
@@ -72,6 +72,9 @@ def translate(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[s
     if isinstance(exc, InterpolationResolutionError):  # e.g. ${oc.env:X} unset, or a resolver given a bad value
         key = getattr(exc, "full_key", "") or "a config value"
         return f"{key} could not be resolved: {text.splitlines()[0][:300]}. Check the keys and values it refers to."
+    if type(exc).__name__ == "MisconfigurationException":  # Lightning's word for a config it cannot run
+        return (f"Lightning refuses this config: {text.strip().splitlines()[0][:300]} Change the trainer.* or "
+                "callbacks.* keys it names (see conf/).")
     if isinstance(exc, RuntimeError) and "Error(s) in loading state_dict" in text:
         detail = next((line.strip() for line in text.splitlines()[1:] if line.strip()), "")[:300]
         return (f"The checkpoint ckpt_path={ckpt_path!r} does not fit this model ({detail}). Use the model "

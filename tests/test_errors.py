@@ -89,6 +89,8 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "ckpt_not_a_checkpoint": (["ckpt_path={bad}/not_a.ckpt"], ["not_a.ckpt", "not a checkpoint"]),
     "fp16_on_cpu": (["trainer.precision=16-mixed"], ["trainer.precision=16-mixed"]),
     "deepspeed_on_cpu": (["trainer=deepspeed"], ["trainer=deepspeed", "CUDA"]),
+    "zero_devices": (["trainer.devices=0"], ["trainer.devices=0"]),
+    "lightning_misconfiguration": (["callbacks=default", "logger=none"], ["LearningRateMonitor", "callbacks"]),
 }
 
 
@@ -127,6 +129,18 @@ def test_ddp_data_error_is_printed_once_and_ends_in_seconds(bad: Path, tmp_path:
     rc, out, seconds = run_as_user(args)
     assert_one_clear_line(rc, out, "broken.jsonl:2", "malformed JSON")
     assert seconds < 60, f"took {seconds:.0f} s"
+
+
+@pytest.mark.slow
+def test_multirun_records_each_failed_job_and_goes_on(tmp_path: Path) -> None:
+    """In a sweep a bad job fails alone: every job runs, each error is one line, and the summary Hydra
+    prints at the end has no traceback."""
+    args = ["train.py", "-m", *FAST, f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}",
+            "data.seq_len=0,-8"]
+    rc, out, _ = run_as_user(args)
+    assert rc != 0 and "Traceback" not in out and '  File "' not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 2 and "data.seq_len=0 " in errors[0] and "data.seq_len=-8 " in errors[1], out[-3000:]
 
 
 def test_bugs_keep_their_traceback() -> None:

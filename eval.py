@@ -19,6 +19,7 @@ from src.callbacks.essentials import CpuThreadsPerRank
 from src.distributed.timeouts import distributed_errors
 from src.tools.checkpoints import consolidate, is_sharded, read_config
 from src.utils.config import ConfigError, instantiate_group, register_schemas
+from src.utils.errors import user_errors
 from src.utils.run import prepare
 
 register_schemas()
@@ -52,8 +53,14 @@ def consolidated_once(ckpt_path: str, out: Path) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
-@distributed_errors()  # a failed collective is one line naming rank and collective; SIGTERM exits 143
 def main(cfg: DictConfig) -> dict[str, float]:
+    # a bad key, value, file or checkpoint is one line and exit 2; a failed collective is one line naming
+    # rank and collective; SIGTERM exits 143
+    with user_errors(cfg), distributed_errors():
+        return evaluate(cfg)
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
     prepare(cfg)
     trained = trained_config(cfg)
 

@@ -15,6 +15,7 @@ from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.timeouts import distributed_errors
 from src.utils.config import instantiate_group, register_schemas
+from src.utils.errors import user_errors
 from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
 
 register_schemas()
@@ -44,8 +45,9 @@ def train(cfg: DictConfig) -> Optional[float]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
-    # DDP ranks join this job, in this job's dir, also inside a sweep; a failed collective is one line, not a hang
-    with ddp_job(), distributed_errors():
+    # DDP ranks join this job, in this job's dir, also inside a sweep; a failed collective is one line, not a hang;
+    # a bad key, value, file or checkpoint is one line and exit 2
+    with ddp_job(), user_errors(cfg), distributed_errors():
         return train(cfg)
 
 

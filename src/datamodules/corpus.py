@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from src.utils.errors import UserError
+
 SUFFIXES = (".txt", ".jsonl")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """Bad input data; the message names the file (and line) and what to do."""
 
 
@@ -48,29 +50,55 @@ def find_files(path: str) -> list[Path]:
     return files
 
 
+def _not_text(file: Path, where: str, data: bytes, e: UnicodeDecodeError) -> CorpusError:
+    kind = "binary data (NUL bytes)" if b"\0" in data else f"not UTF-8 text (byte 0x{data[e.start]:02x})"
+    return CorpusError(f"{file}: {where} is {kind}. data.path takes UTF-8 text: convert the file "
+                       "(e.g. iconv -f latin1 -t utf-8) or move it out of data.path.")
+
+
+def utf8_text(file: Path) -> str:
+    """The file as text; a binary or non-UTF-8 file is refused with its byte offset, never silently replaced."""
+    data = file.read_bytes()
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_text(file, f"byte {e.start}", data, e) from None
+
+
+def utf8_lines(file: Path) -> Iterator[str]:
+    """The file's lines as text; a line that is not UTF-8 is refused with its line number."""
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_text(file, f"line {lineno} (byte {e.start} of the line)", raw, e) from None
+
+
 def read_documents(file: Path, text_field: str = "text") -> Iterator[str]:
     """A .txt file is one document; a .jsonl file is one document per line."""
     if file.suffix != ".jsonl":
-        yield file.read_text(encoding="utf-8", errors="replace")
+        yield utf8_text(file)
         return
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(
-                    f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}). "
-                    f'Each line must be one JSON object such as {{"{text_field}": "..."}}.'
-                ) from e
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise CorpusError(
-                    f"{file}:{lineno}: expected a JSON object with a string field {text_field!r}, "
-                    f"got {type(record).__name__} with keys {list(record)[:5] if isinstance(record, dict) else '-'}. "
-                    "Set data.text_field to the field that holds the text."
-                )
-            yield record[text_field]
+    for lineno, line in enumerate(utf8_lines(file), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CorpusError(
+                f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}). "
+                f'Each line must be one JSON object such as {{"{text_field}": "..."}}.'
+            ) from e
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise CorpusError(
+                f"{file}:{lineno}: expected a JSON object with a string field {text_field!r}, "
+                f"got {type(record).__name__} with keys {list(record)[:5] if isinstance(record, dict) else '-'}. "
+                "Set data.text_field to the field that holds the text."
+            )
+        yield record[text_field]
 
 
 @dataclass

@@ -21,9 +21,10 @@ import torch
 from torch.utils.data import Dataset
 
 from src.datamodules.base import ShardedDataModule
-from src.datamodules.corpus import CorpusError
+from src.datamodules.corpus import CorpusError, utf8_lines, utf8_text
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.utils.config import ConfigError, check_fractions, check_int
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,9 @@ def read_records(path: str) -> list[dict]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise CorpusError(f"data.path={path!r} does not exist. Point it at an Alpaca-style .json or .jsonl file.")
-    text = file.read_text(encoding="utf-8")
     if file.suffix == ".jsonl":
         records = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        for lineno, line in enumerate(utf8_lines(file), start=1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
@@ -51,7 +51,7 @@ def read_records(path: str) -> list[dict]:
                     raise CorpusError(f"{file}:{lineno}: malformed JSON ({e.msg}).") from e
     else:
         try:
-            records = json.loads(text)
+            records = json.loads(utf8_text(file))
         except json.JSONDecodeError as e:
             raise CorpusError(f"{file}:{e.lineno}: malformed JSON ({e.msg}).") from e
         if not isinstance(records, list):
@@ -59,7 +59,8 @@ def read_records(path: str) -> list[dict]:
     for i, record in enumerate(records):
         bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
         if bad or not isinstance(record.get("input", ""), str):
-            raise CorpusError(f"{file}: record {i} needs string fields 'instruction' and 'output' (and optional "
+            raise CorpusError(f"{file}: record {i} needs string fields 'instruction' and 'output' "
+                              "(and optional "
                               f"'input'); got {record!r:.200}")
     return records
 
@@ -124,9 +125,14 @@ class InstructDataModule(ShardedDataModule):
         special_tokens: Sequence[str] = (),
         overfit_batches: int = 0,
     ) -> None:
+        check_int("data.seq_len", seq_len)
+        check_int("data.global_batch_size", global_batch_size)
+        if eval_batch_size is not None:
+            check_int("data.eval_batch_size", eval_batch_size)
+        check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         if overlong not in ("truncate", "drop"):
-            raise ValueError(f"data.overlong={overlong!r}: use truncate or drop.")
+            raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
         self.path, self.tokenizer_name, self.seq_len = path, tokenizer, seq_len
         self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
@@ -139,6 +145,9 @@ class InstructDataModule(ShardedDataModule):
     @property
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": self.tokenizer.vocab_size}
+
+    def prepare_data(self) -> None:
+        read_records(self.path)  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
 
     def build_splits(self) -> dict[str, Dataset]:
         items, dropped, truncated = [], 0, 0
@@ -156,6 +165,10 @@ class InstructDataModule(ShardedDataModule):
         n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
         n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
         n_train = len(items) - n_val - n_test
+        if n_train < 1:
+            raise CorpusError(f"{self.path}: {len(items)} usable record(s) are too few for a train split plus {n_val} "
+                              f"val and {n_test} test record(s). Add records or lower data.val_fraction / "
+                              "data.test_fraction.")
         log.info(f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
                  f"{n_train}/{n_val}/{n_test} train/val/test")
         return {"train": Records(items[:n_train]), "val": Records(items[n_train : n_train + n_val]),

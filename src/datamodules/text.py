@@ -22,6 +22,7 @@ from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.utils.config import ConfigError, check_fractions, check_int
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
@@ -126,6 +127,11 @@ class TextDataModule(ShardedDataModule):
         mix: Optional[list[dict]] = None,
         overfit_batches: int = 0,
     ) -> None:
+        check_int("data.seq_len", seq_len)
+        check_int("data.global_batch_size", global_batch_size)
+        if eval_batch_size is not None:
+            check_int("data.eval_batch_size", eval_batch_size)
+        check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
@@ -134,9 +140,11 @@ class TextDataModule(ShardedDataModule):
         self.mix = [dict(m) for m in mix or []]
         for m in self.mix:
             if set(m) != {"path", "weight"}:
-                raise ValueError(f"data.mix entries need exactly 'path' and 'weight'; got {sorted(m)}.")
+                raise ConfigError(f"data.mix entries need exactly 'path' and 'weight'; got {sorted(m)}.")
+            if isinstance(m["weight"], bool) or not isinstance(m["weight"], (int, float)) or m["weight"] <= 0:
+                raise ConfigError(f"data.mix: weight={m['weight']!r} of {m['path']!r} must be a positive number.")
         if self.mix and (path or hf_dataset):
-            raise ValueError("Set data.mix or data.path / data.hf_dataset, not both.")
+            raise ConfigError("Set data.mix or data.path / data.hf_dataset, not both.")
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -153,7 +161,11 @@ class TextDataModule(ShardedDataModule):
 
     def prepare_data(self) -> None:
         for path in [m["path"] for m in self.mix] or [None]:
-            self.tokens(path)  # build the caches once (local rank 0); other ranks find them in setup()
+            tokens = self.tokens(path)  # build the caches once (local rank 0); other ranks find them in setup()
+            try:  # too little text fails here, on rank 0 alone, rather than in every rank's setup()
+                split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction)
+            except CorpusError as e:
+                raise CorpusError(f"{path or self.path or self.hf_dataset or 'The embedded corpus'}: {e}") from None
 
     @property
     def model_kwargs(self) -> dict[str, int]:

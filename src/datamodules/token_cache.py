@@ -20,6 +20,7 @@ from filelock import FileLock
 
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.tokenizers import Tokenizer
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def load_or_build(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike) -> np.memmap:
     """The corpus as one flat token stream, documents separated by EOS, memory-mapped."""
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (cache_dir / f".write_test{os.getpid()}").touch()
+        (cache_dir / f".write_test{os.getpid()}").unlink()
+    except OSError as e:
+        raise ConfigError(f"The token cache dir {cache_dir} cannot be written ({e.strerror}): set paths.cache_dir "
+                          "(or data.cache_dir) to a writable dir.") from None
     key = cache_key(corpus, tokenizer)
     bin_path, meta_path = cache_dir / f"{key}.bin", cache_dir / f"{key}.json"
     with FileLock(str(cache_dir / f"{key}.lock")):
@@ -52,8 +59,25 @@ def load_or_build(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Path
 def _build(corpus: Corpus, tokenizer: Tokenizer, bin_path: Path, meta_path: Path) -> None:
     t0 = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
     tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
+    try:  # a bad record, a full disk or Ctrl+C leaves no partial file behind
+        n_tokens, n_docs = _write_tokens(corpus, tokenizer, dtype, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if n_docs == 0:
+        tmp.unlink()
+        raise CorpusError(f"The corpus {corpus.description!r} is empty: it has no non-blank document. "
+                          "Point data.path at text.")
+    os.replace(tmp, bin_path)
+    meta = {"n_tokens": n_tokens, "n_docs": n_docs, "dtype": dtype.name, "source": corpus.description,
+            "tokenizer": tokenizer.fingerprint}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    log.info(f"Tokenized {n_docs} documents into {n_tokens:,} tokens in {time.perf_counter() - t0:.1f}s -> {bin_path}")
+
+
+def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, dtype: np.dtype, tmp: Path) -> tuple[int, int]:
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
     n_tokens = n_docs = 0
     with tmp.open("wb") as out:
         batch: list[str] = []
@@ -71,11 +95,4 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, bin_path: Path, meta_path: Path
                 batch = []
             if doc is None:
                 break
-    if n_docs == 0:
-        tmp.unlink()
-        raise CorpusError(f"The corpus {corpus.description!r} is empty: it has no non-blank document.")
-    os.replace(tmp, bin_path)
-    meta = {"n_tokens": n_tokens, "n_docs": n_docs, "dtype": dtype.name, "source": corpus.description,
-            "tokenizer": tokenizer.fingerprint}
-    meta_path.write_text(json.dumps(meta, indent=1))
-    log.info(f"Tokenized {n_docs} documents into {n_tokens:,} tokens in {time.perf_counter() - t0:.1f}s -> {bin_path}")
+    return n_tokens, n_docs

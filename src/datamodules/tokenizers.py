@@ -14,6 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
+from src.utils.config import ConfigError
+from src.utils.errors import PathNotFound
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -45,7 +48,8 @@ class HFTokenizer:
         if special_tokens:  # new ids at the end of the vocabulary; the model resizes its embeddings to match
             self.hf.add_special_tokens({"additional_special_tokens": list(special_tokens)})
         if self.hf.eos_token_id is None:
-            raise ValueError(f"Tokenizer {name_or_path!r} has no EOS token; documents could not be separated.")
+            raise ConfigError(f"data.tokenizer={name_or_path!r} has no EOS token, so documents could not be "
+                              "separated: use a tokenizer with one (e.g. GPT-2's) or data.tokenizer=bytes.")
         self.vocab_size = len(self.hf)
         self.eos_id = int(self.hf.eos_token_id)
         state = self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
@@ -64,13 +68,18 @@ def load_hf_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
     local = Path(name_or_path).expanduser()
+    if name_or_path.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub name
+        raise PathNotFound(f"data.tokenizer={name_or_path!r} is not an existing dir (data.tokenizer follows "
+                           "model.pretrained unless set). Pass a dir with tokenizer.json (or vocab.json + merges.txt), "
+                           "or data.tokenizer=bytes.")
     if local.is_dir() and not (local / "tokenizer.json").exists() and (local / "merges.txt").exists():
         return GPT2TokenizerFast.from_pretrained(str(local))
     try:
         tok = AutoTokenizer.from_pretrained(str(local) if local.exists() else name_or_path)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(
-            f"Could not load tokenizer {name_or_path!r}: {e}\n"
+    except Exception as e:  # noqa: BLE001  (OSError, ValueError, a JSON error in a damaged tokenizer.json, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(
+            f"data.tokenizer={name_or_path!r} could not be loaded ({first}). "
             "Pass a local dir with tokenizer.json (or vocab.json + merges.txt), e.g. "
             "data.tokenizer=/path/to/gpt2-tokenizer, or a hub name such as data.tokenizer=gpt2 when online, "
             "or the offline default data.tokenizer=bytes."
@@ -84,7 +93,7 @@ def load_hf_tokenizer(name_or_path: str):
 def load_tokenizer(name: str, special_tokens: Sequence[str] = ()) -> Tokenizer:
     if name == "bytes":
         if special_tokens:
-            raise ValueError("data.special_tokens needs a Hugging Face tokenizer; the byte tokenizer has no vocabulary "
+            raise ConfigError("data.special_tokens needs a Hugging Face tokenizer; the byte tokenizer has no vocabulary "
                              "to extend.")
         return ByteTokenizer()
     return HFTokenizer(name, special_tokens)

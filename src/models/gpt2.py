@@ -11,6 +11,7 @@ from torchmetrics import Metric
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from src.models.base import LitModule
+from src.utils.config import ConfigError, check_int
 
 IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
@@ -19,9 +20,10 @@ log = logging.getLogger(__name__)
 def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> GPT2LMHeadModel:
     try:
         return GPT2LMHeadModel.from_pretrained(name_or_path, attn_implementation=attn_implementation)
-    except OSError as e:
-        raise FileNotFoundError(f"model.pretrained={name_or_path!r} could not be loaded: {e}\nPass a local dir with "
-                                "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
+                          "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
 
 
 def lora_config(r: int, alpha: int, dropout: float, target_modules: list[str]):
@@ -86,14 +88,21 @@ class GPT2LitModule(LitModule):
         compile: bool = False,
         attn_implementation: str = "sdpa",
     ) -> None:
+        for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
+            check_int(key, value)
+        if not pretrained and n_embd % n_head:
+            raise ConfigError(f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
+                              "n_embd as a multiple of n_head.")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ConfigError(f"model.dropout={dropout!r} is not valid: use a probability in [0, 1).")
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
             model = load_pretrained(pretrained, attn_implementation)
             if seq_len > model.config.n_positions:
-                raise ValueError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
+                raise ConfigError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
             if vocab_size < model.config.vocab_size:
-                raise ValueError(f"The tokenizer has {vocab_size} tokens but {pretrained} was trained with "
-                                 f"{model.config.vocab_size}: use its own tokenizer (data.tokenizer={pretrained}).")
+                raise ConfigError(f"The tokenizer has {vocab_size} tokens but {pretrained} was trained with "
+                                  f"{model.config.vocab_size}: use its own tokenizer (data.tokenizer={pretrained}).")
             if vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
                 log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
                 model.resize_token_embeddings(vocab_size)
@@ -113,14 +122,14 @@ class GPT2LitModule(LitModule):
         lora = dict(lora or {})
         if lora.pop("enabled", False):
             if peft is not None:
-                raise ValueError("Set either model.lora.enabled=true or model/peft=..., not both.")
+                raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
             peft = lora_config(**lora)
         if peft is not None:  # only the adapter trains; the base weights are frozen
             from peft import get_peft_model
 
             virtual = getattr(peft, "num_virtual_tokens", 0) or 0  # prompt tuning prepends these to the input
             if virtual and seq_len + virtual > model.config.n_positions:
-                raise ValueError(f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
+                raise ConfigError(f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
                                  f"{model.config.n_positions}; lower data.seq_len.")
 
             model = get_peft_model(model, peft)

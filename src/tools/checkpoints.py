@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from src.utils.errors import EXIT_USER_ERROR, CheckpointError, translate
 
 
 def is_dcp(path: str | Path) -> bool:
@@ -42,7 +45,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         old = path.with_name(path.name + ".old")  # a save killed between its two renames (src/distributed/checkpointing.py)
         hint = f" A save of it was interrupted: {old.name} holds the previous one (resume=auto puts it back)." \
             if old.exists() else ""
-        raise FileNotFoundError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
+        raise CheckpointError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
+    from src.distributed.checkpointing import problem
+
+    why = problem(path)
+    if why is not None:
+        raise CheckpointError(f"{path} cannot be read as a checkpoint: {why}. Point at a .ckpt file or a sharded "
+                              "checkpoint dir written by train.py.")
     if is_deepspeed(path):
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -107,7 +116,8 @@ def build_module(checkpoint: dict[str, Any]):
     from omegaconf import OmegaConf
 
     if "config" not in checkpoint:
-        raise ValueError("This checkpoint has no stored config (it was not written by train.py).")
+        raise CheckpointError("This checkpoint has no stored config (it was not written by train.py), so the model "
+                              "cannot be rebuilt from it.")
     cfg = OmegaConf.create(checkpoint["config"])
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, **datamodule.model_kwargs)
@@ -124,7 +134,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
-        raise ValueError(f"{type(module).__name__} is not a Hugging Face model; only GPT-2 checkpoints export.")
+        raise CheckpointError(f"{type(module).__name__} is not a Hugging Face model; only GPT-2 checkpoints export.")
     out_dir = Path(out_dir)
     model = module.model
     if hasattr(model, "peft_config"):
@@ -152,10 +162,14 @@ def main() -> None:
     e.add_argument("ckpt")
     e.add_argument("out_dir")
     args = parser.parse_args()
-    if args.command == "consolidate":
-        print(consolidate(args.ckpt, args.out))
-    else:
-        print(export_hf(args.ckpt, args.out_dir))
+    try:
+        print(consolidate(args.ckpt, args.out) if args.command == "consolidate" else export_hf(args.ckpt, args.out_dir))
+    except Exception as exc:
+        message = translate(exc)
+        if message is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise  # a bug: keep the traceback
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 if __name__ == "__main__":

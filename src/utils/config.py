@@ -16,8 +16,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, ListConfig
 
+from src.utils.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value or key that cannot work; the message names the key and the fix."""
 
 
@@ -120,3 +122,18 @@ def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
             raise ConfigError(f"{key}.{name} must be a config with a _target_, got: {node}")
         objects.append(instantiate(node))
     return objects
+
+
+def check_int(key: str, value: Any, minimum: int = 1) -> None:
+    """`key` must be an integer >= minimum (a string or float from the command line is named, not divided by)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r} is not valid: use an integer >= {minimum}.")
+
+
+def check_fractions(val_key: str, val: Any, test_key: str, test: Any) -> None:
+    """Val and test fractions each in [0, 1), leaving some data to train on."""
+    for key, value in ((val_key, val), (test_key, test)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ConfigError(f"{key}={value!r} is not valid: use a fraction of the data in [0, 1), e.g. 0.05.")
+    if val + test >= 1:
+        raise ConfigError(f"{val_key}={val} + {test_key}={test} leave nothing to train on: their sum must be < 1.")

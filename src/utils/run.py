@@ -11,39 +11,13 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import launcher_env
+from src.utils.checks import check_machine, check_top_level_keys, check_values
 from src.utils.config import ConfigError, check_targets
 
 log = logging.getLogger(__name__)
-
-
-def check_machine(trainer_cfg: DictConfig) -> None:
-    """One clear sentence, instead of a stack trace from deep inside, when the machine cannot run the config."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    strategy = trainer_cfg.get("strategy", "auto")
-    name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
-    if isinstance(strategy, DictConfig) and "_target_" in strategy:
-        needs_cuda = getattr(get_object(strategy._target_), "requires_cuda", False)
-    else:
-        needs_cuda = "deepspeed" in name
-    if needs_cuda:
-        raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
-                          "Use trainer=ddp (2 CPU processes) on this machine.")
-    if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):
-        raise ConfigError("Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
-                          "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp.")
-    if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
-        raise ConfigError("trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
-                          "Use trainer=cpu, or trainer=ddp for 2 CPU processes.")
-    if str(trainer_cfg.get("precision", "32")).startswith("16"):
-        raise ConfigError(f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
-                          "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
 
 
 # Config values that name files or dirs (model.pretrained also decides data.tokenizer's default).
@@ -72,7 +46,9 @@ def prepare(cfg: DictConfig) -> None:
     """Checks before any expensive work, then seed and config tree."""
     import lightning as L
 
+    check_top_level_keys(cfg)
     check_targets(cfg)
+    check_values(cfg)
     check_machine(cfg.trainer)
     absolute_paths(cfg)
     if cfg.trainer.get("use_distributed_sampler", True):

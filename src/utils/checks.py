@@ -1,0 +1,116 @@
+"""Checks before any work starts, so that what the user must fix is one sentence naming the key and the fix,
+not an exception from deep inside Lightning, torch or a rank that has already started: configs the machine
+cannot run, keys added with `+` that nothing reads, values out of range, unusable paths and checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+from src.utils.config import ConfigError, check_int
+from src.utils.errors import CheckpointError, PathNotFound
+
+
+def check_machine(trainer_cfg: DictConfig) -> None:
+    """One clear sentence, instead of a stack trace from deep inside, when the machine cannot run the config."""
+    import torch
+
+    devices = trainer_cfg.get("devices", "auto")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
+        raise ConfigError(f"trainer.devices={devices} is not valid: use a number of devices >= 1, -1 or auto.")
+    if torch.cuda.is_available():
+        if isinstance(devices, int) and devices > torch.cuda.device_count():
+            raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} visible "
+                              "CUDA GPU(s): lower trainer.devices (or -1 for all), or check CUDA_VISIBLE_DEVICES.")
+        return
+    strategy = trainer_cfg.get("strategy", "auto")
+    name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
+    if isinstance(strategy, DictConfig) and "_target_" in strategy:
+        needs_cuda = getattr(get_object(strategy._target_), "requires_cuda", False)
+    else:
+        needs_cuda = "deepspeed" in name
+    if needs_cuda:
+        raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
+                          "Use trainer=ddp (2 CPU processes) on this machine.")
+    if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):
+        raise ConfigError("Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
+                          "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp.")
+    if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
+        raise ConfigError("trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
+                          "Use trainer=cpu, or trainer=ddp for 2 CPU processes.")
+    if str(trainer_cfg.get("precision", "32")).startswith("16"):
+        raise ConfigError(f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
+                          "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
+
+
+def check_top_level_keys(cfg: DictConfig) -> None:
+    """A key added with `+` (`+max_step=5`) bypasses the schema when Hydra composes: refuse it here."""
+    from dataclasses import fields
+
+    from src.utils.config import EvalConfig, TrainConfig
+
+    schema = TrainConfig if "train" in cfg else EvalConfig
+    known = {f.name for f in fields(schema)}
+    for key in cfg:
+        if key not in known and key != "hydra":
+            raise ConfigError(f"Unknown config key '{key}': nothing reads it. Check the spelling (e.g. "
+                              f"trainer.max_steps); top-level keys are: {', '.join(sorted(known))}.")
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Values whose failure would come late or from deep inside a library."""
+    for key in ("data.seq_len", "data.global_batch_size"):  # others interpolate them: name them before they resolve
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            check_int(key, value)
+    trainer = cfg.trainer
+    if cfg.get("train", False):
+        steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
+            raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
+        _check_global_batch(cfg)
+        if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
+            raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
+                              "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
+    lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+        raise ConfigError(f"model.optimizer.lr={lr!r} is not valid: use a positive learning rate, e.g. 3e-4.")
+    pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
+    is_path = isinstance(pretrained, str) and pretrained.startswith(("/", ".", "~"))  # not a hub name
+    if is_path and not Path(pretrained).expanduser().is_dir():
+        raise PathNotFound(f"model.pretrained={pretrained!r} is not an existing dir: pass a dir with config.json + "
+                            "model.safetensors (save_pretrained's output), or a hub name such as gpt2 when online.")
+    ckpt = cfg.get("ckpt_path")
+    if ckpt:
+        from src.distributed.checkpointing import problem
+
+        why = problem(ckpt)
+        if why is not None:
+            raise CheckpointError(f"ckpt_path={ckpt!r} cannot be used: {why}. Point it at a checkpoint written by "
+                                  "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt.")
+    for key in ("log_dir", "cache_dir", "output_dir"):
+        _check_writable(f"paths.{key}", Path(cfg.paths[key]))
+
+
+def _check_global_batch(cfg: DictConfig) -> None:
+    """The global batch must split evenly over the ranks: checked here, once, before the ranks start (the
+    datamodule checks again in setup, where the world size is known for sure)."""
+    batch = OmegaConf.select(cfg, "data.global_batch_size", default=None)
+    sizes = [cfg.trainer.get(k, 1) for k in ("devices", "num_nodes", "accumulate_grad_batches")]
+    if batch is None or not all(isinstance(n, int) and n > 0 for n in sizes):  # "auto", -1: known only later
+        return
+    per_step = sizes[0] * sizes[1] * sizes[2]
+    if batch % per_step:
+        raise ConfigError(f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
+                          f"node(s) x {sizes[2]} accumulation step(s) = {per_step}. Pick a multiple of {per_step}, "
+                          "or change trainer.devices / trainer.accumulate_grad_batches.")
+
+
+def _check_writable(key: str, path: Path) -> None:
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        what = "is not a dir" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"{key}={str(path)!r} cannot be created: {existing} {what}. Set {key} to a writable dir.")

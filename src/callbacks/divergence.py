@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.distributed.checkpointing import candidates
+from src.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 ACTIONS = ("stop", "skip")
@@ -38,8 +39,11 @@ ADVICE = ("To go on from it, run again with resume=auto (same hydra.run.dir) and
           "trainer.gradient_clip_val; callbacks.divergence.action=skip skips non-finite steps instead")
 
 
-class DivergenceError(RuntimeError):
-    """Training diverged (non-finite loss or weights) and callbacks.divergence.action is stop."""
+class DivergenceError(UserError, RuntimeError):
+    """Training diverged (non-finite loss or weights) and callbacks.divergence.action is stop. Every rank
+    raises it at the same step with the same message; `user_errors` prints it once (rank 0) and exits 2."""
+
+    same_on_every_rank = True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -165,7 +169,5 @@ class Divergence(L.Callback):
         now = "not saving a checkpoint; " if saving else ""
         message = (f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "
                    f"{self.last_good_checkpoint(trainer)} {ADVICE}.")
-        if trainer.is_global_zero:
-            log.error(message)
         raise DivergenceError(message)
 

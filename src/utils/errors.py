@@ -114,7 +114,8 @@ def user_errors(cfg: Optional[Any] = None) -> Iterator[None]:
         if message is None:
             raise  # a bug: keep the traceback
         rank = _rank()
-        log.error(message if rank == 0 else f"Rank {rank}: {message}")
+        if rank == 0 or not getattr(find_user_error(exc), "same_on_every_rank", False):
+            log.error(message if rank == 0 else f"Rank {rank}: {message}")
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if _in_multirun():  # Hydra records this job as failed, with the message, and runs the next one

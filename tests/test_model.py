@@ -312,8 +312,9 @@ def test_convnet_val_loss_shows_nan_and_ignores_padding():
     x, y = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
     with torch.no_grad():
         model._eval_step((x, y), model.val_metrics)
+        real = model.val_metrics["loss"].compute()
         model._eval_step((x, torch.full((4,), -100)), model.val_metrics)  # an all-padding batch
         clean = model.val_metrics["loss"].compute()
-        assert torch.isfinite(clean)
+        assert torch.isfinite(clean) and clean == real  # weight 0: the padding changes nothing
         model._eval_step((x * float("nan"), y), model.val_metrics)
     assert torch.isnan(model.val_metrics["loss"].compute())

@@ -39,8 +39,9 @@ class ConvNetLitModule(LitModule):
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
         # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks; label
         # IGNORE_INDEX (evaluation padding, see src/datamodules/base.py) counts in neither; a NaN loss (a
-        # diverged model) stays NaN instead of being dropped (the divergence callback reads it).
-        make = lambda: nn.ModuleDict({"loss": MeanMetric(nan_strategy="disable"), "acc": MulticlassAccuracy(  # noqa
+        # diverged model) stays NaN instead of being dropped (the divergence callback reads it). Not
+        # nan_strategy="disable": torchmetrics then replaces the weights by ones.
+        make = lambda: nn.ModuleDict({"loss": MeanMetric(nan_strategy=float("nan")), "acc": MulticlassAccuracy(  # noqa
             num_classes, average="micro", ignore_index=IGNORE_INDEX)})
         self.val_metrics, self.test_metrics = make(), make()
 

@@ -47,7 +47,8 @@ def test_a_failing_job_is_reported_and_the_others_kept(dirs):
                       + QUIET + path_overrides(dirs) + SHORT, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1  # the sweep says it had a failure ...
-    assert "Error executing job with overrides: ['model.optimizer.lr=-1'" in out and "Invalid learning rate" in out
+    assert "Error executing job with overrides: ['model.optimizer.lr=-1'" in out
+    assert "model.optimizer.lr=-1 is not valid" in out  # the one-line user error (src/utils/errors.py)
     assert (sweep_dir(dirs["log_dir"]) / "1" / "checkpoints" / "last.ckpt").is_file()  # ... and job 1 still ran
 
 

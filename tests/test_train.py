@@ -73,7 +73,7 @@ def test_eval_reproduces_the_last_validation_loss(trained):
 
 def test_eval_with_a_missing_checkpoint_is_a_clear_error(tmp_path, dirs):
     proc = run_script("eval.py", [f"ckpt_path={tmp_path}/missing.ckpt"] + path_overrides(dirs), check=False)
-    assert proc.returncode != 0 and "is not a checkpoint" in proc.stderr
+    assert proc.returncode != 0 and "missing.ckpt" in proc.stderr and "it does not exist" in proc.stderr
 
 
 def test_optimized_metric_is_returned(tmp_path, dirs):

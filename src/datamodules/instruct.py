@@ -24,7 +24,7 @@ from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import CorpusError, utf8_lines, utf8_text
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_fractions, check_int
+from src.utils.config import ConfigError, check_sequence_data
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,7 @@ class InstructDataModule(ShardedDataModule):
         special_tokens: Sequence[str] = (),
         overfit_batches: int = 0,
     ) -> None:
-        check_int("data.seq_len", seq_len)
-        check_int("data.global_batch_size", global_batch_size)
-        if eval_batch_size is not None:
-            check_int("data.eval_batch_size", eval_batch_size)
-        check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
+        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")

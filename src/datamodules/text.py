@@ -22,7 +22,7 @@ from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_fractions, check_int
+from src.utils.config import ConfigError, check_sequence_data
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
@@ -127,11 +127,7 @@ class TextDataModule(ShardedDataModule):
         mix: Optional[list[dict]] = None,
         overfit_batches: int = 0,
     ) -> None:
-        check_int("data.seq_len", seq_len)
-        check_int("data.global_batch_size", global_batch_size)
-        if eval_batch_size is not None:
-            check_int("data.eval_batch_size", eval_batch_size)
-        check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
+        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
         self.tokenizer_name, self.seq_len = tokenizer, seq_len

@@ -242,3 +242,45 @@ def test_lightning_overfit_batches_is_a_clear_error(dirs):
     assert proc.returncode != 0
     assert "trainer.overfit_batches=4 is not supported" in proc.stderr + proc.stdout
     assert "data.overfit_batches" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_logged_flops_and_tokens_per_sec_follow_the_hand_formula(dirs):
+    """A real LoRA instruction run (tiny GPT-2: 1 layer, d=2, V=50257; LoRA r=8 on c_attn), 2 records a
+    batch, one step per throughput reading. Each reading's FLOPs per batch and real tokens per batch give
+    back the batch's two record lengths through the hand formula; they must be lengths of real records
+    (padding counted would not solve), some pairs unequal (so padding was there), and MFU = FLOP/s / peak."""
+    import csv
+    import math
+
+    run_script("train.py", path_overrides(dirs) + [
+        "extras.print_config=false", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+        "callbacks.generate_text=null", "trainer.precision=32-true", "logger=csv", "test=false",
+        "experiment=gpt2_instruct_lora", f"model.pretrained={shared('tiny-gpt2')}",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.global_batch_size=2",
+        "trainer.max_steps=12", "trainer.val_check_interval=12", "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1", "callbacks.throughput.window_size=1", "callbacks.throughput.peak_flops=1e9"])
+    d, v, r = 2, 50257, 8
+    block, head, a, b = 12 * d * d, v * d, d * r, r * 3 * d
+    per_token = 2 * (block + head + a + b) + 2 * ((block - 3 * d * d + b) + head) + 2 * (a + b)  # forward, dx, dW
+    per_context = 12 * d  # per token per token of its record: 1 layer, its q, k, v need gradients
+
+    tok = load_tokenizer(str(shared("tiny-gpt2")))
+    lengths = {min(len(encode(rec, tok, ALPACA, ALPACA_NO_INPUT)[0]), 512)
+               for rec in read_records(str(shared("alpaca", "alpaca_en_demo.json")))}
+    (metrics,) = dirs["log_dir"].rglob("metrics.csv")
+    rows = [row for row in csv.DictReader(open(metrics)) if row.get("train/device/flops_per_sec")]
+    assert len(rows) >= 8
+    pairs = []
+    for row in rows:
+        rate = {k: float(row[f"train/device/{k}_per_sec"]) for k in ("batches", "samples", "items", "flops")}
+        assert rate["samples"] / rate["batches"] == pytest.approx(2)
+        s = rate["items"] / rate["batches"]  # l1 + l2, real tokens of the batch
+        q = (rate["flops"] / rate["batches"] - per_token * s) / per_context  # l1² + l2²
+        root = math.sqrt(max(2 * q - s * s, 0.0))
+        pair = ((s + root) / 2, (s - root) / 2)
+        assert all(abs(x - round(x)) < 1e-3 for x in pair), (row, pair)
+        assert {round(x) for x in pair} <= lengths, (pair, sorted(lengths))
+        pairs.append(pair)
+        assert float(row["train/device/mfu"]) == pytest.approx(rate["flops"] / 1e9)
+    assert any(round(x) != round(y) for x, y in pairs)  # batches that had padding

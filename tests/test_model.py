@@ -64,15 +64,75 @@ def test_eval_loss_is_summed_tokens_over_targets_zero_target_batches_add_nothing
     assert torch.isnan(metric.compute())
 
 
+D, V, T = 16, 257, 32  # the tiny model's width, vocabulary and context
+BLOCK = 3 * D * D + D * D + 4 * D * D + 4 * D * D  # c_attn, attn.c_proj, c_fc, mlp.c_proj: 12·d² matmul weights
+HEAD = V * D  # the LM head's matmul (its weight is the tied token embedding)
+
+
 def test_flops_per_token_by_hand():
-    """6N + 12 * n_layer * n_embd * seq_len (PaLM, appendix B) for a 1-layer, 16-wide, 32-token model."""
-    model = tiny_model()
-    n = model.n_params
-    embed, pos = 257 * 16, 32 * 16
-    block = 2 * 16 + (16 * 48 + 48) + (16 * 16 + 16) + 2 * 16 + (16 * 64 + 64) + (64 * 16 + 16)
-    assert n == embed + pos + block + 2 * 16  # tied LM head; final LayerNorm
-    assert model.flops_per_token == 6 * n + 12 * 1 * 16 * 32
-    assert model.flops_per_batch == 0.0  # no trainer attached: unknown batch size
+    """Full training: 6N per token, N = the matmul weights (2 blocks + LM head; no embedding lookups, biases
+    or LayerNorms), plus PaLM's 12·L·d·T for attention (src/models/flops.py states the convention)."""
+    model = GPT2LitModule(vocab_size=V, seq_len=T, n_layer=2, n_head=2, n_embd=D)
+    n = 2 * BLOCK + HEAD
+    assert n == 10256 and n < model.n_params  # n_params also has wte's lookup, wpe, biases and LayerNorms
+    assert model.flops_per_token == 6 * n + 12 * 2 * D * T
+
+
+def test_lora_flops_by_hand():
+    """LoRA (r=2) on c_attn of a frozen 2-layer base. Forward 2 per weight everywhere. Backward: the input
+    gradient (2 per weight) of every matmul above the lowest adapter, i.e. all but layer 0's c_attn and its
+    lora_A, which read the frozen embeddings; weight gradients (2 per weight) only for the adapters."""
+    lora = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["c_attn"]}
+    model = GPT2LitModule(vocab_size=V, seq_len=T, n_layer=2, n_head=2, n_embd=D, lora=lora)
+    a, b = D * 2, 2 * 3 * D  # lora_A: d -> r, lora_B: r -> 3d
+    forward = 2 * (2 * BLOCK + HEAD + 2 * (a + b))
+    input_grads = 2 * ((BLOCK - 3 * D * D + b) + (BLOCK + a + b) + HEAD)
+    weight_grads = 2 * 2 * (a + b)
+    assert model.flop_count.per_token == forward + input_grads + weight_grads == 40960
+    assert model.flop_count.per_token < 4.1 * (2 * BLOCK + HEAD)  # about 4N, not 6N
+    assert model.flop_count.per_context == 2 * 12 * D  # both layers' q, k, v need gradients
+    assert model.flops_per_token == 40960 + 2 * 12 * D * T
+
+
+def test_padded_batch_flops_and_tokens_count_real_tokens_only():
+    """An instruction batch padded to its longest record: 3 records of 5, 32 and 12 real tokens are 49
+    tokens, each attending over its own record's length; 96 padded positions would be 2x the work."""
+    model = GPT2LitModule(vocab_size=V, seq_len=T, n_layer=2, n_head=2, n_embd=D)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for row, length in enumerate((5, 32, 12)):
+        mask[row, :length] = 1
+    batch = {"input_ids": torch.zeros(3, T, dtype=torch.long), "attention_mask": mask}
+    expected = 6 * (2 * BLOCK + HEAD) * 49 + 12 * 2 * D * (5 * 5 + 32 * 32 + 12 * 12)
+    assert int(model.flops_of_batch(batch)) == expected
+    packed = {"input_ids": torch.zeros(3, T, dtype=torch.long)}  # packed text: no mask, every position is real
+    assert int(model.flops_of_batch(packed)) == 3 * T * model.flops_per_token
+    from src.callbacks.throughput import _num_items
+
+    assert int(_num_items(batch)) == 49 and _num_items(packed) == 3 * T
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora_c_attn", "lora_c_fc", "prompt_tuning"])
+def test_flop_count_is_what_autograd_computes(adapter):
+    """The count walks the model by rules; torch's FlopCounterMode counts the matmuls a real forward +
+    backward runs (eager attention: its two batched matmuls are visible). They must agree exactly, so
+    the rule for frozen layers (no weight gradients, no input gradients below the lowest trainable
+    parameter) is autograd's."""
+    from peft import PromptTuningConfig
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kwargs: dict = {"vocab_size": V, "seq_len": T, "n_layer": 2, "n_head": 2, "n_embd": D}
+    if adapter.startswith("lora"):
+        kwargs["lora"] = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": [adapter[5:]]}
+    if adapter == "prompt_tuning":  # needs a context longer than the input: the shared tiny pretrained GPT-2
+        from conftest import shared
+
+        kwargs = {"vocab_size": 50257, "seq_len": T, "pretrained": str(shared("tiny-gpt2")),
+                  "peft": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}
+    model = GPT2LitModule(attn_implementation="eager", **kwargs)
+    ids = torch.randint(0, 256, (2, T))
+    with FlopCounterMode(display=False) as counter:
+        model.model(input_ids=ids).logits.sum().backward()
+    assert counter.get_total_flops() == int(model.flops_of_batch({"input_ids": ids}))
 
 
 def test_lr_scaling_rules():

@@ -1,15 +1,19 @@
 """Tokens/s, FLOP/s and MFU through Lightning's ThroughputMonitor (rank 0 logs).
 
 Logged keys: `train/items_per_sec` is tokens/s over all ranks (images/s for image data),
-`train/device/items_per_sec` per rank; `samples_per_sec` counts sequences; `device/flops_per_sec`
-uses the model's `flops_per_batch` (6N + attention per token); `device/mfu` divides it by the
+`train/device/items_per_sec` per rank; tokens are the real ones (the attention_mask's ones: a
+padded instruction batch's padding is not counted; packed text has no mask, every position counts).
+`samples_per_sec` counts sequences; `device/flops_per_sec` uses the model's `flops_of_batch(batch)`
+(the convention is in src/models/flops.py: about 6N + attention per real token for full training,
+4N with LoRA), or a constant `flops_per_batch` attribute; `device/mfu` divides it by the
 device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `peak_flops` from
 config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak). `device/peak_memory_mib`
 is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
 
 No host sync per step. Lightning's ThroughputMonitor synchronizes CUDA after every batch, training
 and evaluation, to timestamp it, which stops the host from queueing the next step's kernels while
-the GPU works. Here the counts add up on the host every batch, and the clock is read, after one
+the GPU works. Here the counts add up every batch (real tokens and FLOPs as device tensors, which
+nothing reads until then), and the clock is read, after one
 synchronization, on training logging steps, when validation starts and when an evaluation ends.
 Training rates are the same arithmetic as Lightning's (work between two readings over the time
 between them), with validation time left out; `validate/...` and `test/...` rates cover a whole
@@ -53,21 +57,30 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _num_items(batch: Any) -> int:
-    """Tokens for text batches, samples otherwise."""
-    return _inputs(batch).numel() if isinstance(batch, dict) else _batch_size(batch)
+def _num_items(batch: Any) -> Any:
+    """Real tokens for text batches (a device tensor when there is an attention_mask), samples otherwise."""
+    if not isinstance(batch, dict):
+        return _batch_size(batch)
+    mask = batch.get("attention_mask")
+    return _inputs(batch).numel() if mask is None else mask.sum()
 
 
 def _count(counts: dict, batch: Any) -> None:
-    """Add one batch to running counts; shapes only, so nothing waits for the device."""
+    """Add one batch to running counts; shapes and device-side sums only, so nothing waits for the device."""
     counts["batches"] += 1
     counts["samples"] += _batch_size(batch)
     counts["items"] += _num_items(batch)
 
 
+def _flops(pl_module: Any, batch: Any) -> Any:
+    if hasattr(pl_module, "flops_of_batch"):
+        return pl_module.flops_of_batch(batch)
+    return getattr(pl_module, "flops_per_batch", 0.0)
+
+
 class TokenThroughputMonitor(ThroughputMonitor):
     def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
-        super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=window_size)
+        super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=max(2, window_size))
         self.window_size, self.peak_flops = window_size, peak_flops
         self._pending = {"batches": 0, "samples": 0, "items": 0, "flops": 0.0}  # training, since the last reading
         self._start_eval()
@@ -91,7 +104,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
         _count(self._pending, batch)
-        self._pending["flops"] += getattr(pl_module, "flops_per_batch", 0.0)
+        self._pending["flops"] += _flops(pl_module, batch)
         if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
         self._read_clock(trainer)
@@ -140,10 +153,11 @@ class TokenThroughputMonitor(ThroughputMonitor):
         wait_for_device(trainer.strategy.root_device)
         seconds = time.perf_counter() - self._eval_t0
         if self._eval["batches"]:
-            metrics = {f"{stage}/device/{key}_per_sec": count / seconds for key, count in self._eval.items()}
+            counts = {key: float(count) for key, count in self._eval.items()}
+            metrics = {f"{stage}/device/{key}_per_sec": count / seconds for key, count in counts.items()}
             if trainer.world_size > 1:  # as Lightning: rank 0's rate times the ranks
                 metrics.update({f"{stage}/{key}_per_sec": count / seconds * trainer.world_size
-                                for key, count in self._eval.items()})
+                                for key, count in counts.items()})
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         return seconds
@@ -156,10 +170,10 @@ class TokenThroughputMonitor(ThroughputMonitor):
         wait_for_device(trainer.strategy.root_device)
         self._batches[TRAIN] += pending["batches"]  # Lightning's running totals, which Throughput takes
         self._samples[TRAIN] += pending["samples"]
-        self._lengths[TRAIN] += pending["items"]
+        self._lengths[TRAIN] += int(pending["items"])  # read after the sync: no extra wait
         self._throughputs[TRAIN].update(
             time=time.perf_counter() - self._t0s[TRAIN], batches=self._batches[TRAIN],
-            samples=self._samples[TRAIN], lengths=self._lengths[TRAIN], flops=pending["flops"] or None)
+            samples=self._samples[TRAIN], lengths=self._lengths[TRAIN], flops=float(pending["flops"]) or None)
         self._pending = dict.fromkeys(pending, 0)
 
     def _log_peak_memory(self, trainer) -> None:

@@ -11,6 +11,7 @@ from torchmetrics import Metric
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from src.models.base import LitModule
+from src.models.flops import FlopCount, count_gpt2
 from src.utils.config import ConfigError, check_int
 
 IGNORE_INDEX = -100
@@ -136,6 +137,12 @@ class GPT2LitModule(LitModule):
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
             log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
+        # Counted now, before a strategy shards the parameters (a DeepSpeed stage-3 parameter has numel 0).
+        base = model.get_base_model() if peft is not None else model
+        inside = {id(p) for p in base.parameters()}
+        prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
+        virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
+        self.flop_count: FlopCount = count_gpt2(base, prompt, virtual)
         if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
             model.compile()
         self.model = model
@@ -156,17 +163,12 @@ class GPT2LitModule(LitModule):
 
     @property
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for forward+backward matmuls plus attention (PaLM, appendix B)."""
-        c = self.config
-        return 6 * self.n_params + 12 * c.n_layer * c.n_embd * self.seq_len
+        """Training FLOPs per token of a full seq_len sequence; the convention is in src/models/flops.py."""
+        return self.flop_count.per_token + self.flop_count.per_context * self.seq_len
 
-    @property
-    def flops_per_batch(self) -> float:
-        """Read by Lightning's ThroughputMonitor to log FLOP/s and MFU."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
-        if datamodule is None or not getattr(datamodule, "batch_size", None):
-            return 0.0
-        return float(self.flops_per_token * datamodule.batch_size * self.seq_len)
+    def flops_of_batch(self, batch: dict) -> torch.Tensor:
+        """Read by the throughput callback for FLOP/s and MFU: the batch's real tokens only."""
+        return self.flop_count.of_batch(batch)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None):

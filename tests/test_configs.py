@@ -186,3 +186,27 @@ def test_printing_the_resolved_config_works_outside_a_run(tmp_path, script, args
     assert f"output_dir: {tmp_path}/{task}/runs/" in proc.stdout
     assert "${" not in proc.stdout  # every interpolation resolved
     assert not (tmp_path / task).exists()  # printing creates no run dir
+
+
+def test_dependency_floors_hold_and_each_names_its_reason():
+    """pyproject.toml parses; every installed dependency satisfies its range (a floor raised past what CI
+    installs fails here), and every floor carries a comment saying which API or check sets it."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text()
+    project = tomllib.loads(text)["project"]
+    assert project["dependencies"]
+    for spec in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(spec)
+        try:
+            installed = version(req.name)
+        except PackageNotFoundError:
+            continue  # an optional extra not installed here
+        assert req.specifier.contains(installed, prereleases=True), f"{req.name} {installed} is outside {req.specifier}"
+    block = text[text.index("dependencies = [") : text.index("]", text.index("dependencies = ["))]
+    for line in block.splitlines()[1:]:
+        if line.strip().startswith('"'):
+            assert "#" in line, f"pyproject.toml: {line.strip()} has no comment naming what sets its floor"

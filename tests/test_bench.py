@@ -33,3 +33,21 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     for label in ("template/raw", "template/hf", "template/hf_default", "fp32/template"):
         assert re.search(rf"^overhead\s+{label}\s+= \d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\]$", out.stdout, re.M), \
             f"no ratio {label}:\n{out.stdout}"
+
+
+@pytest.mark.slow
+def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
+    """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
+    (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline_bubble", "--k", "2", "--m", "1", "2", "8", "--modes", "sleep",
+         "--sleep-ms", "20", "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(int(m), name): (float(measured), float(expected)) for m, name, measured, expected in re.findall(
+        r"^sleep\s+K=2 M=(\d+)\s+(\w+)\s+step\s+[\d.]+ ms\s+measured (-?[\d.]+)\s+formula ([\d.]+)$", out.stdout, re.M)}
+    assert re.search(r"^sleep\s+K=2 M=1\s+1f1b\s+n/a", out.stdout, re.M), out.stdout
+    for key in [(1, "gpipe"), (2, "gpipe"), (2, "1f1b"), (8, "gpipe"), (8, "1f1b")]:
+        measured, expected = rows[key]
+        assert expected - 0.05 < measured < expected + 0.25, (key, measured, expected, out.stdout)
+    assert rows[(8, "gpipe")][0] < rows[(1, "gpipe")][0]  # more micro-batches, smaller bubble
+    assert (8, "interleaved") in rows  # measured and printed (its per-action overhead is larger, see docs)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import path_overrides, read_events, run_script
-from src.tools.checkpoints import load_checkpoint
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
 # 4 blocks: 2 stages of 2, or 4 stages of 1 for the interleaved schedule; a cosine schedule with warm-up,
@@ -36,17 +37,54 @@ def train_pipeline(tmp: Path, name: str, args: list[str]) -> dict:
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> dict:
+    """The one-process run every pipeline run is compared with (trained once per module)."""
+    tmp = tmp_path_factory.mktemp("one")
+    return {**train(tmp, "one", PIPE_GPT2), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+
+
 @pytest.mark.parametrize("schedule", [
     ["trainer.strategy.schedule=GPipe"],
     ["trainer.strategy.schedule=1F1B"],
     ["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2"],
 ], ids=["GPipe", "1F1B", "Interleaved1F1B"])
-def test_pipeline_schedules_match_one_process(tmp_path, schedule):
+def test_pipeline_schedules_match_one_process(tmp_path, one, schedule):
     """2 ranks, 4 micro-batches: train loss at every step, val loss (52 samples in batches of 8: a short last batch) and
     final parameters equal one process's, with the tied wte/lm_head, clipping and an LR schedule."""
-    one = train(tmp_path, "one", PIPE_GPT2)
     pipe = train_pipeline(tmp_path, "pipe", PIPE_GPT2 + PIPELINE + schedule)
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
     assert len(pipe["scalars"]["train/loss"]) == 6
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
+    # the Hugging Face export of the stages' checkpoint gives the one-process model's logits
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(run_dir(tmp_path, "pipe") / "checkpoints" / "last.ckpt",
+                                                        tmp_path / "hf")).eval()
+    module, _ = build_module(load_checkpoint(one["ckpt"]))
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
+    """Resumed mid-epoch from its step-6 checkpoint (DCP shards of both stages, with the optimizer and LR
+    schedule), a 1F1B run ends where the straight 12-step run ends; eval.py reads the checkpoint."""
+    args = PIPE_GPT2 + PIPELINE + ["trainer.strategy.schedule=1F1B", "trainer.max_steps=12",
+                                   "callbacks.model_checkpoint.save_top_k=-1"]
+    straight = train_pipeline(tmp_path, "straight", args)
+    ckpts = run_dir(tmp_path, "straight") / "checkpoints"
+    resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={ckpts / 'step_000006.ckpt'}"])
+    assert max_param_diff(straight["params"], resumed["params"]) <= 1e-6
+    assert load_checkpoint(run_dir(tmp_path, "resumed") / "checkpoints" / "last.ckpt")["global_step"] == 12
+    steps = dict(straight["scalars"]["train/loss"])
+    after = resumed["scalars"]["train/loss"]
+    assert [s for s, _ in after] == list(range(6, 12))  # only the steps after the checkpoint ran
+    assert max(abs(v - steps[s]) for s, v in after) <= 1e-6
+    # eval.py on one process (it consolidates the shards) gives the run's last validation loss
+    proc = run_script("eval.py", [f"ckpt_path={ckpts / 'last.ckpt'}", *QUIET[:3], f"paths.log_dir={tmp_path / 'eval'}",
+                                  f"paths.cache_dir={tmp_path / 'cache'}", "trainer.precision=32-true"])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
+    metrics = {k: float(v) for k, v in (kv.split("=") for kv in line[5:].split())}
+    assert abs(metrics["val/loss"] - straight["scalars"]["val/loss"][-1][1]) <= 5e-5  # printed to 5 decimals

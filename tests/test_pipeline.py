@@ -88,3 +88,19 @@ def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
     metrics = {k: float(v) for k, v in (kv.split("=") for kv in line[5:].split())}
     assert abs(metrics["val/loss"] - straight["scalars"]["val/loss"][-1][1]) <= 5e-5  # printed to 5 decimals
+
+
+def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
+    """2 data-parallel replicas x 2 stages on padded Alpaca records (prompt labels -100, one padded length
+    per batch): the global batch is split over the replicas only, and losses and parameters equal one process."""
+    from conftest import shared
+
+    args = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=256",
+            "data.global_batch_size=8", "seed=7", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+            "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "test=false",
+            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2", "trainer.gradient_clip_val=0.5"]
+    one = train(tmp_path, "one", args)
+    pipe = train_pipeline(tmp_path, "pipe", args + PIPELINE + ["trainer.devices=4", "trainer.strategy.n_microbatches=2"])
+    assert_same_series(one, pipe, "train/loss", 1e-5)
+    assert_same_series(one, pipe, "val/loss", 1e-5)
+    assert max_param_diff(one["params"], pipe["params"]) <= 1e-5

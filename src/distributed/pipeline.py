@@ -204,16 +204,15 @@ class Pipeline:
         return list({id(p): p for p in found}.values())
 
     def sync_grads(self, params: list[nn.Parameter]) -> None:
-        """Tied weights: sum over first and last stage; then every gradient averaged over the data-parallel ranks."""
+        """Tied weights: sum over first and last stage; then every gradient summed over the data-parallel ranks
+        (each replica's loss is already its shard's share of the global batch's token mean: see `run`'s scale)."""
         for p in self.tied_parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.tie_group)
-        dp = dist.get_world_size(self.data_group)
-        if dp > 1:
+        if dist.get_world_size(self.data_group) > 1:
             grads = [p.grad for p in params if p.grad is not None]
             flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.data_group)  # gloo has no AVG: sum, then divide
-            flat /= dp
+            dist.all_reduce(flat, group=self.data_group)  # a sum: each replica's loss is its share of the global mean
             offset = 0
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))

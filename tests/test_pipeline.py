@@ -34,7 +34,7 @@ def train_pipeline(tmp: Path, name: str, args: list[str]) -> dict:
     return {"scalars": scalars, "params": load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]}
 
 
-pytestmark = pytest.mark.slow
+
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def one(tmp_path_factory) -> dict:
     return {**train(tmp, "one", PIPE_GPT2), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", [
     ["trainer.strategy.schedule=GPipe"],
     ["trainer.strategy.schedule=1F1B"],
@@ -68,6 +69,7 @@ def test_pipeline_schedules_match_one_process(tmp_path, one, schedule):
         torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
     """Resumed mid-epoch from its step-6 checkpoint (DCP shards of both stages, with the optimizer and LR
     schedule), a 1F1B run ends where the straight 12-step run ends; eval.py reads the checkpoint."""
@@ -90,6 +92,7 @@ def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
     assert abs(metrics["val/loss"] - straight["scalars"]["val/loss"][-1][1]) <= 5e-5  # printed to 5 decimals
 
 
+@pytest.mark.slow
 def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     """2 data-parallel replicas x 2 stages on padded Alpaca records (prompt labels -100, one padded length
     per batch): the global batch is split over the replicas only, and losses and parameters equal one process."""
@@ -104,3 +107,43 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
+
+
+# ---- checked before any process starts: one sentence naming the key and the fix (no processes, fast) ----
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.n_layer=3"], r"model.n_layer=3 does not divide into pipeline_parallel_size=2 x stages_per_rank=1"),
+    (["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2", "model.n_layer=2"],
+     r"model.n_layer=2 does not divide into .* = 4 stages"),
+    (["trainer.strategy.schedule=1F1B", "trainer.strategy.n_microbatches=1"], r"n_microbatches=1 is fewer than the 2"),
+    (["trainer.strategy.n_microbatches=3"], r"global_batch_size=8 does not divide into 1 data-parallel .* = 3"),
+    (["trainer.devices=3"], r"3 process\(es\) do not divide into pipeline_parallel_size=2"),
+    (["trainer.strategy.schedule=gpipe"], r"schedule='gpipe' is not known"),
+    (["trainer.strategy.stages_per_rank=2"], r"stages_per_rank=2 does not fit schedule=GPipe"),
+    (["model.compile=true"], r"model.compile is not supported with trainer=pipeline"),
+    (["model.lora.enabled=true"], r"model.lora.enabled is not supported with trainer=pipeline"),
+    (["model.gradient_checkpointing=true"], r"model.gradient_checkpointing is not supported"),
+    (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
+    (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
+    (["model=convnet", "data=digits"], r"splits GPT-2 models only"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, message):
+    from src.utils.checks import check_values
+    from src.utils.config import ConfigError
+    from test_configs import compose_cfg
+
+    cfg = compose_cfg(["trainer=pipeline", "trainer.devices=2", "data.global_batch_size=8",
+                       *overrides], tmp=tmp_path)
+    with pytest.raises(ConfigError, match=message) as error:
+        check_values(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_mesh_sizes_must_multiply_to_the_world_size():
+    from src.distributed.mesh import mesh_sizes
+    from src.utils.config import ConfigError
+
+    assert mesh_sizes(8, pipeline_parallel=2, tensor_parallel=2) == \
+        {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 2}
+    with pytest.raises(ConfigError, match=r"world size 8 is not data_parallel_size=3 x .* = 6"):
+        mesh_sizes(8, data_parallel=3, pipeline_parallel=2)

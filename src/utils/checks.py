@@ -71,12 +71,12 @@ def check_values(cfg: DictConfig) -> None:
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
             raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
-        _check_global_batch(cfg)
         strategy = trainer.get("strategy")
         if isinstance(strategy, DictConfig) and "_target_" in strategy:  # e.g. trainer=pipeline's own checks
             check = getattr(get_object(strategy._target_), "check_config", None)
             if check is not None:
                 check(cfg)
+        _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
                               "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")

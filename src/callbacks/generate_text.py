@@ -34,6 +34,10 @@ class GenerateText(L.Callback):
             rank_zero_warn("callbacks.generate_text is on but this model/data cannot generate text: skipping samples "
                            "(switch it off with callbacks.generate_text=null).")
             self.prompts = []
+        elif not getattr(trainer.strategy, "can_generate", True):  # e.g. pipeline stages: no rank has the whole model
+            rank_zero_warn(f"callbacks.generate_text is on but {type(trainer.strategy).__name__} cannot generate: "
+                           "skipping samples (switch it off with callbacks.generate_text=null).")
+            self.prompts = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.prompts:

@@ -65,11 +65,20 @@ def _num_items(batch: Any) -> Any:
     return _inputs(batch).numel() if mask is None else mask.sum()
 
 
-def _count(counts: dict, batch: Any) -> None:
+def replica_share(trainer) -> float:
+    """The share of a batch's work that one rank does: 1 under data parallelism; 1/K when the K ranks of a
+    pipeline (or tensor-parallel) group all read the same batch, so that the rates over all ranks
+    (rank 0's times the world size) count each model replica's samples once, and device/mfu a device's work."""
+    from src.distributed.samplers import rank_and_world
+
+    return rank_and_world()[1] / max(trainer.world_size, 1)
+
+
+def _count(counts: dict, batch: Any, share: float = 1.0) -> None:
     """Add one batch to running counts; shapes and device-side sums only, so nothing waits for the device."""
     counts["batches"] += 1
-    counts["samples"] += _batch_size(batch)
-    counts["items"] += _num_items(batch)
+    counts["samples"] += _batch_size(batch) * share
+    counts["items"] += _num_items(batch) * share
 
 
 def _flops(pl_module: Any, batch: Any) -> Any:
@@ -103,8 +112,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
-        _count(self._pending, batch)
-        self._pending["flops"] += _flops(pl_module, batch)
+        share = replica_share(trainer)
+        _count(self._pending, batch, share)
+        self._pending["flops"] += _flops(pl_module, batch) * share
         if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
         self._read_clock(trainer)
@@ -122,7 +132,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @rank_zero_only
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if not trainer.sanity_checking:
-            _count(self._eval, batch)
+            _count(self._eval, batch, replica_share(trainer))
 
     @rank_zero_only
     def on_validation_end(self, trainer, *args: Any) -> None:
@@ -138,7 +148,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-        _count(self._eval, batch)
+        _count(self._eval, batch, replica_share(trainer))
 
     @rank_zero_only
     def on_test_end(self, trainer, *args: Any) -> None:

@@ -15,6 +15,12 @@ from torch.utils.data import DistributedSampler, Sampler
 
 
 def rank_and_world() -> tuple[int, int]:
+    """The data-parallel rank and size: all ranks, unless a strategy split data over a mesh dim (mesh.py)."""
+    from src.distributed.mesh import data_rank_and_size
+
+    data = data_rank_and_size()
+    if data is not None:
+        return data
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -71,6 +71,11 @@ def check_values(cfg: DictConfig) -> None:
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
             raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
+        strategy = trainer.get("strategy")
+        if isinstance(strategy, DictConfig) and "_target_" in strategy:  # e.g. trainer=pipeline's own checks
+            check = getattr(get_object(strategy._target_), "check_config", None)
+            if check is not None:
+                check(cfg)
         _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
@@ -102,6 +107,11 @@ def _check_global_batch(cfg: DictConfig) -> None:
     sizes = [cfg.trainer.get(k, 1) for k in ("devices", "num_nodes", "accumulate_grad_batches")]
     if batch is None or not all(isinstance(n, int) and n > 0 for n in sizes):  # "auto", -1: known only later
         return
+    strategy = cfg.trainer.get("strategy")
+    if isinstance(strategy, DictConfig):  # only the data-parallel ranks split the batch
+        model_parallel = [strategy.get(k, 1) for k in ("pipeline_parallel_size", "tensor_parallel_size")]
+        if all(isinstance(n, int) and n > 0 for n in model_parallel) and sizes[0] % (model_parallel[0] * model_parallel[1]) == 0:
+            sizes[0] //= model_parallel[0] * model_parallel[1]
     per_step = sizes[0] * sizes[1] * sizes[2]
     if batch % per_step:
         raise ConfigError(f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "

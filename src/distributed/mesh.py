@@ -1,0 +1,69 @@
+"""One device mesh for every kind of parallelism, and which of its dims the data is split over.
+
+The mesh always has the three named dims ("data_parallel", "pipeline_parallel", "tensor_parallel"),
+in that order (tensor parallel innermost: its ranks are neighbours, on one node), sizes from config
+and 1 for what is not used. Strategies build it once, then call `split_data_over(mesh)`: from then on
+the samplers (src/distributed/samplers.py) shard the data over the data-parallel ranks only, so every
+rank of one pipeline or tensor-parallel group reads the same samples.
+
+    mesh = build_mesh(world_size, "cpu", pipeline_parallel=2)   # data_parallel = world_size / 2
+    mesh["pipeline_parallel"].get_group()                       # this rank's pipeline group
+    split_data_over(mesh)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from src.utils.config import ConfigError
+
+DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
+KEYS = {"data_parallel": "trainer.strategy.data_parallel_size",
+        "pipeline_parallel": "trainer.strategy.pipeline_parallel_size",
+        "tensor_parallel": "trainer.strategy.tensor_parallel_size"}
+
+_DATA_MESH: Optional[DeviceMesh] = None  # the 1-D data-parallel mesh of this process, once a strategy set it
+
+
+def mesh_sizes(world_size: int, data_parallel: Union[int, str] = "auto", pipeline_parallel: int = 1,
+               tensor_parallel: int = 1) -> dict[str, int]:
+    """The size of each dim; data_parallel="auto" takes what the others leave. One sentence if they do not fit."""
+    for dim, size in (("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{KEYS[dim]}={size!r} is not valid: use an integer >= 1.")
+    model = pipeline_parallel * tensor_parallel
+    if data_parallel == "auto":
+        if world_size % model:
+            raise ConfigError(f"{world_size} process(es) do not divide into pipeline_parallel_size={pipeline_parallel} x "
+                              f"tensor_parallel_size={tensor_parallel} = {model}: set trainer.devices (x trainer.num_nodes) "
+                              f"to a multiple of {model}.")
+        data_parallel = world_size // model
+    sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConfigError(f"{KEYS['data_parallel']}={data_parallel!r} is not valid: use an integer >= 1 or auto.")
+    if data_parallel * model != world_size:
+        raise ConfigError(f"The world size {world_size} is not data_parallel_size={data_parallel} x pipeline_parallel_size="
+                          f"{pipeline_parallel} x tensor_parallel_size={tensor_parallel} = {data_parallel * model}: change "
+                          "trainer.devices (x trainer.num_nodes) or the sizes so that the product is the world size.")
+    return sizes
+
+
+def build_mesh(world_size: int, device_type: str = "cpu", **sizes: Union[int, str]) -> DeviceMesh:
+    """The (data_parallel, pipeline_parallel, tensor_parallel) mesh over all ranks (a collective: every rank calls it)."""
+    shape = mesh_sizes(world_size, **sizes)
+    return init_device_mesh(device_type, tuple(shape[d] for d in DIMS), mesh_dim_names=DIMS)
+
+
+def split_data_over(mesh: Optional[DeviceMesh]) -> None:
+    """From now on the samplers shard data over `mesh`'s data-parallel dim (None: over all ranks again)."""
+    global _DATA_MESH
+    _DATA_MESH = mesh["data_parallel"] if mesh is not None else None
+
+
+def data_rank_and_size() -> Optional[tuple[int, int]]:
+    """(this rank's data-parallel rank, data-parallel size), or None when no mesh was set (all ranks split data)."""
+    if _DATA_MESH is None:
+        return None
+    return _DATA_MESH.get_local_rank(), _DATA_MESH.size()

@@ -1,0 +1,255 @@
+"""Pipeline parallelism (torch.distributed.pipelining) applied to GPT-2 from outside it, in one place.
+
+Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF GPT-2
+into `pipeline_parallel_size x stages_per_rank` stages of equal block counts (stage 0 = wte + wpe +
+drop + its blocks; the last stage = its blocks + ln_f + lm_head), removes from this rank's copy every
+module it does not hold (so its parameters, optimizer and checkpoint shard are its stages' only, under
+the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of a pipeline group holds
+stages r, r + P, r + 2P, ... (the order the interleaved schedule expects).
+
+Exactness (each checked against one process in tests/test_pipeline.py):
+* loss: every micro-batch's loss is its *summed* token cross-entropy times 1/N, N = the target tokens of
+  the whole global batch, with scale_grads=False: the gradients are those of the global token mean,
+  also with -100 labels (a per-micro-batch mean would weight micro-batches wrongly);
+* tied weights: GPT-2's lm_head is wte; the first and last stages each hold a copy, so their gradients
+  are summed over those two ranks (else each copy would learn half and they drift apart);
+* attention: GPT-2 blocks called without a mask are causal only under SDPA, so eager gets the causal mask.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import ScheduleLoopedBFS
+
+from src.models.gpt2 import summed_token_loss
+from src.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+MULTI_STAGE = ("Interleaved1F1B",)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything trainer=pipeline needs from the config, checked before any process starts (src/utils/checks.py)."""
+    s = cfg.trainer.strategy
+    pp, schedule, m, v = s.pipeline_parallel_size, s.schedule, s.n_microbatches, s.stages_per_rank
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"trainer.strategy.schedule={schedule!r} is not known: use one of {', '.join(SCHEDULES)}.")
+    for key, value, low in (("pipeline_parallel_size", pp, 2), ("n_microbatches", m, 1), ("stages_per_rank", v, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"trainer.strategy.{key}={value!r} is not valid: use an integer >= {low}.")
+    if (schedule in MULTI_STAGE) != (v > 1):
+        raise ConfigError(f"trainer.strategy.stages_per_rank={v} does not fit schedule={schedule}: use stages_per_rank>=2 "
+                          "with Interleaved1F1B only, and stages_per_rank=1 with GPipe or 1F1B.")
+    if schedule == "1F1B" and m < pp:
+        raise ConfigError(f"trainer.strategy.n_microbatches={m} is fewer than the {pp} pipeline stages, which 1F1B "
+                          f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%).")
+    if not str(OmegaConf.select(cfg, "model._target_", default="")).endswith("GPT2LitModule"):
+        raise ConfigError("trainer=pipeline splits GPT-2 models only (model=gpt2).")
+    n_layer = OmegaConf.select(cfg, "model.n_layer")
+    if not OmegaConf.select(cfg, "model.pretrained") and n_layer % (pp * v):
+        raise ConfigError(f"model.n_layer={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
+                          f"{v} = {pp * v} stages of equal size: pick n_layer as a multiple of {pp * v}.")
+    unsupported = [(key, value) for key, value in (
+        ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
+        ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
+        ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),
+        ("model.gradient_checkpointing", OmegaConf.select(cfg, "model.gradient_checkpointing", default=False)))
+        if value]
+    if unsupported:
+        raise ConfigError(f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA, compile and "
+                          "gradient checkpointing are not): switch it off, or use trainer=ddp or trainer=fsdp.")
+    if cfg.trainer.get("gradient_clip_val"):
+        raise ConfigError(f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val} does not apply to trainer=pipeline "
+                          "(its optimizer step is its own): set trainer.strategy.gradient_clip_val instead.")
+    if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ConfigError("trainer.accumulate_grad_batches must be 1 with trainer=pipeline: its micro-batches are the "
+                          "accumulation; raise trainer.strategy.n_microbatches instead.")
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    batch = OmegaConf.select(cfg, "data.global_batch_size")
+    if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
+        from src.distributed.mesh import mesh_sizes
+
+        dp = mesh_sizes(devices * nodes, pipeline_parallel=pp)["data_parallel"]
+        if isinstance(batch, int) and batch % (dp * m):
+            raise ConfigError(f"data.global_batch_size={batch} does not divide into {dp} data-parallel replica(s) x "
+                              f"n_microbatches={m} = {dp * m}: pick a multiple of {dp * m}.")
+
+
+class GPT2Stage(nn.Module):
+    """Blocks [lo, hi) of a GPT2LMHeadModel, led by the embeddings (first stage) or followed by ln_f + lm_head (last)."""
+
+    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        t = hf.transformer
+        self.first, self.last = first, last
+        self.blocks = nn.ModuleList(t.h[lo:hi])
+        self.embed = nn.ModuleDict({"wte": t.wte, "wpe": t.wpe, "drop": t.drop}) if first else None
+        self.head = nn.ModuleDict({"ln_f": t.ln_f, "lm_head": hf.lm_head}) if last else None
+        self.eager = getattr(hf.config, "_attn_implementation", "sdpa") == "eager"  # HF's own field for the choice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # as GPT2Model.forward: token + position embeddings, then dropout
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            x = self.embed["drop"](self.embed["wte"](x) + self.embed["wpe"](positions))
+        mask = None  # SDPA without a mask is causal (is_causal); eager adds this mask to its scores
+        if self.eager:
+            t = x.shape[1]
+            mask = torch.full((t, t), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)[None, None]
+        for block in self.blocks:
+            x = block(x, None, mask)
+        if self.last:
+            x = self.head["lm_head"](self.head["ln_f"](x))
+        return x
+
+
+def stage_ranges(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    per = n_layer // n_stages
+    return [(i * per, (i + 1) * per) for i in range(n_stages)]
+
+
+def _prune(hf: nn.Module, keep: set[int], first: bool, last: bool) -> None:
+    """Drop what this rank does not hold; the kept modules keep their names (model.transformer.h.3...)."""
+    t = hf.transformer
+    for i in range(len(t.h)):
+        if i not in keep:
+            t.h[i] = nn.Identity()
+    if not first:
+        t.wte, t.wpe = None, None
+    if not last:
+        t.ln_f, hf.lm_head = None, None
+
+
+class Pipeline:
+    """This rank's stages and the schedules that run them, for training and for evaluation."""
+
+    def __init__(self, stages: list[GPT2Stage], indices: list[int], n_stages: int, mesh: DeviceMesh, schedule: str,
+                 n_microbatches: int, device: torch.device) -> None:
+        self.modules, self.indices, self.n_stages = stages, indices, n_stages
+        self.group = mesh["pipeline_parallel"].get_group()
+        self.data_group = mesh["data_parallel"].get_group()
+        self.schedule_name, self.n_microbatches, self.device = schedule, n_microbatches, device
+        self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
+        self.scale = 1.0  # 1 / target tokens of the global batch while training; 1 in evaluation
+        self._schedules: dict[tuple, object] = {}
+        self.tie_group = self._tie_group(mesh)
+
+    @staticmethod
+    def _tie_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+        """The (first stage, last stage) ranks of this rank's pipeline group: they both hold the tied wte/lm_head."""
+        pp = mesh["pipeline_parallel"]
+        if pp.size() == 2:
+            return pp.get_group()
+        grid = mesh.mesh.permute(0, 2, 1).reshape(-1, pp.size())  # one row per pipeline group
+        mine = None
+        for row in grid.tolist():  # every rank creates every group, in the same order
+            group = dist.new_group([row[0], row[-1]])
+            if dist.get_rank() in row:
+                mine = group
+        return mine
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return summed_token_loss(logits, labels)[0] * self.scale
+
+    def _schedule(self, training: bool, batch_shape: tuple[int, ...]):
+        """One schedule per (mode, batch shape): stages size their send/receive buffers on the first step."""
+        if training:
+            cls, m = SCHEDULES[self.schedule_name], self.n_microbatches
+        else:  # forward only: GPipe's order (or its multi-stage form), in micro-batches that divide a short last batch
+            cls = ScheduleLoopedBFS if len(self.modules) > 1 else ScheduleGPipe
+            m = max(d for d in range(1, min(self.n_microbatches, batch_shape[0]) + 1) if batch_shape[0] % d == 0)
+        key = (training, batch_shape, m)
+        if key not in self._schedules:
+            if len(self._schedules) >= 8:  # e.g. instruction data: one shape per padded length
+                self._schedules.pop(next(iter(self._schedules)))
+            stages = [PipelineStage(mod, i, self.n_stages, self.device, group=self.group)
+                      for mod, i in zip(self.modules, self.indices)]
+            single = cls in (ScheduleGPipe, Schedule1F1B)
+            self._schedules[key] = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=self.loss,
+                                       scale_grads=False)
+        return self._schedules[key]
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, training: bool, scale: float = 1.0) -> torch.Tensor:
+        """Runs the batch through the pipeline (each micro-batch's loss: its summed token losses x `scale`);
+        returns the sum of the micro-batch losses on the rank with the last stage, 0 elsewhere."""
+        self.scale = scale
+        schedule = self._schedule(training, tuple(input_ids.shape))
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        if training:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This rank's copy of the tied wte/lm_head weight (first or last stage), if it holds one."""
+        found = []
+        for mod in self.modules:
+            if mod.first:
+                found.append(mod.embed["wte"].weight)
+            if mod.last:
+                found.append(mod.head["lm_head"].weight)
+        return list({id(p): p for p in found}.values())
+
+    def sync_grads(self, params: list[nn.Parameter]) -> None:
+        """Tied weights: sum over first and last stage; then every gradient summed over the data-parallel ranks
+        (each replica's loss is already its shard's share of the global batch's token mean: see `run`'s scale)."""
+        for p in self.tied_parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.tie_group)
+        if dist.get_world_size(self.data_group) > 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=self.data_group)  # a sum: each replica's loss is its share of the global mean
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def clip_grads(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient, as torch.nn.utils.clip_grad_norm_ on one process:
+        squares summed over this pipeline group's stages, the tied weight counted once (on the first stage)."""
+        skip = {id(mod.head["lm_head"].weight) for mod in self.modules if mod.last and not self.has_first}
+        squares = sum((p.grad.double().pow(2).sum() for p in params if p.grad is not None and id(p) not in skip),
+                      torch.zeros((), dtype=torch.float64, device=self.device))
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt().float()
+        if max_norm:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int,
+                device: torch.device) -> Pipeline:
+    """Split `module` (a GPT2LitModule) into this rank's stages, in place; return the Pipeline that runs them."""
+    hf = module.hf_model
+    pp = mesh["pipeline_parallel"]
+    n_stages = pp.size() * stages_per_rank
+    n_layer = len(hf.transformer.h)
+    if n_layer % n_stages:
+        raise ConfigError(f"model.n_layer={n_layer} does not divide into {n_stages} pipeline stages of equal size: "
+                          f"pick n_layer as a multiple of {n_stages}.")
+    rank = pp.get_local_rank()
+    indices = [rank + k * pp.size() for k in range(stages_per_rank)]
+    ranges = stage_ranges(n_layer, n_stages)
+    stages = [GPT2Stage(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
+    keep = {b for i in indices for b in range(*ranges[i])}
+    _prune(hf, keep, first=0 in indices, last=n_stages - 1 in indices)
+    log.info(f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
+             f"{n_microbatches} micro-batches; this rank holds stages {indices}")
+    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device)

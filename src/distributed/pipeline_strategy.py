@@ -1,0 +1,148 @@
+"""trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel) mesh.
+
+Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
+so this subclass builds the mesh (src/distributed/mesh.py), splits the model (src/distributed/pipeline.py)
+and runs the optimizer step itself: the module is switched to manual optimization, and `training_step`
+here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's own
+training_step is not used; its metrics, optimizer and LR schedule are.
+
+Logging: the loss exists on the last stage only. Its ranks hold their data-parallel shard's share of
+the global token mean; one all-reduce (sum) over all ranks, others adding 0, gives every rank the
+global batch's loss, so rank 0 logs the real value. Evaluation metrics are sums and counts
+(TokenMeanLoss): ranks without the last stage add (0, 0), so torchmetrics' sync over all ranks is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from src.distributed import mesh as meshes
+from src.distributed.checkpointing import save_sharded
+from src.distributed.pipeline import Pipeline, check_config, parallelize
+
+log = logging.getLogger(__name__)
+METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
+
+
+class PipelineStrategy(ModelParallelStrategy):
+    """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
+
+    can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
+    check_config = staticmethod(check_config)  # run by src/utils/checks.py before any process starts
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int = 2,
+        schedule: str = "GPipe",
+        n_microbatches: int = 4,
+        stages_per_rank: int = 1,
+        gradient_clip_val: float = 1.0,
+        timeout: timedelta = default_pg_timeout,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=True, timeout=timeout)
+        self.pipeline_parallel_size, self.schedule, self.n_microbatches = pipeline_parallel_size, schedule, n_microbatches
+        self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
+        self.mesh = None
+        self.pipeline: Pipeline | None = None
+
+    @property
+    def device_mesh(self):
+        return self.mesh if self.mesh is not None else super().device_mesh
+
+    def connect(self, model) -> None:
+        super().connect(model)
+        model.automatic_optimization = False  # the step is ours (training_step below)
+
+    def setup_environment(self) -> None:
+        # Lightning's own (world x 1) mesh is built and unused; ours has the pipeline dim.
+        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        super().setup_environment()
+        self.mesh = meshes.build_mesh(self.world_size, self.root_device.type, pipeline_parallel=self.pipeline_parallel_size)
+        meshes.split_data_over(self.mesh)
+
+    def setup(self, trainer) -> None:
+        if self.pipeline is None:  # setup runs again for test after fit
+            self.pipeline = parallelize(self.lightning_module, self.mesh, self.schedule, self.n_microbatches,
+                                        self.stages_per_rank, self.root_device)
+        super().setup(trainer)
+
+    def teardown(self) -> None:
+        meshes.split_data_over(None)
+        super().teardown()
+
+    # ---- steps ----
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        module, pipe = self.lightning_module, self.pipeline
+        optimizer = module.optimizers()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        n_targets = (batch["labels"] != -100).sum()
+        dist.all_reduce(n_targets, group=pipe.data_group)  # the global batch's target tokens
+        optimizer.zero_grad()
+        with self.precision_plugin.train_step_context():
+            loss = pipe.run(batch["input_ids"], batch["labels"], training=True, scale=1.0 / max(int(n_targets), 1))
+        dist.all_reduce(loss)  # last-stage ranks hold their shard's share; all others 0
+        pipe.sync_grads(params)
+        pipe.clip_grads(params, self.gradient_clip_val)
+        optimizer.step()
+        scheduler = module.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        module.log_train_loss(loss, batch_idx)
+        return loss
+
+    def _evaluate(self, batch: dict[str, torch.Tensor], metrics) -> None:
+        with torch.no_grad(), self.precision_plugin.val_step_context():
+            loss = self.pipeline.run(batch["input_ids"], batch["labels"], training=False)
+        count = (batch["labels"] != -100).sum() if self.pipeline.has_last else torch.zeros((), dtype=torch.int64)
+        metrics["loss"].update(loss, count)  # ranks without the last stage add (0, 0) to the synced sums
+
+    def validation_step(self, batch, batch_idx, *args: Any) -> None:
+        self._evaluate(batch, self.lightning_module.val_metrics)
+
+    def test_step(self, batch, batch_idx, *args: Any) -> None:
+        self._evaluate(batch, self.lightning_module.test_metrics)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("trainer=pipeline does not predict: export the checkpoint (src.tools.checkpoints "
+                                  "export-hf) and predict with one process.")
+
+    # ---- checkpoints: one DCP dir, each rank writing its stages' tensors under their plain HF names ----
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Flattened (`state.<param name>.exp_avg`, ...): each rank's keys are its own, so DCP can merge them."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        save_sharded(self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
+                     filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+        """Each rank reads its stages' weights and optimizer state; returns the rest (loops, LR schedule, ...)."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        state = {"state_dict": get_model_state_dict(module)}
+        load(state, checkpoint_id=path)
+        module.load_state_dict(state["state_dict"])
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for i, optimizer in enumerate(self.optimizers):
+            state = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer, options=options)}
+            load(state, checkpoint_id=path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        return torch.load(path / METADATA, map_location="cpu", weights_only=False)

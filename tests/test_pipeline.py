@@ -1,0 +1,149 @@
+"""trainer=pipeline (torch.distributed.pipelining on gloo) against one process, number for number:
+losses at every step, validation, final parameters, resume, export; and the checks before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import path_overrides, read_events, run_script
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+
+# 4 blocks: 2 stages of 2, or 4 stages of 1 for the interleaved schedule; a cosine schedule with warm-up,
+# clipping by the whole model's norm at a value that does clip (the early gradient norms are above 0.5)
+PIPE_GPT2 = GPT2 + ["model.n_layer=4", "trainer.gradient_clip_val=0.5"]
+PIPELINE = ["trainer=pipeline", "trainer.devices=2", "trainer.gradient_clip_val=null",
+            "trainer.strategy.gradient_clip_val=0.5"]
+
+
+def run_dir(tmp: Path, name: str) -> Path:
+    (run,) = (tmp / name / "train" / "runs").iterdir()
+    return run
+
+
+def train_pipeline(tmp: Path, name: str, args: list[str]) -> dict:
+    """A pipeline run: its TensorBoard scalars (rank 0's file) and its DCP checkpoint's weights, all stages joined."""
+    dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + args)
+    run = run_dir(tmp, name)
+    ea = read_events(run / "tensorboard")
+    scalars = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    return {"scalars": scalars, "params": load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]}
+
+
+
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> dict:
+    """The one-process run every pipeline run is compared with (trained once per module)."""
+    tmp = tmp_path_factory.mktemp("one")
+    return {**train(tmp, "one", PIPE_GPT2), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [
+    ["trainer.strategy.schedule=GPipe"],
+    ["trainer.strategy.schedule=1F1B"],
+    ["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2"],
+], ids=["GPipe", "1F1B", "Interleaved1F1B"])
+def test_pipeline_schedules_match_one_process(tmp_path, one, schedule):
+    """2 ranks, 4 micro-batches: train loss at every step, val loss (52 samples in batches of 8: a short last batch) and
+    final parameters equal one process's, with the tied wte/lm_head, clipping and an LR schedule."""
+    pipe = train_pipeline(tmp_path, "pipe", PIPE_GPT2 + PIPELINE + schedule)
+    assert_same_series(one, pipe, "train/loss", 1e-5)
+    assert_same_series(one, pipe, "val/loss", 1e-5)
+    assert len(pipe["scalars"]["train/loss"]) == 6
+    assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
+    # the Hugging Face export of the stages' checkpoint gives the one-process model's logits
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(run_dir(tmp_path, "pipe") / "checkpoints" / "last.ckpt",
+                                                        tmp_path / "hf")).eval()
+    module, _ = build_module(load_checkpoint(one["ckpt"]))
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
+    """Resumed mid-epoch from its step-6 checkpoint (DCP shards of both stages, with the optimizer and LR
+    schedule), a 1F1B run ends where the straight 12-step run ends; eval.py reads the checkpoint."""
+    args = PIPE_GPT2 + PIPELINE + ["trainer.strategy.schedule=1F1B", "trainer.max_steps=12",
+                                   "callbacks.model_checkpoint.save_top_k=-1"]
+    straight = train_pipeline(tmp_path, "straight", args)
+    ckpts = run_dir(tmp_path, "straight") / "checkpoints"
+    resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={ckpts / 'step_000006.ckpt'}"])
+    assert max_param_diff(straight["params"], resumed["params"]) <= 1e-6
+    assert load_checkpoint(run_dir(tmp_path, "resumed") / "checkpoints" / "last.ckpt")["global_step"] == 12
+    steps = dict(straight["scalars"]["train/loss"])
+    after = resumed["scalars"]["train/loss"]
+    assert [s for s, _ in after] == list(range(6, 12))  # only the steps after the checkpoint ran
+    assert max(abs(v - steps[s]) for s, v in after) <= 1e-6
+    # eval.py on one process (it consolidates the shards) gives the run's last validation loss
+    proc = run_script("eval.py", [f"ckpt_path={ckpts / 'last.ckpt'}", *QUIET[:3], f"paths.log_dir={tmp_path / 'eval'}",
+                                  f"paths.cache_dir={tmp_path / 'cache'}", "trainer.precision=32-true"])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
+    metrics = {k: float(v) for k, v in (kv.split("=") for kv in line[5:].split())}
+    assert abs(metrics["val/loss"] - straight["scalars"]["val/loss"][-1][1]) <= 5e-5  # printed to 5 decimals
+
+
+@pytest.mark.slow
+def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
+    """2 data-parallel replicas x 2 stages on padded Alpaca records (prompt labels -100, one padded length
+    per batch): the global batch is split over the replicas only, and losses and parameters equal one process."""
+    from conftest import shared
+
+    args = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=256",
+            "data.global_batch_size=8", "seed=7", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+            "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "test=false",
+            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2", "trainer.gradient_clip_val=0.5"]
+    one = train(tmp_path, "one", args)
+    pipe = train_pipeline(tmp_path, "pipe", args + PIPELINE + ["trainer.devices=4", "trainer.strategy.n_microbatches=2"])
+    assert_same_series(one, pipe, "train/loss", 1e-5)
+    assert_same_series(one, pipe, "val/loss", 1e-5)
+    assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
+
+
+# ---- checked before any process starts: one sentence naming the key and the fix (no processes, fast) ----
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.n_layer=3"], r"model.n_layer=3 does not divide into pipeline_parallel_size=2 x stages_per_rank=1"),
+    (["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2", "model.n_layer=2"],
+     r"model.n_layer=2 does not divide into .* = 4 stages"),
+    (["trainer.strategy.schedule=1F1B", "trainer.strategy.n_microbatches=1"], r"n_microbatches=1 is fewer than the 2"),
+    (["trainer.strategy.n_microbatches=3"], r"global_batch_size=8 does not divide into 1 data-parallel .* = 3"),
+    (["trainer.devices=3"], r"3 process\(es\) do not divide into pipeline_parallel_size=2"),
+    (["trainer.strategy.schedule=gpipe"], r"schedule='gpipe' is not known"),
+    (["trainer.strategy.stages_per_rank=2"], r"stages_per_rank=2 does not fit schedule=GPipe"),
+    (["model.compile=true"], r"model.compile is not supported with trainer=pipeline"),
+    (["model.lora.enabled=true"], r"model.lora.enabled is not supported with trainer=pipeline"),
+    (["model.gradient_checkpointing=true"], r"model.gradient_checkpointing is not supported"),
+    (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
+    (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
+    (["model=convnet", "data=digits"], r"splits GPT-2 models only"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, message):
+    from src.utils.checks import check_values
+    from src.utils.config import ConfigError
+    from test_configs import compose_cfg
+
+    cfg = compose_cfg(["trainer=pipeline", "trainer.devices=2", "data.global_batch_size=8",
+                       *overrides], tmp=tmp_path)
+    with pytest.raises(ConfigError, match=message) as error:
+        check_values(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_mesh_sizes_must_multiply_to_the_world_size():
+    from src.distributed.mesh import mesh_sizes
+    from src.utils.config import ConfigError
+
+    assert mesh_sizes(8, pipeline_parallel=2, tensor_parallel=2) == \
+        {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 2}
+    with pytest.raises(ConfigError, match=r"world size 8 is not data_parallel_size=3 x .* = 6"):
+        mesh_sizes(8, data_parallel=3, pipeline_parallel=2)

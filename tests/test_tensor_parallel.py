@@ -31,3 +31,13 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     assert len(tp["scalars"]["train/loss"]) == 6
     # the checkpoint reads back in HF GPT-2's names and Conv1D layouts
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "tp"))["state_dict"]) <= 1e-5
+
+
+def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path):
+    """2 data-parallel groups (FSDP2 over them) x 2 tensor-parallel ranks == 1 process: each group reads
+    half of the global batch, both ranks of a group the same half."""
+    one = train(tmp_path, "1", GPT2 + CLIP)
+    dxt = train_sharded(tmp_path, "dxt", GPT2 + CLIP + ["trainer=tp", "trainer.devices=4"])
+    assert_same_series(one, dxt, "train/loss", 1e-5)
+    assert_same_series(one, dxt, "val/loss", 1e-5)
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "dxt"))["state_dict"]) <= 1e-5

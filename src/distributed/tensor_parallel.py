@@ -86,8 +86,9 @@ def parallelize(module: Any, mesh: DeviceMesh) -> Any:
 def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
     """Every other parameter (embeddings, LayerNorms, the tied head) as a DTensor replicated on `mesh`.
 
-    torch's fused AdamW and clip_grad_norm_ refuse a mix of DTensors and plain tensors. Each such module
-    takes its inputs as replicated DTensors and hands plain tensors on; parameters shared between modules
+    torch's fused AdamW and clip_grad_norm_ refuse a mix of DTensors and plain tensors; with all of them
+    DTensors, clip_grad_norm_ reduces each sharded gradient's norm over the ranks (the whole model's norm).
+    Each such module takes its inputs as replicated DTensors and hands plain tensors on; parameters shared between modules
     (GPT-2 ties wte and lm_head) stay one parameter.
     """
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -139,47 +140,19 @@ def hf_layout(state_dict: dict[str, torch.Tensor], size: int, n_head: int) -> di
     return out
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ for a model whose gradients are partly DTensors (on one or more meshes),
-    partly plain tensors: torch's own refuses to mix them in one list. The norm is that of the whole
-    model: each mesh's part is reduced over its shards (`full_tensor`), replicated parts counted once."""
-    from torch.distributed.tensor import DTensor
+def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
+    dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
+    src/distributed/mesh.py's named mesh when that lands."""
+    from src.utils.config import ConfigError
 
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    if not groups:
-        return torch.tensor(0.0)
-    norms = [torch.nn.utils.get_total_norm(grads) for grads in groups.values()]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as torch's: never scales up
-    for grads in groups.values():
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
-def clip_by_full_norm(plugin: Any) -> None:
-    """Make Lightning's precision `plugin` clip with `clip_grad_norm_` above (its public per-optimizer hook)."""
-    plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-
-def data_and_tensor_mesh(strategy: Any, tensor_parallel_size: int) -> DeviceMesh:
-    """The (data_parallel, tensor_parallel) mesh, built as Lightning's ModelParallelStrategy builds it.
-
-    The one place that makes the mesh: swap for src/distributed/mesh.py's named mesh when it lands."""
-    from lightning.fabric.strategies.model_parallel import _setup_device_mesh
-
-    world = strategy.world_size
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size!r}: use a positive integer.")
     if world % tensor_parallel_size:
-        from src.utils.config import ConfigError
-
-        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the world size "
-                          f"{world} (trainer.devices x trainer.num_nodes): the world must be data_parallel x "
-                          "tensor_parallel ranks.")
-    return _setup_device_mesh(world // tensor_parallel_size, tensor_parallel_size, world, strategy.root_device)
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
+                          f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
+                          "tensor_parallel; change one of them.")
+    return world // tensor_parallel_size, tensor_parallel_size
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -195,14 +168,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.tp_size = tensor_parallel_size
 
     def setup_environment(self) -> None:
-        from lightning.pytorch.strategies.parallel import ParallelStrategy
-
-        self._setup_distributed()  # what ModelParallelStrategy.setup_environment does, with our mesh
-        ParallelStrategy.setup_environment(self)
-        self._device_mesh = data_and_tensor_mesh(self, self.tp_size)
-        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
-        self.lightning_module._device_mesh = self._device_mesh
-        dp = self._device_mesh["data_parallel"]
+        world = self.num_nodes * self.num_processes
+        self._data_parallel_size, self._tensor_parallel_size = data_and_tensor_sizes(world, self.tp_size)
+        super().setup_environment()  # Lightning's (data_parallel, tensor_parallel) mesh
+        dp = self.device_mesh["data_parallel"]
         set_data_parallel(dp.get_local_rank(), dp.size(), dp.get_group())
 
     def setup(self, trainer) -> None:
@@ -215,7 +184,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 fully_shard_blocks(module, self.device_mesh["data_parallel"])
             module._tensor_parallel = True
         super().setup(trainer)
-        clip_by_full_norm(self.precision_plugin)
 
     def teardown(self) -> None:
         clear_data_parallel()

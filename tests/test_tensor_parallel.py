@@ -41,3 +41,30 @@ def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path):
     assert_same_series(one, dxt, "train/loss", 1e-5)
     assert_same_series(one, dxt, "val/loss", 1e-5)
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "dxt"))["state_dict"]) <= 1e-5
+
+
+def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
+    """3 steps on 2 TP ranks, resume to 6 == 6 steps in one process; its HF export gives that run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    # constant LR: a cosine schedule's length depends on max_steps, which the resumed run changes
+    epoch = ["trainer.limit_train_batches=3", "trainer.val_check_interval=3", "model.scheduler=null"]
+    one = train(tmp_path, "1", GPT2 + epoch)
+    train_sharded(tmp_path, "first", GPT2 + TP + epoch + ["trainer.max_steps=3"])
+    resumed = train_sharded(tmp_path, "resumed", GPT2 + TP + epoch + [f"ckpt_path={last_ckpt(tmp_path, 'first')}"])
+    for tag, n in (("train/loss", 3), ("val/loss", 1)):  # the resumed run logs steps 4-6 only
+        (steps_a, a), (steps_b, b) = zip(*one["scalars"][tag][-n:]), zip(*resumed["scalars"][tag])
+        assert steps_a == steps_b and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (tag, a, b)
+    ckpt = last_ckpt(tmp_path, "resumed")
+    assert load_checkpoint(ckpt)["global_step"] == 6
+    assert max_param_diff(one["params"], load_checkpoint(ckpt)["state_dict"]) <= 1e-5
+
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
+    module, _ = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": one["params"]})
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-4, rtol=1e-4)
+    # the command-line form writes one plain file in GPT-2's own layout
+    proc = run_script("-m", ["src.tools.checkpoints", "consolidate", str(ckpt), str(tmp_path / "one.ckpt")])
+    state = torch.load(Path(proc.stdout.strip()), weights_only=False)
+    assert "tensor_parallel" not in state and max_param_diff(one["params"], state["state_dict"]) <= 1e-5

@@ -68,3 +68,19 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
     proc = run_script("-m", ["src.tools.checkpoints", "consolidate", str(ckpt), str(tmp_path / "one.ckpt")])
     state = torch.load(Path(proc.stdout.strip()), weights_only=False)
     assert "tensor_parallel" not in state and max_param_diff(one["params"], state["state_dict"]) <= 1e-5
+
+
+@pytest.mark.parametrize("override,fragment", [
+    (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
+    (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
+    (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
+    (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
+    (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
+])
+def test_tp_config_errors_are_one_line_before_any_rank_starts(tmp_path, override, fragment):
+    from test_errors import FAST, assert_one_clear_line, run_as_user
+
+    rc, out, _ = run_as_user(["train.py", *FAST, *TP, *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
+                              "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), *override])
+    assert_one_clear_line(rc, out, fragment)
+    assert "All distributed processes registered" not in out  # stopped before launching

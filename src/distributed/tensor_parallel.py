@@ -194,3 +194,25 @@ class TensorParallelStrategy(ModelParallelStrategy):
         checkpoint[LAYOUT_KEY] = {"size": self.tp_size, "n_head": self.lightning_module.config.n_head}
         save_sharded(self, lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp,
                                                                                            storage_options), filepath)
+
+
+def check_config(cfg: Any) -> None:
+    """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
+    from omegaconf import OmegaConf
+
+    from src.utils.config import ConfigError
+
+    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
+        data_and_tensor_sizes(devices * nodes, tp)
+    model = cfg.model
+    if not model.get("pretrained"):
+        check_divisible(model.get("n_head"), model.get("n_embd"), tp)
+    unsupported = {"model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
+                   "model/peft": model.get("peft") is not None, "model.compile=true": model.get("compile", False),
+                   "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False)}
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError(f"{key} is not supported with trainer=tp yet: turn it off, or train with "
+                              "trainer=ddp / trainer=fsdp.")

@@ -66,6 +66,10 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None:
             check_int(key, value)
+    if str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).endswith("TensorParallelStrategy"):
+        from src.distributed.tensor_parallel import check_config
+
+        check_config(cfg)
     trainer = cfg.trainer
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
@@ -101,6 +105,14 @@ def _check_global_batch(cfg: DictConfig) -> None:
     batch = OmegaConf.select(cfg, "data.global_batch_size", default=None)
     sizes = [cfg.trainer.get(k, 1) for k in ("devices", "num_nodes", "accumulate_grad_batches")]
     if batch is None or not all(isinstance(n, int) and n > 0 for n in sizes):  # "auto", -1: known only later
+        return
+    tensor_parallel = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=None)
+    if isinstance(tensor_parallel, int) and tensor_parallel > 1 and (sizes[0] * sizes[1]) % tensor_parallel == 0:
+        data_parallel = sizes[0] * sizes[1] // tensor_parallel  # trainer=tp: the batch splits over these only
+        if batch % (data_parallel * sizes[2]):
+            raise ConfigError(f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel "
+                              f"group(s) x {sizes[2]} accumulation step(s): pick a multiple of "
+                              f"{data_parallel * sizes[2]}, or change trainer.devices / trainer.accumulate_grad_batches.")
         return
     per_step = sizes[0] * sizes[1] * sizes[2]
     if batch % per_step:

@@ -84,3 +84,43 @@ def test_tp_config_errors_are_one_line_before_any_rank_starts(tmp_path, override
                               "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), *override])
     assert_one_clear_line(rc, out, fragment)
     assert "All distributed processes registered" not in out  # stopped before launching
+
+
+# ---- memory estimate (src/tools/memory.py) ----
+
+def test_estimate_formulas_for_tensor_and_pipeline_parallel():
+    from src.tools.memory import activations, estimate, gpt2_params, in_flight, rank_params
+
+    assert rank_params(12, 768) == gpt2_params(12, 768)  # no model parallelism: the whole model
+    # tensor parallel 4: the blocks' matrices and column biases split 4 ways, the rest replicated
+    assert rank_params(12, 768, tensor_parallel=4) == 12 * (12 * 768**2 // 4 + 7 * 768 // 4 + 6 * 768) + 51281 * 768 + 2 * 768
+    # per-layer activations: 34 -> 10 + 24/t bytes per element, attention scores / t
+    assert activations(1, 12, 768, 1024, 1, False, tp=4) < activations(1, 12, 768, 1024, 1, False) / 2
+    # pipeline: GPipe holds all M micro-batches, 1F1B at most K, interleaved a little more than K
+    assert (in_flight("gpipe", 4, 16), in_flight("1f1b", 4, 16), in_flight("1f1b", 4, 2)) == (16, 4, 2)
+    assert 4 < in_flight("interleaved", 4, 16, stages_per_rank=2) < 16
+    gpipe = estimate("large", 8, "ddp", pipeline_parallel=4, schedule="gpipe", microbatches=16, micro_batch=1)
+    one_f_one_b = estimate("large", 8, "ddp", pipeline_parallel=4, schedule="1f1b", microbatches=16, micro_batch=1)
+    assert gpipe.activations == 4 * one_f_one_b.activations and gpipe.params == one_f_one_b.params
+    assert one_f_one_b.params < estimate("large", 8, "ddp").params / 3  # about a quarter of the blocks per stage
+    with pytest.raises(ValueError, match="not a multiple of tensor x pipeline"):
+        estimate("small", 8, "ddp", tensor_parallel=3)
+
+
+def test_tp_estimate_matches_bytes_measured_per_rank(tmp_path):
+    """fp32 Adam on 2 TP ranks: each holds rank_params parameters (its shards + the replicated rest),
+    as many gradients and twice as many optimizer values, to the byte."""
+    from src.tools.memory import model_states, rank_params
+
+    dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + TP + [
+        "trainer.max_steps=3", "trainer.val_check_interval=3",
+        "+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"])
+    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    module, _ = build_module(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    c = module.config
+    psi = rank_params(c.n_layer, c.n_embd, c.vocab_size, c.n_positions, tensor_parallel=2)
+    assert psi < sum(p.numel() for p in module.parameters())  # the split saves something
+    expected = dict(zip(("params", "grads", "optimizer"), model_states(psi, 1, "ddp", mixed=False)[:3]))
+    for rank in (0, 1):
+        assert json.loads((run / f"state_bytes_rank{rank}.json").read_text()) == expected

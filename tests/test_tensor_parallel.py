@@ -68,6 +68,13 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
     proc = run_script("-m", ["src.tools.checkpoints", "consolidate", str(ckpt), str(tmp_path / "one.ckpt")])
     state = torch.load(Path(proc.stdout.strip()), weights_only=False)
     assert "tensor_parallel" not in state and max_param_diff(one["params"], state["state_dict"]) <= 1e-5
+    # eval.py takes the sharded dir as it takes FSDP's: on 1 process, and on the 2 TP ranks themselves
+    from test_eval import evaluate
+
+    val = one["scalars"]["val/loss"][-1][1]
+    for args in ([], TP):
+        metrics, _ = evaluate(tmp_path, ckpt, ["trainer.precision=32-true", *args])
+        assert metrics["val/loss"] == pytest.approx(val, abs=1e-5), args
 
 
 @pytest.mark.parametrize("override,fragment", [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from src.distributed.samplers import rank_and_world
+from src.distributed.samplers import data_parallel_group, rank_and_world
 
 
 def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
@@ -32,6 +32,6 @@ def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
     padded = local.new_zeros((per_rank, *local.shape[1:]))  # all_gather needs equal shapes
     padded[:real] = local[:real]
     shards = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(shards, padded)
+    dist.all_gather(shards, padded, group=data_parallel_group())
     # row k of rank r is sample k * W + r: interleave, then cut the padding off the end
     return torch.stack(shards, dim=1).reshape(world * per_rank, *local.shape[1:])[:n_samples]

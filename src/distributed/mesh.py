@@ -67,3 +67,8 @@ def data_rank_and_size() -> Optional[tuple[int, int]]:
     if _DATA_MESH is None:
         return None
     return _DATA_MESH.get_local_rank(), _DATA_MESH.size()
+
+
+def data_group():
+    """The process group of this rank's data-parallel dim, or None (the default group: all ranks)."""
+    return _DATA_MESH.get_group() if _DATA_MESH is not None else None

@@ -6,12 +6,19 @@ repeating samples: 10 samples on 3 ranks become 12 evaluated, and the metrics co
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
+
+
+def data_parallel_group() -> Any:
+    """The process group over which samples are dealt (None: the default group, all ranks)."""
+    from src.distributed.mesh import data_group
+
+    return data_group()
 
 
 def rank_and_world() -> tuple[int, int]:

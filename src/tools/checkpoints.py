@@ -1,5 +1,5 @@
 """Checkpoints in any of their forms: one file (DDP, single device, FSDP with
-save_distributed_checkpoint=false), a sharded DCP dir (FSDP2, one shard per rank), or a DeepSpeed
+save_distributed_checkpoint=false), a sharded DCP dir (FSDP2 or tensor parallel, one shard per rank), or a DeepSpeed
 ZeRO dir (converted with DeepSpeed's zero_to_fp32).
 
     python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # sharded dir -> one fp32 file
@@ -61,7 +61,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not is_dcp(path):
         return torch.load(path, map_location="cpu", weights_only=False)
     meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False) if (path / "meta.pt").exists() else {}
-    return {**meta, "state_dict": dcp_model_weights(path)}
+    weights = dcp_model_weights(path)
+    layout = meta.pop("tensor_parallel", None)  # trainer=tp's Linear layout -> GPT-2's own Conv1D one
+    if layout is not None:
+        from src.distributed.tensor_parallel import hf_layout
+
+        weights = hf_layout(weights, **layout)
+    return {**meta, "state_dict": weights}
 
 
 def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -66,6 +66,10 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None:
             check_int(key, value)
+    if str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).endswith("TensorParallelStrategy"):
+        from src.distributed.tensor_parallel import check_config
+
+        check_config(cfg)
     trainer = cfg.trainer
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
@@ -108,10 +112,19 @@ def _check_global_batch(cfg: DictConfig) -> None:
     if batch is None or not all(isinstance(n, int) and n > 0 for n in sizes):  # "auto", -1: known only later
         return
     strategy = cfg.trainer.get("strategy")
-    if isinstance(strategy, DictConfig):  # only the data-parallel ranks split the batch
-        model_parallel = [strategy.get(k, 1) for k in ("pipeline_parallel_size", "tensor_parallel_size")]
-        if all(isinstance(n, int) and n > 0 for n in model_parallel) and sizes[0] % (model_parallel[0] * model_parallel[1]) == 0:
-            sizes[0] //= model_parallel[0] * model_parallel[1]
+    model_parallel = 1  # pipeline stages x tensor-parallel ranks: the ranks of one group read the same samples
+    if isinstance(strategy, DictConfig):
+        for key in ("pipeline_parallel_size", "tensor_parallel_size"):
+            size = strategy.get(key, 1)
+            model_parallel *= size if isinstance(size, int) and size > 0 else 1
+    ranks = sizes[0] * sizes[1]
+    if model_parallel > 1 and ranks % model_parallel == 0:  # (a world size that does not divide: mesh.py says so)
+        data_parallel = ranks // model_parallel
+        if batch % (data_parallel * sizes[2]):
+            raise ConfigError(f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel "
+                              f"group(s) x {sizes[2]} accumulation step(s) = {data_parallel * sizes[2]}: pick a multiple "
+                              f"of {data_parallel * sizes[2]}, or change trainer.devices / trainer.accumulate_grad_batches.")
+        return
     per_step = sizes[0] * sizes[1] * sizes[2]
     if batch % per_step:
         raise ConfigError(f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "

@@ -1,0 +1,217 @@
+"""Megatron-style tensor parallelism for GPT-2 blocks, applied from outside the model (torchtitan's style).
+
+Each block's attention and MLP are split over the `tensor_parallel` ranks with torch's DTensor
+`ColwiseParallel` / `RowwiseParallel`: c_attn and mlp.c_fc by output columns (each rank computes its
+own heads and its own quarter of the MLP), attn.c_proj and mlp.c_proj by input rows, followed by one
+all-reduce each. So per block: 2 all-reduces of the activations in forward, 2 in backward.
+
+Two facts shape the code:
+* torch's styles accept `nn.Linear` only, and HF GPT-2 uses `Conv1D` (weight stored [in, out]). We swap
+  in `nn.Linear` with the transposed weight: the same values, the same math.
+* c_attn fuses q, k, v: its outputs are [q | k | v], each n_embd wide. A plain column split would give
+  rank 0 all of q and half of k. We reorder the rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's
+  heads), so the split hands each rank its own heads' q, k and v, and the attention module, told its
+  per-rank head count, splits them as usual.
+
+Checkpoints keep this layout (it is what resumes); `hf_layout` turns a full state dict back into HF
+GPT-2 names and Conv1D layouts for eval.py and export-hf (src/tools/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from src.distributed.checkpointing import save_sharded
+from src.distributed.mesh import split_data_over
+
+log = logging.getLogger(__name__)
+
+# suffixes of the Conv1D layers that become Linear, and how each is split
+COLWISE, ROWWISE = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads} when weights are in our layout
+
+
+def qkv_order(n_embd: int, n_head: int, tp: int) -> torch.Tensor:
+    """Row order of the Linear c_attn: position i of the new layout holds HF row order[i]."""
+    per_rank = n_embd // tp  # n_head / tp heads of head_dim each
+    return torch.cat([torch.arange(part * n_embd + r * per_rank, part * n_embd + (r + 1) * per_rank)
+                      for r in range(tp) for part in range(3)])
+
+
+def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linear:
+    """An nn.Linear computing what the Conv1D `conv` computes (rows reordered by `order`)."""
+    n_in, n_out = conv.weight.shape
+    linear = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        weight, bias = conv.weight.t(), conv.bias
+        if order is not None:
+            weight, bias = weight[order], bias[order]
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    return linear
+
+
+def parallelize(module: Any, mesh: DeviceMesh) -> Any:
+    """Split every block of the LitModule `module` over the 1-D `mesh` (the tensor-parallel ranks)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh.size()
+    config = module.config
+    check_divisible(config.n_head, config.n_embd, tp)
+    order = qkv_order(config.n_embd, config.n_head, tp)
+    plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+    for _, _, block in module.blocks():
+        for name in COLWISE + ROWWISE:
+            parent, child = name.split(".")
+            owner = getattr(block, parent)
+            owner.register_module(child, to_linear(getattr(owner, child), order if child == "c_attn" else None))
+        attn = block.attn  # its forward splits c_attn's output by split_size and views it per head
+        attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
+        parallelize_module(block, mesh, plan)
+    replicate_the_rest(module.network(), mesh)
+    log.info(f"Tensor parallel: {len(module.blocks())} blocks split over {tp} ranks "
+             f"({config.n_head // tp} heads and {4 * config.n_embd // tp} MLP units per rank)")
+    return module
+
+
+def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
+    """Every other parameter (embeddings, LayerNorms, the tied head) as a DTensor replicated on `mesh`.
+
+    torch's fused AdamW and clip_grad_norm_ refuse a mix of DTensors and plain tensors; with all of them
+    DTensors, clip_grad_norm_ reduces each sharded gradient's norm over the ranks (the whole model's norm).
+    Each such module takes its inputs as replicated DTensors and hands plain tensors on; parameters shared between modules
+    (GPT-2 ties wte and lm_head) stay one parameter.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(_module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                     if torch.is_tensor(x) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(_module, output, _mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in network.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod, name))
+    todo = [(mod, [(name, p) for name, p in mod.named_parameters(recurse=False) if not isinstance(p, DTensor)])
+            for mod in network.modules()]
+    for mod, plain in todo:
+        if not plain:
+            continue
+        distribute_module(mod, mesh, input_fn=to_dtensor, output_fn=to_local)
+        for name, old in plain:  # give every other owner of a shared parameter the same new one
+            for other, other_name in owners[id(old)]:
+                if other is not mod:
+                    setattr(other, other_name, getattr(mod, name))
+
+
+def check_divisible(n_head: int, n_embd: int, tp: int) -> None:
+    from src.utils.config import ConfigError
+
+    if n_head % tp or n_embd % tp:
+        raise ConfigError(f"model.n_head={n_head} and model.n_embd={n_embd} must both divide by "
+                          f"trainer.strategy.tensor_parallel_size={tp}: pick a tensor-parallel size that divides them.")
+
+
+def hf_layout(state_dict: dict[str, torch.Tensor], size: int, n_head: int) -> dict[str, torch.Tensor]:
+    """A full state dict in our Linear layout -> HF GPT-2's Conv1D layout (same names, [in, out] weights)."""
+    out = dict(state_dict)
+    pattern = re.compile(r"\.(" + "|".join(re.escape(n) for n in COLWISE + ROWWISE) + r")\.(weight|bias)$")
+    for key, tensor in state_dict.items():
+        match = pattern.search(key)
+        if match is None:
+            continue
+        if match.group(1) == "attn.c_attn":
+            n_embd = tensor.shape[-1] if match.group(2) == "weight" else tensor.shape[0] // 3
+            inverse = torch.argsort(qkv_order(n_embd, n_head, size))
+            tensor = tensor[inverse]
+        out[key] = tensor.t().contiguous() if match.group(2) == "weight" else tensor
+    return out
+
+
+def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
+    dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
+    src/distributed/mesh.py's named mesh when that lands."""
+    from src.utils.config import ConfigError
+
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size!r}: use a positive integer.")
+    if world % tensor_parallel_size:
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
+                          f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
+                          "tensor_parallel; change one of them.")
+    return world // tensor_parallel_size, tensor_parallel_size
+
+
+class TensorParallelStrategy(ModelParallelStrategy):
+    """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
+
+    Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
+    only). Checkpoints are DCP dirs (each rank its shard), marked with our layout so that
+    src/tools/checkpoints.py can give them back in HF GPT-2 form.
+    """
+
+    def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
+        super().__init__(save_distributed_checkpoint=True, timeout=timeout)
+        self.tp_size = tensor_parallel_size
+
+    def setup_environment(self) -> None:
+        world = self.num_nodes * self.num_processes
+        self._data_parallel_size, self._tensor_parallel_size = data_and_tensor_sizes(world, self.tp_size)
+        super().setup_environment()  # Lightning's (data_parallel, tensor_parallel) mesh
+        split_data_over(self.device_mesh)  # samplers deal samples over the data-parallel dim only
+
+    def setup(self, trainer) -> None:
+        module = self.lightning_module
+        if not getattr(module, "_tensor_parallel", False):  # setup runs again for test after fit
+            parallelize(module, self.device_mesh["tensor_parallel"])
+            if self._data_parallel_size > 1:
+                from src.distributed.fsdp import parallelize as fully_shard_blocks
+
+                fully_shard_blocks(module, self.device_mesh["data_parallel"])
+            module._tensor_parallel = True
+        super().setup(trainer)
+
+    def teardown(self) -> None:
+        split_data_over(None)
+        super().teardown()
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""
+        checkpoint[LAYOUT_KEY] = {"size": self.tp_size, "n_head": self.lightning_module.config.n_head}
+        save_sharded(self, lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp,
+                                                                                           storage_options), filepath)
+
+
+def check_config(cfg: Any) -> None:
+    """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
+    from omegaconf import OmegaConf
+
+    from src.utils.config import ConfigError
+
+    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
+        data_and_tensor_sizes(devices * nodes, tp)
+    model = cfg.model
+    if not model.get("pretrained"):
+        check_divisible(model.get("n_head"), model.get("n_embd"), tp)
+    unsupported = {"model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
+                   "model/peft": model.get("peft") is not None, "model.compile=true": model.get("compile", False),
+                   "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False)}
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError(f"{key} is not supported with trainer=tp yet: turn it off, or train with "
+                              "trainer=ddp / trainer=fsdp.")

@@ -1,0 +1,133 @@
+"""trainer=tp (tensor parallel, DTensor on gloo): equal to one process step for step, clipping by the whole
+model's norm, checkpoints that resume and export to Hugging Face, data x tensor on 4 ranks, and the
+memory estimate against bytes measured per rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import path_overrides, run_script
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from test_fsdp import last_ckpt, train_sharded
+from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+
+pytestmark = pytest.mark.slow
+TP = ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]
+CLIP = ["trainer.gradient_clip_val=0.05"]  # below the tiny model's gradient norms: every step is clipped
+
+
+def test_tensor_parallel_matches_one_process(tmp_path):
+    """2 ranks splitting each block (1 head each) == 1 process: every step's loss, val loss, final weights.
+
+    The gradients are clipped at every step, so a norm summed over one rank's shard only would show."""
+    one = train(tmp_path, "1", GPT2 + CLIP)
+    tp = train_sharded(tmp_path, "tp", GPT2 + CLIP + TP)
+    assert_same_series(one, tp, "train/loss", 1e-5)
+    assert_same_series(one, tp, "val/loss", 1e-5)
+    assert len(tp["scalars"]["train/loss"]) == 6
+    # the checkpoint reads back in HF GPT-2's names and Conv1D layouts
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "tp"))["state_dict"]) <= 1e-5
+
+
+def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path):
+    """2 data-parallel groups (FSDP2 over them) x 2 tensor-parallel ranks == 1 process: each group reads
+    half of the global batch, both ranks of a group the same half."""
+    one = train(tmp_path, "1", GPT2 + CLIP)
+    dxt = train_sharded(tmp_path, "dxt", GPT2 + CLIP + ["trainer=tp", "trainer.devices=4"])
+    assert_same_series(one, dxt, "train/loss", 1e-5)
+    assert_same_series(one, dxt, "val/loss", 1e-5)
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "dxt"))["state_dict"]) <= 1e-5
+
+
+def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
+    """3 steps on 2 TP ranks, resume to 6 == 6 steps in one process; its HF export gives that run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    # constant LR: a cosine schedule's length depends on max_steps, which the resumed run changes
+    epoch = ["trainer.limit_train_batches=3", "trainer.val_check_interval=3", "model.scheduler=null"]
+    one = train(tmp_path, "1", GPT2 + epoch)
+    train_sharded(tmp_path, "first", GPT2 + TP + epoch + ["trainer.max_steps=3"])
+    resumed = train_sharded(tmp_path, "resumed", GPT2 + TP + epoch + [f"ckpt_path={last_ckpt(tmp_path, 'first')}"])
+    for tag, n in (("train/loss", 3), ("val/loss", 1)):  # the resumed run logs steps 4-6 only
+        (steps_a, a), (steps_b, b) = zip(*one["scalars"][tag][-n:]), zip(*resumed["scalars"][tag])
+        assert steps_a == steps_b and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (tag, a, b)
+    ckpt = last_ckpt(tmp_path, "resumed")
+    assert load_checkpoint(ckpt)["global_step"] == 6
+    assert max_param_diff(one["params"], load_checkpoint(ckpt)["state_dict"]) <= 1e-5
+
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
+    module, _ = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": one["params"]})
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-4, rtol=1e-4)
+    # the command-line form writes one plain file in GPT-2's own layout
+    proc = run_script("-m", ["src.tools.checkpoints", "consolidate", str(ckpt), str(tmp_path / "one.ckpt")])
+    state = torch.load(Path(proc.stdout.strip()), weights_only=False)
+    assert "tensor_parallel" not in state and max_param_diff(one["params"], state["state_dict"]) <= 1e-5
+    # eval.py takes the sharded dir as it takes FSDP's: on 1 process, and on the 2 TP ranks themselves
+    from test_eval import evaluate
+
+    val = one["scalars"]["val/loss"][-1][1]
+    for args in ([], TP):
+        metrics, _ = evaluate(tmp_path, ckpt, ["trainer.precision=32-true", *args])
+        assert metrics["val/loss"] == pytest.approx(val, abs=1e-5), args
+
+
+@pytest.mark.parametrize("override,fragment", [
+    (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
+    (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
+    (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
+    (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
+    (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
+])
+def test_tp_config_errors_are_one_line_before_any_rank_starts(tmp_path, override, fragment):
+    from test_errors import FAST, assert_one_clear_line, run_as_user
+
+    rc, out, _ = run_as_user(["train.py", *FAST, *TP, *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
+                              "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), *override])
+    assert_one_clear_line(rc, out, fragment)
+    assert "All distributed processes registered" not in out  # stopped before launching
+
+
+# ---- memory estimate (src/tools/memory.py) ----
+
+def test_estimate_formulas_for_tensor_and_pipeline_parallel():
+    from src.tools.memory import activations, estimate, gpt2_params, in_flight, rank_params
+
+    assert rank_params(12, 768) == gpt2_params(12, 768)  # no model parallelism: the whole model
+    # tensor parallel 4: the blocks' matrices and column biases split 4 ways, the rest replicated
+    assert rank_params(12, 768, tensor_parallel=4) == 12 * (12 * 768**2 // 4 + 7 * 768 // 4 + 6 * 768) + 51281 * 768 + 2 * 768
+    # per-layer activations: 34 -> 10 + 24/t bytes per element, attention scores / t
+    assert activations(1, 12, 768, 1024, 1, False, tp=4) < activations(1, 12, 768, 1024, 1, False) / 2
+    # pipeline: GPipe holds all M micro-batches, 1F1B at most K, interleaved a little more than K
+    assert (in_flight("gpipe", 4, 16), in_flight("1f1b", 4, 16), in_flight("1f1b", 4, 2)) == (16, 4, 2)
+    assert 4 < in_flight("interleaved", 4, 16, stages_per_rank=2) < 16
+    gpipe = estimate("large", 8, "ddp", pipeline_parallel=4, schedule="gpipe", microbatches=16, micro_batch=1)
+    one_f_one_b = estimate("large", 8, "ddp", pipeline_parallel=4, schedule="1f1b", microbatches=16, micro_batch=1)
+    assert gpipe.activations == 4 * one_f_one_b.activations and gpipe.params == one_f_one_b.params
+    assert one_f_one_b.params < estimate("large", 8, "ddp").params / 3  # about a quarter of the blocks per stage
+    with pytest.raises(ValueError, match="not a multiple of tensor x pipeline"):
+        estimate("small", 8, "ddp", tensor_parallel=3)
+
+
+def test_tp_estimate_matches_bytes_measured_per_rank(tmp_path):
+    """fp32 Adam on 2 TP ranks: each holds rank_params parameters (its shards + the replicated rest),
+    as many gradients and twice as many optimizer values, to the byte."""
+    from src.tools.memory import model_states, rank_params
+
+    dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + TP + [
+        "trainer.max_steps=3", "trainer.val_check_interval=3",
+        "+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"])
+    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    module, _ = build_module(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    c = module.config
+    psi = rank_params(c.n_layer, c.n_embd, c.vocab_size, c.n_positions, tensor_parallel=2)
+    assert psi < sum(p.numel() for p in module.parameters())  # the split saves something
+    expected = dict(zip(("params", "grads", "optimizer"), model_states(psi, 1, "ddp", mixed=False)[:3]))
+    for rank in (0, 1):
+        assert json.loads((run / f"state_bytes_rank{rank}.json").read_text()) == expected

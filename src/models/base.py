@@ -70,7 +70,12 @@ class LitModule(L.LightningModule):
         return self
 
     def configure_model(self) -> None:
-        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook)."""
+        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook).
+        A model built on the meta device (src/models/init.py) materialises itself here or in `materialize`."""
+
+    def materialize(self, device: torch.device, sharded: bool) -> None:
+        """Give a model built on the meta device its values (FSDP2Strategy calls it after fully_shard).
+        Nothing here: only models that defer their init (GPT2LitModule) override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
         """The micro-batch's share of its optimizer step's loss, the mean over the step's target tokens

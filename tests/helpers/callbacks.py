@@ -80,8 +80,10 @@ class RecordInitParams(L.Callback):
         with open(f"{trainer.default_root_dir}/init_rank{trainer.global_rank}.json", "w") as f:  # noqa: PTH123
             json.dump(record, f)
         ids = torch.arange(12, device=pl_module.device).remainder(50).view(2, 6)
+        training, _ = pl_module.training, pl_module.eval()  # no dropout
         with torch.no_grad():
             logits = pl_module(ids).logits.float().cpu()
+        pl_module.train(training)
         if trainer.global_rank == 0:
             torch.save(logits, f"{trainer.default_root_dir}/init_logits.pt")
 

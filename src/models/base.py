@@ -188,9 +188,10 @@ class LitModule(L.LightningModule):
             raise ValueError("model.optimizer is not set; see conf/model/.")
         # Weight decay on matrices and conv kernels only: biases and norm gains are not decayed.
         params = [p for p in self.parameters() if p.requires_grad]
+        matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3: p is a placeholder
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay, "name": "decay"},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
+            {"params": [p for p in params if id(p) in matrix], "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0, "name": "no_decay"},
         ]
         base_lr = self.optimizer_fn.keywords["lr"]
         global_batch = self.trainer.datamodule.global_batch_size

@@ -39,12 +39,13 @@ def deferred_init(enabled: bool = True) -> Iterator[None]:
 
 
 def init_is_deferred() -> bool:
-    return _DEFERRED.get()
+    """Inside deferred_init, or built under `with torch.device("meta")` (shapes only: leave it so)."""
+    return _DEFERRED.get() or torch.get_default_device().type == "meta"
 
 
 def draw_base_seed() -> int:
     """One draw from the global RNG: after seed_everything(seed), the same on every rank."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
 
 
 def canonical_name(name: str) -> str:
@@ -57,7 +58,7 @@ def full_value(fill: Fill, base_seed: int, name: str, shape: torch.Size) -> torc
     """The parameter's whole initial value (fp32, CPU), the same wherever and whenever it is made."""
     digest = hashlib.sha256(f"{base_seed}:{canonical_name(name)}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    value = torch.empty(shape, dtype=torch.float32)
+    value = torch.empty(shape, dtype=torch.float32, device="cpu")  # the CPU generator, whatever the default device
     fill(canonical_name(name), value, generator)
     return value
 

@@ -14,6 +14,7 @@ import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.timeouts import distributed_errors
+from src.models.init import deferred_init
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.errors import user_errors
 from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
@@ -25,10 +26,12 @@ def train(cfg: DictConfig) -> Optional[float]:
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, **datamodule.model_kwargs)  # e.g. vocab_size from the tokenizer
     callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg)]
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it
+    with deferred_init(getattr(trainer.strategy, "meta_init", False)):
+        model = instantiate(cfg.model, **datamodule.model_kwargs)  # e.g. vocab_size from the tokenizer
     log_hyperparameters(trainer, model, cfg)
 
     metrics = {}

@@ -85,6 +85,12 @@ class DeepSpeedStrategy(LightningDeepSpeed):
 
             self.optimizer_class = DeepSpeedCPUAdam
 
+    @property
+    def meta_init(self) -> bool:
+        """ZeRO-3: train.py builds the model on meta; GPT2LitModule.configure_model builds it again inside
+        Lightning's deepspeed.zero.Init, so each parameter is partitioned as it is made."""
+        return self.zero_stage_3
+
     def setup(self, trainer) -> None:
         apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm: Lightning skips DeepSpeed
         super().setup(trainer)

@@ -69,7 +69,13 @@ def parallelize(
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Pure data-parallel FSDP2 over all ranks, with the switches of `parallelize` as config."""
+    """Pure data-parallel FSDP2 over all ranks, with the switches of `parallelize` as config.
+
+    With meta_init, train.py builds the model on the meta device (src/models/init.py) and `setup`
+    materialises each rank's shards after fully_shard: no rank ever holds the whole model.
+    """
+
+    materializes_shards = True  # the model's configure_model leaves a meta model to us
 
     def __init__(
         self,
@@ -80,8 +86,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
         timeout: timedelta = default_pg_timeout,  # collective timeout (conf/trainer/fsdp.yaml)
+        meta_init: bool = True,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout=timeout)
+        self.meta_init = meta_init  # read by train.py
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.options = dict(reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
@@ -95,6 +103,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not isinstance(self.lightning_module.network(), FSDPModule):  # setup runs again for test after fit
             apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm; Lightning skips FSDP2
             parallelize(self.lightning_module, self.device_mesh["data_parallel"], **self.options)
+            self.lightning_module.materialize(self.root_device, sharded=True)  # a meta-device model's shards
         super().setup(trainer)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:

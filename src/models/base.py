@@ -70,7 +70,12 @@ class LitModule(L.LightningModule):
         return self
 
     def configure_model(self) -> None:
-        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook)."""
+        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook).
+        A model built on the meta device (src/models/init.py) materialises itself here or in `materialize`."""
+
+    def materialize(self, device: torch.device, sharded: bool) -> None:
+        """Give a model built on the meta device its values (FSDP2Strategy calls it after fully_shard).
+        Nothing here: only models that defer their init (GPT2LitModule) override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
         """The micro-batch's share of its optimizer step's loss, the mean over the step's target tokens
@@ -183,9 +188,10 @@ class LitModule(L.LightningModule):
             raise ValueError("model.optimizer is not set; see conf/model/.")
         # Weight decay on matrices and conv kernels only: biases and norm gains are not decayed.
         params = [p for p in self.parameters() if p.requires_grad]
+        matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3: p is a placeholder
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay, "name": "decay"},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
+            {"params": [p for p in params if id(p) in matrix], "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0, "name": "no_decay"},
         ]
         base_lr = self.optimizer_fn.keywords["lr"]
         global_batch = self.trainer.datamodule.global_batch_size

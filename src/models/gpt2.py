@@ -4,12 +4,14 @@ or pretrained weights; optionally with LoRA or another peft adapter, and gradien
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Optional
 
 import torch
 from torchmetrics import Metric
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from src.models import init
 from src.models.base import LitModule
 from src.models.flops import FlopCount, count_gpt2
 from src.utils.config import ConfigError, check_int
@@ -18,13 +20,43 @@ IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
 
 
-def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> GPT2LMHeadModel:
+def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa", config_only: bool = False):
+    """The pretrained GPT2LMHeadModel, or with `config_only` just its GPT2Config (no weights read)."""
     try:
+        if config_only:
+            return GPT2Config.from_pretrained(name_or_path, attn_implementation=attn_implementation)
         return GPT2LMHeadModel.from_pretrained(name_or_path, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
                           "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
+
+
+def gpt2_fill(config: GPT2Config) -> init.Fill:
+    """GPT-2's initialisation scheme (as transformers' GPT2PreTrainedModel._init_weights): N(0, 0.02) for
+    embeddings and projections, scaled by 1/sqrt(2 n_layer) for the two residual projections (c_proj),
+    ones for LayerNorm gains, zeros for biases; drawn per parameter (src/models/init.py)."""
+    std = config.initializer_range
+    residual_std = std / math.sqrt(2 * config.n_layer)
+
+    def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if name.endswith(".bias"):
+            tensor.zero_()
+        elif ".ln_" in name:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, residual_std if name.endswith("c_proj.weight") else std, generator=generator)
+
+    return fill
+
+
+def resize_vocab(model: GPT2LMHeadModel, vocab_size: int, base_seed: int) -> None:
+    """Embeddings resized for added special tokens; the new rows are drawn from base_seed, so every rank
+    and every build path gets the same, and the global RNG is left alone."""
+    log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base_seed)
+        model.resize_token_embeddings(vocab_size)
 
 
 def lora_config(r: int, alpha: int, dropout: float, target_modules: list[str]):
@@ -97,34 +129,45 @@ class GPT2LitModule(LitModule):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ConfigError(f"model.dropout={dropout!r} is not valid: use a probability in [0, 1).")
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
-        if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
-            model = load_pretrained(pretrained, attn_implementation)
-            if seq_len > model.config.n_positions:
-                raise ConfigError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {model.config.n_positions}.")
-            if vocab_size < model.config.vocab_size:
-                raise ConfigError(f"The tokenizer has {vocab_size} tokens but {pretrained} was trained with "
-                                  f"{model.config.vocab_size}: use its own tokenizer (data.tokenizer={pretrained}).")
-            if vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
-                log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
-                model.resize_token_embeddings(vocab_size)
-        else:
-            model = GPT2LMHeadModel(GPT2Config(
-                vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-                attn_implementation=attn_implementation,
-            ))
-        model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
-        self.config = model.config
-        self.seq_len = seq_len
-        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-        if gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = dict(lora or {})
         if lora.pop("enabled", False):
             if peft is not None:
                 raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
             peft = lora_config(**lora)
+        # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
+        # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
+        self._deferred = init.init_is_deferred() and peft is None
+        self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
+        self._pretrained, self._attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
+        if pretrained:  # the checkpoint's shape wins over n_layer / n_head / n_embd
+            config = load_pretrained(pretrained, attn_implementation, config_only=True)
+            if seq_len > config.n_positions:
+                raise ConfigError(f"data.seq_len={seq_len} exceeds {pretrained}'s context of {config.n_positions}.")
+            if vocab_size < config.vocab_size:
+                raise ConfigError(f"The tokenizer has {vocab_size} tokens but {pretrained} was trained with "
+                                  f"{config.vocab_size}: use its own tokenizer (data.tokenizer={pretrained}).")
+            if self._deferred:  # rank 0 reads the weights when the strategy materialises the shards
+                config.vocab_size = vocab_size
+                with torch.device("meta"):
+                    model = GPT2LMHeadModel(config)
+            else:
+                model = self._load_pretrained()
+        else:
+            config = GPT2Config(
+                vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+                attn_implementation=attn_implementation,
+            )
+            with torch.device("meta"):  # no memory, no RNG: the values come from gpt2_fill
+                model = GPT2LMHeadModel(config)
+            if not self._deferred:
+                init.materialize_full(model, gpt2_fill(config), self._base_seed, torch.device("cpu"))
+        self.config = model.config
+        self.seq_len = seq_len
+        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile
+        model = self._prepare(model, compile=compile and peft is None)
         if peft is not None:  # only the adapter trains; the base weights are frozen
             from peft import get_peft_model
 
@@ -137,17 +180,66 @@ class GPT2LitModule(LitModule):
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
             log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
+            if compile:
+                model.compile()
         # Counted now, before a strategy shards the parameters (a DeepSpeed stage-3 parameter has numel 0).
         base = model.get_base_model() if peft is not None else model
         inside = {id(p) for p in base.parameters()}
         prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
         virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
         self.flop_count: FlopCount = count_gpt2(base, prompt, virtual)
-        if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
-            model.compile()
         self.model = model
         self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
         self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+
+    def _prepare(self, model: GPT2LMHeadModel, compile: bool) -> GPT2LMHeadModel:
+        model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
+        if self._gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
+            model.compile()
+        return model
+
+    def _load_pretrained(self) -> GPT2LMHeadModel:
+        """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
+        model = load_pretrained(self._pretrained, self._attn_implementation)
+        if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
+            resize_vocab(model, self._vocab_size, self._base_seed)
+        return model
+
+    def materialize(self, device: torch.device, sharded: bool) -> None:
+        """Give the meta-device model (deferred init) its values: sharded, after fully_shard, each rank makes
+        only its shards, one parameter at a time; pretrained weights are read by rank 0 alone and broadcast."""
+        if not init.has_meta(self.model):
+            return
+        if self._pretrained:
+            rank0 = not sharded or torch.distributed.get_rank() == 0
+            state = self._load_pretrained().state_dict() if rank0 else None
+            if sharded:
+                init.load_full_state_sharded(self.model, state, device)
+            else:
+                self.model.to_empty(device=device)
+                self.model.tie_weights()
+                self.model.load_state_dict(state)
+        elif sharded:
+            init.materialize_sharded(self.model, gpt2_fill(self.config), self._base_seed, device)
+        else:
+            init.materialize_full(self.model, gpt2_fill(self.config), self._base_seed, device)
+
+    def configure_model(self) -> None:
+        """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
+        Lightning runs this hook inside deepspeed.zero.Init: the model is built again there, each parameter
+        partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
+        model is materialised here."""
+        strategy = self.trainer.strategy
+        if not init.has_meta(self.model) or getattr(strategy, "materializes_shards", False):
+            return
+        if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
+            model = GPT2LMHeadModel(self.config)
+            init.materialize_zero3(model, gpt2_fill(self.config), self._base_seed)
+            self.model = self._prepare(model, compile=self._compile)
+        else:
+            self.materialize(torch.device("cpu"), sharded=False)
 
     @property
     def hf_model(self) -> GPT2LMHeadModel:

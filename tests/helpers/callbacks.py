@@ -63,3 +63,41 @@ class KillAtStep(L.Callback):
 
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordInitParams(L.Callback):
+    """Writes, per rank, the parameter storage the model holds before it is set up (Lightning calls callbacks'
+    `setup` before `configure_model` and the strategy's setup) and each parameter's local and full numel
+    once it is set up; rank 0 also writes the logits of a fixed input then (a forward on every rank)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.before = sum(param_sizes(p)[0] * p.element_size() for p in pl_module.parameters())
+        self.full = sum(param_sizes(p)[1] * p.element_size() for p in pl_module.parameters())
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        sizes = {name: [*param_sizes(p), rows(p)] for name, p in pl_module.named_parameters()}
+        record = {"before_setup_bytes": self.before, "full_bytes": self.full, "after_setup": sizes}
+        with open(f"{trainer.default_root_dir}/init_rank{trainer.global_rank}.json", "w") as f:  # noqa: PTH123
+            json.dump(record, f)
+        ids = torch.arange(12, device=pl_module.device).remainder(50).view(2, 6)
+        training, _ = pl_module.training, pl_module.eval()  # no dropout
+        with torch.no_grad():
+            logits = pl_module(ids).logits.float().cpu()
+        pl_module.train(training)
+        if trainer.global_rank == 0:
+            torch.save(logits, f"{trainer.default_root_dir}/init_logits.pt")
+
+
+def rows(p: torch.Tensor) -> int:
+    """Length of the dim that FSDP2 and ZeRO shard by (dim 0; ZeRO-3 partitions the flat tensor)."""
+    shape = getattr(p, "ds_shape", None) or p.shape
+    return shape[0] if len(shape) else 1
+
+
+def param_sizes(p: torch.Tensor) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole parameter): FSDP2 DTensor shard, DeepSpeed ZeRO-3
+    partition (ds_tensor), or a plain tensor; a meta tensor holds none."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel(), p.ds_numel
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return (0 if local.is_meta else local.numel()), p.numel()

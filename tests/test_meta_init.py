@@ -1,0 +1,101 @@
+"""Models beyond one rank's memory: under trainer=fsdp (and DeepSpeed ZeRO-3) the model is built on the
+meta device and each rank makes only its shards; pretrained weights are read by rank 0 and broadcast.
+Parity of the values with 1 process is test_fsdp / test_deepspeed's; here: what each rank holds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import path_overrides, run_script, shared
+from src.models import init
+from src.models.gpt2 import GPT2LitModule, gpt2_fill
+
+PROBE = ["+callbacks.probe._target_=tests.helpers.callbacks.RecordInitParams"]
+
+
+def run_probed(tmp: Path, args: list[str]) -> list[dict]:
+    """A real 2-rank train.py run with the probe; its per-rank records (rank 0 first)."""
+    from test_parity import QUIET
+
+    dirs = {"log_dir": tmp / "logs", "cache_dir": tmp / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + PROBE + args + ["test=false"])
+    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    records = [json.loads((run / f"init_rank{r}.json").read_text()) for r in range(2)]
+    records[0]["logits"] = torch.load(run / "init_logits.pt")
+    return records
+
+
+def assert_never_whole(records: list[dict]) -> None:
+    """Before setup no rank holds any parameter storage; after, each holds at most its half of each one
+    (rounded up to whole rows: FSDP2 shards dim 0)."""
+    for rank, record in enumerate(records):
+        assert record["before_setup_bytes"] == 0, (rank, record["before_setup_bytes"], record["full_bytes"])
+        for name, (local, full, rows) in record["after_setup"].items():
+            assert local <= math.ceil(rows / 2) * (full // rows), (rank, name, local, full)
+    totals = [sum(local for local, _, _ in r["after_setup"].values()) for r in records]
+    assert sum(totals) == sum(full for _, full, _ in records[0]["after_setup"].values())  # the shards are the model
+
+
+@pytest.mark.slow
+def test_fsdp_builds_on_meta_and_no_rank_holds_the_whole_model(tmp_path):
+    from test_fsdp import FSDP
+    from test_parity import GPT2
+
+    assert_never_whole(run_probed(tmp_path, GPT2 + FSDP + ["trainer.max_steps=1", "trainer.val_check_interval=1"]))
+
+
+@pytest.mark.slow
+def test_fsdp_pretrained_is_read_by_rank0_scattered_and_gives_the_same_logits(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from test_fsdp import FSDP
+
+    tiny = shared("tiny-gpt2")
+    records = run_probed(tmp_path, FSDP + [
+        "experiment=gpt2_continued_pretraining", f"model.pretrained={tiny}", "trainer.precision=32-true",
+        f"data.path={shared('tinyshakespeare', 'input.txt')}", "data.seq_len=32", "trainer.max_steps=1",
+        "trainer.val_check_interval=1", "trainer.limit_val_batches=1"])
+    assert_never_whole(records)
+    one = GPT2LMHeadModel.from_pretrained(tiny).eval()
+    ids = torch.arange(12).remainder(50).view(2, 6)
+    with torch.no_grad():
+        expected = one(ids).logits
+    assert torch.allclose(records[0]["logits"], expected, atol=1e-6, rtol=0), (records[0]["logits"] - expected).abs().max()
+
+
+@pytest.mark.slow
+def test_zero3_builds_inside_zero_init_and_no_rank_holds_the_whole_model(tmp_path):
+    from test_deepspeed import CPU_DS
+    from test_parity import GPT2
+
+    pytest.importorskip("deepspeed")
+    records = run_probed(tmp_path, GPT2 + CPU_DS + ["trainer.strategy.stage=3", "trainer.max_steps=1",
+                                                    "trainer.val_check_interval=1"])
+    assert_never_whole(records)
+
+
+def test_init_values_do_not_depend_on_how_the_model_is_laid_out():
+    """Deferred (meta) and eager builds give the same values, and each parameter's value depends only on
+    (base seed, its name): a shard made alone equals the slice of the whole."""
+    torch.manual_seed(3)
+    eager = GPT2LitModule(vocab_size=257, seq_len=16, n_layer=2, n_head=2, n_embd=16)
+    torch.manual_seed(3)
+    with init.deferred_init():
+        deferred = GPT2LitModule(vocab_size=257, seq_len=16, n_layer=2, n_head=2, n_embd=16)
+    assert init.has_meta(deferred.model) and init.local_param_bytes(deferred.model) == 0
+    deferred.materialize(torch.device("cpu"), sharded=False)
+    a, b = eager.state_dict(), deferred.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    hf = deferred.hf_model
+    assert hf.lm_head.weight is hf.transformer.wte.weight  # still tied after to_empty
+    name = "transformer.h.1.mlp.c_fc.weight"
+    again = init.full_value(gpt2_fill(deferred.config), deferred._base_seed, name, a["model." + name].shape)
+    assert torch.equal(again, a["model." + name])
+    # GPT-2's scheme: residual projections scaled by 1/sqrt(2 n_layer), LayerNorm gains 1, biases 0
+    assert hf.transformer.h[0].attn.c_proj.weight.std() < 0.6 * hf.transformer.h[0].attn.c_attn.weight.std()
+    assert torch.all(hf.transformer.ln_f.weight == 1) and torch.all(hf.transformer.h[0].mlp.c_fc.bias == 0)

@@ -53,7 +53,8 @@ def build(input: str, output: str, seq_len: int, tokenizer: str, workers: int, t
     t0 = time.perf_counter()
     optimize(fn=partial(tokenize_file, tokenizer=tokenizer, seq_len=seq_len, text_field=text_field),
              inputs=files, output_dir=str(out), num_workers=min(workers, len(files)), chunk_bytes=chunk_bytes,
-             item_loader=TokensLoader(), keep_data_ordered=True, verbose=False)
+             item_loader=TokensLoader(), keep_data_ordered=True, verbose=False,
+             start_method="fork")  # spawn (litdata's default) re-imports torch in every worker: 42 s vs 3 s for 2 KB here
     tok = load_tokenizer(tokenizer)
     meta = {"seq_len": seq_len, "tokenizer": tok.fingerprint, "tokenizer_name": tokenizer, "vocab_size": tok.vocab_size,
             "inputs": len(files), "source": str(input), "built": time.time()}

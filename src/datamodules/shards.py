@@ -180,16 +180,13 @@ def chunk_cache(input_dir: str, cache_dir: Optional[str], meta: dict) -> Optiona
 class LitDataModule(ShardedDataModule):
     """`data=litdata`: train on shards built by `python -m src.tools.shards build` (see module docstring)."""
 
-    def __init__(self, input_dir: str, tokenizer: str = "bytes", seq_len: int = 128, global_batch_size: int = 32,
+    def __init__(self, input_dir: Optional[str] = None, tokenizer: str = "bytes", seq_len: int = 128, global_batch_size: int = 32,
                  eval_batch_size: Optional[int] = None, val_fraction: float = 0.05, test_fraction: float = 0.05,
                  num_workers: int = 0, cache_dir: Optional[str] = None, seed: int = 42,
                  overfit_batches: int = 0) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        if not input_dir:
-            raise ConfigError("data.input_dir is not set: point it at shards written by "
-                              "`python -m src.tools.shards build --output DIR` (a local dir or s3://...).")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
-        self.input_dir, self.tokenizer_name, self.seq_len = str(input_dir), tokenizer, seq_len
+        self.input_dir, self.tokenizer_name, self.seq_len = input_dir, tokenizer, seq_len
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
 
     @cached_property
@@ -206,6 +203,10 @@ class LitDataModule(ShardedDataModule):
 
     def check_meta(self) -> dict:
         """The shards must have been built for this seq_len and tokenizer: say which rebuild is needed."""
+        if not self.input_dir:  # checked here, not in __init__, so that the config composes without shards
+            raise ConfigError("data.input_dir is not set: point it at shards written by "
+                              "`python -m src.tools.shards build --output DIR` (a local dir or s3://...).")
+        self.input_dir = str(self.input_dir)
         raw = read_small_file(self.input_dir, META)
         if raw is None:
             raise ConfigError(f"data.input_dir={self.input_dir!r} has no {META}: build the shards there with "

@@ -10,9 +10,9 @@ gives the same blocks) into chunk files of packed blocks (see src/datamodules/sh
 spread the work; one huge file is one worker's job, so split big corpora into files first.
 Object storage: build into a local dir and copy it up (`aws s3 sync shards/ s3://bucket/shards/`), then
 train with `data.input_dir=s3://bucket/shards/` (litdata downloads the chunks a rank reads to
-`data.cache_dir`). Several machines: litdata's `optimize` splits the inputs between nodes given
-DATA_OPTIMIZER_NUM_NODES and DATA_OPTIMIZER_NODE_RANK (see litdata's docs); run the `targets` step
-once at the end.
+`data.cache_dir`). Several machines: not supported by this command as written (it replaces --output and
+counts the targets on the one machine that runs it); litdata's `optimize` can split inputs between nodes
+(DATA_OPTIMIZER_NUM_NODES / DATA_OPTIMIZER_NODE_RANK), untested here.
 """
 
 from __future__ import annotations

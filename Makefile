@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
+	# litdata (data=litdata) without its declared deps: its torchvision requirement would replace torch (pyproject.toml)
+	$(PY) -m pip install -q --no-deps "litdata>=0.2.76"
 	touch $@
 
 train: setup

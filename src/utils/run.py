@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 # Config values that name files or dirs (model.pretrained also decides data.tokenizer's default).
-PATH_KEYS = ("model.pretrained", "data.path", "data.tokenizer", "trainer.strategy.config", "ckpt_path")
+PATH_KEYS = ("model.pretrained", "data.path", "data.input_dir", "data.tokenizer", "trainer.strategy.config", "ckpt_path")
 
 
 def absolute_paths(cfg: DictConfig) -> None:

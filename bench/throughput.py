@@ -5,6 +5,7 @@
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
+    python -m bench.throughput --shapes small --nanogpt --ways template,nanogpt   # against nanoGPT (fp32)
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
@@ -131,6 +132,17 @@ def run_raw(args) -> None:
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
 
+def run_nanogpt(args) -> None:
+    """bench/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU)."""
+    from bench import nanogpt
+
+    dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true")
+    tokens = dm.splits["train"].tokens
+    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP)
+    layers, heads, width, ctx, batch = SHAPES[args.shape]
+    report(times, args.warmup, batch * ctx, args.out)
+
+
 def run_hf(args, defaults: bool = False) -> None:
     """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -175,20 +187,22 @@ def main() -> None:
                     help="for all three ways; auto: what train.py picks on this machine")
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
-    ap.add_argument("--child", choices=["raw", "hf", "hf_default"], help=argparse.SUPPRESS)
+    ap.add_argument("--nanogpt", action="store_true", help="add the way nanogpt (bench/nanogpt.py, fp32)")
+    ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
+    ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
     args.precision = resolve_precision(args.precision)
     if args.child:
-        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True)}[args.child](args)
+        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt}[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = ["template", "raw", "hf", "hf_default", *variants]
+            ways = [*args.ways.split(","), *(["nanogpt"] if args.nanogpt else []), *variants]
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
@@ -215,8 +229,10 @@ def main() -> None:
         layers, heads, width, ctx, batch = SHAPES[shape]
         attn = fastest_attention("cpu", args.precision, ctx)
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
-        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default")}
-        ratios.update({f"{name}/template": ("template", name) for name in variants})
+        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default", "nanogpt")
+                  if way in ways and "template" in ways}
+        ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
+        ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})
         for label, (below, above) in ratios.items():
             low, mid, high = paired_ratio(ways[above], ways[below])
             print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")

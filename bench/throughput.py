@@ -5,7 +5,7 @@
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
-    python -m bench.throughput --shapes small --nanogpt --ways template,nanogpt   # against nanoGPT (fp32)
+    python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32)
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
@@ -60,8 +60,10 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 
 
-def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true"):
-    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick."""
+def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true",
+                   activation: str = "gelu_pytorch_tanh"):
+    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick;
+    activation: the template's (conf/model/gpt2.yaml), or GPT2Config's own default, gelu_new."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -77,7 +79,7 @@ def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: st
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
                                        n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       attn_implementation=attn))
+                                       attn_implementation=attn, activation_function=activation))
     model.loss_type = "ForCausalLM"
     return dm, model
 
@@ -148,7 +150,8 @@ def run_hf(args, defaults: bool = False) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     precision = "32-true" if defaults else args.precision
-    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision)
+    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision,
+                               activation=args.hf_activation)
     times = []
 
     class Timer(TrainerCallback):
@@ -189,6 +192,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
     ap.add_argument("--nanogpt", action="store_true", help="add the way nanogpt (bench/nanogpt.py, fp32)")
     ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
+    ap.add_argument("--hf-activation", default="gelu_new",
+                    help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
+                         "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone")
     ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -213,6 +219,7 @@ def main() -> None:
                     cmd = [
                         sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
                         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
+                        f"--hf-activation={args.hf_activation}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 with open(out) as f:

@@ -12,6 +12,10 @@ them alike, and each reports the median time between optimizer steps after the w
 and peak RSS. Ratios (template/raw, template/HF, ...) are the median over rounds of each round's
 ratio, with the lowest and highest in brackets: that spread is the machine's noise. A variant is
 the template with extra overrides (NAME=OVERRIDE[,OVERRIDE...]), to measure one switch at a time.
+
+`--clock cpu` (for a busy, shared machine): every way runs on 1 thread (OMP_NUM_THREADS=1) and
+steps are timed in process CPU seconds, which other processes' load barely changes; wall time
+on an oversubscribed machine measured 60x the idle step and swung 1.5x between runs.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer k
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 
 
+def clock() -> float:
+    """Wall seconds; process CPU seconds under `--clock cpu` (BENCH_CLOCK=cpu in the children)."""
+    return time.process_time() if os.environ.get("BENCH_CLOCK") == "cpu" else time.perf_counter()
+
+
 class StepTimer(L.Callback):
     """Wall time at each optimizer step's end; writes the result when fit ends (used by the template run)."""
 
@@ -44,7 +53,7 @@ class StepTimer(L.Callback):
         self.warmup, self.out, self.times = warmup, out, []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(clock())
 
     def on_train_end(self, trainer, pl_module) -> None:
         data = trainer.datamodule
@@ -110,20 +119,20 @@ def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str =
     batches, times = iter(dm.train_dataloader()), []
     model.train()
     for _ in range(steps):
-        t = [time.perf_counter()]
+        t = [clock()]
         batch = next(batches)
-        t.append(time.perf_counter())
+        t.append(clock())
         with autocast:
             logits = model(input_ids=batch["input_ids"]).logits  # labels are already shifted (src/datamodules)
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                                      ignore_index=-100)
-        t.append(time.perf_counter())
+        t.append(clock())
         loss.backward()
-        t.append(time.perf_counter())
+        t.append(clock())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
+        t.append(clock())
         times.append(t)
     return times
 
@@ -140,7 +149,7 @@ def run_nanogpt(args) -> None:
 
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true")
     tokens = dm.splits["train"].tokens
-    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP)
+    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP, clock)
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     report(times, args.warmup, batch * ctx, args.out)
 
@@ -156,7 +165,7 @@ def run_hf(args, defaults: bool = False) -> None:
 
     class Timer(TrainerCallback):
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter())
+            times.append(clock())
 
     targs = TrainingArguments(
         output_dir=os.path.join(args.cache_dir, "hf_trainer"), per_device_train_batch_size=dm.batch_size,
@@ -195,12 +204,16 @@ def main() -> None:
     ap.add_argument("--hf-activation", default="gelu_new",
                     help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
                          "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)")
     ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
     args.precision = resolve_precision(args.precision)
+    if args.clock == "cpu":
+        os.environ.update(BENCH_CLOCK="cpu", OMP_NUM_THREADS="1")  # inherited by every run
     if args.child:
         {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt}[args.child](args)
         return
@@ -225,7 +238,7 @@ def main() -> None:
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-          f"interleaved rounds, {os.cpu_count()} CPU cores")
+          f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}")
     print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}

@@ -145,7 +145,7 @@ def test_eager_and_sdpa_attention_compute_the_same_loss_and_gradients():
 
 def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
     """A GPT-2 built from a config runs its MLP's GELU as torch's one fused tanh-GELU kernel, not gelu_new's
-    separate ops (pow, tanh, mul, add), with the same loss to 1e-5: 1.16-1.25x the step's speed on a CPU
+    separate ops (pow, tanh, mul, add), with the same loss to 1e-5: 1.10-1.28x the step's speed on a CPU
     (docs/performance.md, "Ahead of nanoGPT")."""
     from torch.profiler import profile
 

@@ -5,12 +5,17 @@
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
+    python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32)
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
 and peak RSS. Ratios (template/raw, template/HF, ...) are the median over rounds of each round's
 ratio, with the lowest and highest in brackets: that spread is the machine's noise. A variant is
 the template with extra overrides (NAME=OVERRIDE[,OVERRIDE...]), to measure one switch at a time.
+
+`--clock cpu` (for a busy, shared machine): every way runs on 1 thread (OMP_NUM_THREADS=1) and
+steps are timed in process CPU seconds, which other processes' load changes far less; on a machine
+at load 18 on 2 cores, wall time gave 6.0 s (template) and 9.1 s (raw loop) for a ~0.1 s step.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer k
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 
 
+def clock() -> float:
+    """Wall seconds; process CPU seconds under `--clock cpu` (BENCH_CLOCK=cpu in the children)."""
+    return time.process_time() if os.environ.get("BENCH_CLOCK") == "cpu" else time.perf_counter()
+
+
 class StepTimer(L.Callback):
     """Wall time at each optimizer step's end; writes the result when fit ends (used by the template run)."""
 
@@ -43,7 +53,7 @@ class StepTimer(L.Callback):
         self.warmup, self.out, self.times = warmup, out, []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(clock())
 
     def on_train_end(self, trainer, pl_module) -> None:
         data = trainer.datamodule
@@ -59,8 +69,10 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 
 
-def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true"):
-    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick."""
+def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true",
+                   activation: str = "gelu_pytorch_tanh"):
+    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick;
+    activation: the template's (conf/model/gpt2.yaml), or GPT2Config's own default, gelu_new."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -76,7 +88,7 @@ def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: st
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
                                        n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       attn_implementation=attn))
+                                       attn_implementation=attn, activation_function=activation))
     model.loss_type = "ForCausalLM"
     return dm, model
 
@@ -107,20 +119,20 @@ def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str =
     batches, times = iter(dm.train_dataloader()), []
     model.train()
     for _ in range(steps):
-        t = [time.perf_counter()]
+        t = [clock()]
         batch = next(batches)
-        t.append(time.perf_counter())
+        t.append(clock())
         with autocast:
             logits = model(input_ids=batch["input_ids"]).logits  # labels are already shifted (src/datamodules)
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                                      ignore_index=-100)
-        t.append(time.perf_counter())
+        t.append(clock())
         loss.backward()
-        t.append(time.perf_counter())
+        t.append(clock())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
+        t.append(clock())
         times.append(t)
     return times
 
@@ -131,17 +143,29 @@ def run_raw(args) -> None:
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
 
+def run_nanogpt(args) -> None:
+    """bench/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU)."""
+    from bench import nanogpt
+
+    dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true")
+    tokens = dm.splits["train"].tokens
+    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP, clock)
+    layers, heads, width, ctx, batch = SHAPES[args.shape]
+    report(times, args.warmup, batch * ctx, args.out)
+
+
 def run_hf(args, defaults: bool = False) -> None:
     """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     precision = "32-true" if defaults else args.precision
-    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision)
+    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision,
+                               activation=args.hf_activation)
     times = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter())
+            times.append(clock())
 
     targs = TrainingArguments(
         output_dir=os.path.join(args.cache_dir, "hf_trainer"), per_device_train_batch_size=dm.batch_size,
@@ -175,20 +199,29 @@ def main() -> None:
                     help="for all three ways; auto: what train.py picks on this machine")
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
-    ap.add_argument("--child", choices=["raw", "hf", "hf_default"], help=argparse.SUPPRESS)
+    ap.add_argument("--nanogpt", action="store_true", help="add the way nanogpt (bench/nanogpt.py, fp32)")
+    ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
+    ap.add_argument("--hf-activation", default="gelu_new",
+                    help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
+                         "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)")
+    ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
     args.precision = resolve_precision(args.precision)
+    if args.clock == "cpu":
+        os.environ.update(BENCH_CLOCK="cpu", OMP_NUM_THREADS="1")  # inherited by every run
     if args.child:
-        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True)}[args.child](args)
+        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt}[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = ["template", "raw", "hf", "hf_default", *variants]
+            ways = [*args.ways.split(","), *(["nanogpt"] if args.nanogpt else []), *variants]
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
@@ -199,12 +232,13 @@ def main() -> None:
                     cmd = [
                         sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
                         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
+                        f"--hf-activation={args.hf_activation}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-          f"interleaved rounds, {os.cpu_count()} CPU cores")
+          f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}")
     print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
@@ -215,8 +249,10 @@ def main() -> None:
         layers, heads, width, ctx, batch = SHAPES[shape]
         attn = fastest_attention("cpu", args.precision, ctx)
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
-        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default")}
-        ratios.update({f"{name}/template": ("template", name) for name in variants})
+        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default", "nanogpt")
+                  if way in ways and "template" in ways}
+        ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
+        ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})
         for label, (below, above) in ratios.items():
             low, mid, high = paired_ratio(ways[above], ways[below])
             print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")

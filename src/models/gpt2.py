@@ -120,6 +120,7 @@ class GPT2LitModule(LitModule):
         peft: Optional[Any] = None,
         compile: bool = False,
         attn_implementation: str = "sdpa",
+        activation_function: str = "gelu_pytorch_tanh",
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -157,7 +158,7 @@ class GPT2LitModule(LitModule):
                 vocab_size=vocab_size, n_positions=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                 resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                 bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-                attn_implementation=attn_implementation,
+                attn_implementation=attn_implementation, activation_function=activation_function,
             )
             with torch.device("meta"):  # no memory, no RNG: the values come from gpt2_fill
                 model = GPT2LMHeadModel(config)

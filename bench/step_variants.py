@@ -1,0 +1,95 @@
+"""One training step (forward, loss, backward, clip, AdamW) of GPT-2 variants and of bench/nanogpt.py's GPT,
+all in one process, interleaved in blocks, timed in thread CPU seconds on 1 thread: what each model-side
+change is worth, measurable even on a busy shared machine (no process start-up, no loop of ours).
+
+    python -m bench.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
+
+Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the
+template's: one fused kernel) x use_cache default/False; and nanoGPT's model (always fp32, as on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench import nanogpt
+from bench.throughput import BETAS, CLIP, LR, SHAPES, data_and_model, param_groups
+
+
+def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None, fused=True):
+    _, model = data_and_model(shape, cache_dir, attn, precision, activation)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=fused)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    kwargs = {} if use_cache is None else {"use_cache": use_cache}
+
+    def step():
+        with autocast:
+            logits = model(input_ids=batch["input_ids"], **kwargs).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def nanogpt_step(shape, vocab_size, batch):
+    layers, heads, width, ctx, _ = SHAPES[shape]
+    model = nanogpt.GPT(vocab_size, ctx, layers, heads, width)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)  # torch's default on a CPU, as nanoGPT
+
+    def step():
+        _, loss = model(batch["input_ids"], batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    ap.add_argument("--shape", default="small")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=4, help="steps per variant per round (the median is kept)")
+    ap.add_argument("--cache-dir", default=".cache/bench/tokens")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", args.precision)
+    batch = next(iter(dm.train_dataloader()))
+    steps = {}
+    for attn in ("sdpa", "eager"):
+        steps[f"{attn} gelu_new"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu_new")
+        steps[f"{attn} gelu_new use_cache=False"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
+                                                            "gelu_new", use_cache=False)
+        steps[f"{attn} gelu_pytorch_tanh"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
+                                                     "gelu_pytorch_tanh")
+    steps["nanogpt (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch)
+    for step in steps.values():  # warm-up
+        for _ in range(2):
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            block = []
+            for _ in range(args.block):
+                start = time.thread_time()
+                step()
+                block.append(time.thread_time() - start)
+            times[name].append(statistics.median(block))
+    base = statistics.median(times["nanogpt (fp32)"])
+    print(f"{args.shape}, {args.precision}, 1 thread, thread CPU ms per step: median of {args.rounds} rounds "
+          f"[lowest-highest]; speed vs nanoGPT")
+    for name, t in times.items():
+        mid = statistics.median(t)
+        print(f"{name:<32}{mid * 1e3:8.1f} [{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  {base / mid:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -89,12 +89,16 @@ def torch_extensions_dir(request, tmp_path_factory):
     and, in every DeepSpeed process on CPU, its shared-memory all-reduce (~35 s). One dir for the whole session,
     kept in pytest's cache dir between sessions (.pytest_cache; `make clean` removes it), builds each once per
     clone instead of once per test module or test. torch rebuilds an op whose sources or flags changed.
+    A build killed midway (a test's timeout, Ctrl+C) leaves torch's `lock` file behind, and every later build
+    would wait for it forever: a new session removes them (one test session per clone at a time).
     A TORCH_EXTENSIONS_DIR set by the user is kept."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         yield
         return
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a session temp dir then
     path = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    for lock in path.glob("*/lock"):
+        lock.unlink()
     os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
     yield
     os.environ.pop("TORCH_EXTENSIONS_DIR", None)

@@ -1,15 +1,14 @@
 """trainer=deepspeed: the derived DeepSpeed config, and ZeRO 1/2/3 (+ CPU offload) on gloo against DDP.
 
 Lightning refuses DeepSpeed without CUDA, so the multi-process runs use tests/helpers/deepspeed_cpu.py
-(our strategy minus Lightning's device checks). DeepSpeed JIT-builds its CPU Adam once per test session
-(about a minute), into the session's temp dir.
+(our strategy minus Lightning's device checks). DeepSpeed JIT-builds its CPU Adam and shared-memory
+all-reduce on first use (about 1.5 min on 2 cores), once per clone: conftest.torch_extensions_dir.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -96,23 +95,11 @@ CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspee
           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def jit_cache(tmp_path_factory):
-    """DeepSpeed's JIT-built ops (CPU Adam) go to the test session's temp dir, built once."""
-    old = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
-    yield
-    if old is None:
-        os.environ.pop("TORCH_EXTENSIONS_DIR")
-    else:
-        os.environ["TORCH_EXTENSIONS_DIR"] = old
+@pytest.fixture
+def ddp(reference):
+    from test_parity import GPT2_DDP
 
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    from test_parity import GPT2, train
-
-    return train(tmp_path_factory.mktemp("ddp"), "ddp", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+    return reference(GPT2_DDP)  # trained once per session, shared with test_parity and test_fsdp
 
 
 def ds_run(tmp: Path, name: str, args: list[str]) -> dict:
@@ -180,15 +167,14 @@ def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path):
+def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path, reference):
     """Lightning's DeepSpeedStrategy never applies trainer.plugins' LayerSync; ours does, so 3 ranks = 1."""
     from test_fsdp import last_ckpt, train_sharded
-    from test_parity import VISION, assert_same_series, max_param_diff, train
+    from test_parity import VISION_10_11, assert_same_series, max_param_diff
     from src.tools.checkpoints import load_checkpoint
 
-    split = ["data.val_size=10", "data.test_size=11"]
-    one = train(tmp_path, "1", VISION + split)
-    ds = train_sharded(tmp_path, "ds", VISION + split + CPU_DS + ["trainer.devices=3", "trainer.strategy.stage=2"])
+    one = reference(VISION_10_11)  # shared with test_fsdp
+    ds = train_sharded(tmp_path, "ds", VISION_10_11 + CPU_DS + ["trainer.devices=3", "trainer.strategy.stage=2"])
     for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
         assert_same_series(one, ds, tag, 1e-5)
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5

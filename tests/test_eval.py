@@ -42,8 +42,8 @@ def test_eval_on_three_ranks_needs_no_divisible_global_batch_and_matches_one(tmp
         assert three[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
 
 
-def test_sharded_checkpoint_config_read_without_gathering_and_consolidated_once(tmp_path):
-    ckpt = train_run(tmp_path, "fsdp", GPT2 + SHORT + ["trainer=fsdp", "trainer.devices=2"])
+def test_sharded_checkpoint_config_read_without_gathering_and_consolidated_once(tmp_path, fsdp_checkpoint):
+    ckpt = fsdp_checkpoint  # GPT2 + SHORT on 2 FSDP2 ranks, trained once per session (shared with test_fsdp)
     assert read_config(ckpt) == load_checkpoint(ckpt)["config"]  # from meta.pt alone
     one, _ = evaluate(tmp_path, ckpt, [])
     two, out = evaluate(tmp_path, ckpt, ["trainer=ddp", "trainer.devices=2"])

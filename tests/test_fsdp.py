@@ -12,7 +12,7 @@ import torch
 from conftest import path_overrides, run_script
 from src.tools.checkpoints import build_module, export_hf, is_sharded, load_checkpoint
 from src.tools.memory import estimate, gpt2_params, model_states
-from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+from test_parity import GPT2, GPT2_DDP, QUIET, VISION_10_11, assert_same_series, max_param_diff, train
 
 pytestmark = pytest.mark.slow
 FSDP = ["trainer=fsdp", "trainer.devices=2"]
@@ -27,8 +27,8 @@ def params_of(ckpt: Path) -> dict:
     return load_checkpoint(ckpt)["state_dict"]
 
 
-def test_fsdp_matches_ddp_and_its_sharded_checkpoint_consolidates(tmp_path):
-    ddp = train(tmp_path, "ddp", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+def test_fsdp_matches_ddp_and_its_sharded_checkpoint_consolidates(tmp_path, reference):
+    ddp = reference(GPT2_DDP)
     fsdp = train_sharded(tmp_path, "fsdp", GPT2 + FSDP)
     assert_same_series(ddp, fsdp, "train/loss", 1e-5)
     assert_same_series(ddp, fsdp, "val/loss", 1e-5)
@@ -61,11 +61,10 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path):
     assert max_param_diff(resumed["state_dict"], straight["state_dict"]) <= 1e-6
 
 
-def test_export_hf_from_a_sharded_checkpoint_gives_the_same_logits(tmp_path):
+def test_export_hf_from_a_sharded_checkpoint_gives_the_same_logits(tmp_path, fsdp_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    train_sharded(tmp_path, "fsdp", GPT2 + FSDP + ["trainer.max_steps=2", "trainer.val_check_interval=2"])
-    ckpt = last_ckpt(tmp_path, "fsdp")
+    ckpt = fsdp_checkpoint  # 2 steps of GPT2 + FSDP, shared with test_eval
     out = export_hf(ckpt, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     module, _ = build_module(load_checkpoint(ckpt))
@@ -115,21 +114,18 @@ def test_estimate_matches_bytes_measured_per_rank(tmp_path, strategy, trainer):
         assert measured[0][kind] + measured[1][kind] == 2 * want
 
 
-def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path):
+def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path, reference):
     """SyncBatchNorm applies under FSDP too (Lightning only applies trainer.plugins' LayerSync for DDP)."""
-    from test_parity import VISION
-
-    split = ["data.val_size=10", "data.test_size=11"]
-    one = train(tmp_path, "1", VISION + split)
-    fsdp = train_sharded(tmp_path, "fsdp", VISION + split + FSDP)
+    one = reference(VISION_10_11)
+    fsdp = train_sharded(tmp_path, "fsdp", VISION_10_11 + FSDP)
     for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
         assert_same_series(one, fsdp, tag, 1e-5)
     assert max_param_diff(one["params"], params_of(last_ckpt(tmp_path, "fsdp"))) <= 1e-5
 
 
-def test_fsdp_switches(tmp_path):
+def test_fsdp_switches(tmp_path, reference):
     """Activation checkpointing recomputes the same numbers; bf16 params stay close to fp32; ZeRO-2-like too."""
-    ddp = train(tmp_path, "ddp", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+    ddp = reference(GPT2_DDP)
     ac = train_sharded(tmp_path, "ac", GPT2 + FSDP + ["trainer.strategy.activation_checkpointing=true",
                                                        "trainer.strategy.reshard_after_forward=false"])
     assert_same_series(ddp, ac, "train/loss", 1e-5)

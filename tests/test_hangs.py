@@ -2,8 +2,9 @@
 trainer.strategy.timeout, with one line naming the rank and the collective, and no process left behind.
 
 The slow tests run real 2-rank gloo train.py jobs with tests/helpers/faults.py making rank 1 misbehave.
-The timeout is 30 s, not a few: it also bounds rank 1's start-up (Lightning re-runs the script for it,
-~10-20 s on a loaded 2-core machine), and a shorter one would fail there, in init_process_group.
+The timeout is 30 s, not a few: it also bounds rank 1's start-up (Lightning re-runs the script for it while
+rank 0 waits in init_process_group; train.py's imports alone take ~7 s on an idle 2-core machine). 20 s, which would
+save 20 s of suite time (two tests wait it out), failed there in init_process_group at a load average of 15.
 """
 
 from __future__ import annotations
@@ -81,16 +82,23 @@ def wait_for(path: Path, limit: float) -> float:
     return path.stat().st_mtime
 
 
+def fault_run(tmp_path: Path, action: str) -> tuple[subprocess.Popen, str, float]:
+    """Run a job whose rank 1 misbehaves (`action`) until it ends. Returns (process, output, seconds from the
+    fault to the job's exit)."""
+    proc, run = start(tmp_path, action)
+    out, ended = finish(proc, run, LIMIT_S + 60)
+    waited = ended - (run / "fault_rank1").stat().st_mtime
+    print(f"{action}: exit {proc.returncode} {waited:.1f}s after the fault")
+    return proc, out, waited
+
+
 @pytest.mark.slow
 def test_mismatched_collective_fails_after_the_timeout_naming_rank_and_collective(tmp_path):
     """Rank 1 calls an all_reduce rank 0 never calls: both wait; the job exits 1 ~timeout later, no orphans."""
-    proc, run = start(tmp_path, "all_reduce")
-    out, ended = finish(proc, run, LIMIT_S + 60)
-    waited = ended - (run / "fault_rank1").stat().st_mtime
-    print(f"mismatched all_reduce: exit {proc.returncode} {waited:.1f}s after the fault")
+    proc, out, waited = fault_run(tmp_path, "all_reduce")
     assert proc.returncode == 1, out[-3000:]
     assert TIMEOUT_S - 1 <= waited <= TIMEOUT_S + 30, out[-3000:]
-    assert "Rank 1: collective all_reduce timed out after 30 s (trainer.strategy.timeout)" in out, out[-3000:]
+    assert f"Rank 1: collective all_reduce timed out after {TIMEOUT_S} s (trainer.strategy.timeout)" in out, out[-3000:]
     # Rank 0 waits in whichever collective comes next for it (DDP's gradient all_reduce, or a barrier when gloo
     # paired its all_reduce with rank 1's extra one): named too, whichever it is.
     assert re.search(r"Rank 0: collective (all_reduce|barrier|broadcast)\S* .*timed out", out), out[-3000:]
@@ -100,10 +108,7 @@ def test_mismatched_collective_fails_after_the_timeout_naming_rank_and_collectiv
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_quickly_without_orphans(tmp_path):
     """Rank 1 SIGKILLs itself mid-run: rank 0 notices in its next collective and the job ends non-zero."""
-    proc, run = start(tmp_path, "kill")
-    out, ended = finish(proc, run, LIMIT_S + 60)
-    waited = ended - (run / "fault_rank1").stat().st_mtime
-    print(f"killed rank: exit {proc.returncode} {waited:.1f}s after the kill")
+    proc, out, waited = fault_run(tmp_path, "kill")
     assert proc.returncode != 0
     assert waited <= TIMEOUT_S + 10, out[-3000:]
     assert re.search(r"Rank 0: collective \S+.* failed: another rank exited or was killed", out), out[-3000:]

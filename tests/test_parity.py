@@ -47,12 +47,14 @@ def assert_same_series(a: dict, b: dict, tag: str, tol: float) -> None:
 GPT2 = ["data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), "data.seq_len=32", "model.n_layer=2",
         "model.n_embd=32", "model.n_head=2", "data.global_batch_size=8", "trainer.max_steps=6",
         "trainer.val_check_interval=6", "test=false", "model.scheduler.num_warmup_steps=2"]
+# The 2-rank DDP run that test_fsdp and test_deepspeed compare against too: the `reference` fixture trains it once.
+GPT2_DDP = GPT2 + ["trainer=ddp", "trainer.devices=2"]
 
 
-def test_global_batch_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
+def test_global_batch_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path, reference):
     """Same global batch, same samples, same updates: 1 process x 8, 2 processes x 4, 1 x 4 x accumulation 2."""
     one = train(tmp_path, "1x8", GPT2)
-    two = train(tmp_path, "2x4", GPT2 + ["trainer=ddp", "trainer.devices=2"])
+    two = reference(GPT2_DDP)
     acc = train(tmp_path, "1x4x2", GPT2 + ["trainer.accumulate_grad_batches=2"])
     assert max_param_diff(one["params"], two["params"]) <= 1e-5
     assert max_param_diff(one["params"], acc["params"]) <= 1e-5
@@ -66,10 +68,13 @@ def test_global_batch_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
 VISION = ["data=digits", "model=convnet", "data.global_batch_size=12", "trainer.max_steps=5",
           "trainer.val_check_interval=5", "callbacks.model_checkpoint.monitor=val/acc",
           "callbacks.model_checkpoint.mode=max", "optimized_metric=val/acc"]
+# 1-process convnet references, each shared (`reference` fixture) by the tests that compare N ranks with it
+VISION_10 = VISION + ["data.val_size=10", "data.test_size=10"]  # test_parity: SyncBatchNorm on and off
+VISION_10_11 = VISION + ["data.val_size=10", "data.test_size=11"]  # test_fsdp, test_deepspeed: FSDP2, ZeRO-2
 
 
 @pytest.mark.parametrize("n_eval", [10, 11])
-def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, n_eval):
+def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, reference, n_eval):
     """3 ranks vs 1 on a BatchNorm CNN: SyncBatchNorm makes training equal, and every val/test sample
     counts exactly once although 10 or 11 samples do not split evenly over 3 ranks.
 
@@ -77,7 +82,7 @@ def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, n_
     are evaluated as 12), and `self.log(sync_dist=True)` weighting uneven batches wrongly on gloo.
     """
     split = [f"data.val_size={n_eval}", f"data.test_size={n_eval}"]
-    one = train(tmp_path, "1", VISION + split)
+    one = reference(VISION + split)
     three = train(tmp_path, "3", VISION + split + ["trainer=ddp", "trainer.devices=3"])
     assert max_param_diff(one["params"], three["params"]) <= 1e-5  # incl. BatchNorm running stats
     for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
@@ -87,9 +92,8 @@ def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, n_
     assert abs(acc * n_eval - round(acc * n_eval)) < 1e-4
 
 
-def test_without_syncbatchnorm_ranks_diverge_from_one_process(tmp_path):
+def test_without_syncbatchnorm_ranks_diverge_from_one_process(tmp_path, reference):
     """The switch works, and it matters: with plain BatchNorm, 3 ranks train differently from 1."""
-    split = ["data.val_size=10", "data.test_size=10"]
-    one = train(tmp_path, "1", VISION + split)
-    off = train(tmp_path, "off", VISION + split + ["trainer=ddp", "trainer.devices=3", "trainer.plugins.0.enabled=false"])
+    one = reference(VISION_10)
+    off = train(tmp_path, "off", VISION_10 + ["trainer=ddp", "trainer.devices=3", "trainer.plugins.0.enabled=false"])
     assert max_param_diff(one["params"], off["params"]) > 1e-3

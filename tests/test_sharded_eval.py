@@ -77,12 +77,11 @@ def test_fsdp_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_p
     assert_same_eval(one_process, fsdp)
 
 
-def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_process(tmp_path, one_process,
-                                                                                         monkeypatch):
+def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_process(tmp_path, one_process):
     pytest.importorskip("deepspeed")
     from test_deepspeed import CPU_DS
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    # DeepSpeed's JIT-built shared-memory all-reduce comes from the session's cache (conftest.torch_extensions_dir)
     args = [a for a in CPU_DS if not a.startswith("trainer.devices")]
     # test=false: the CPU DeepSpeed helper covers fit only (Lightning's DeepSpeed trainer.test path,
     # _initialize_deepspeed_inference, still asks for a CUDA device rank)

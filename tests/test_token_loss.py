@@ -78,6 +78,13 @@ def tiny_gpt2_without_dropout(tmp: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """One dropout-free copy for the module: equal paths make equal run args, so the 1 x 8 run that two
+    tests compare against is trained once (the `reference` fixture)."""
+    return tiny_gpt2_without_dropout(tmp_path_factory.mktemp("pretrained"))
+
+
 def first_step_token_mean(pretrained: Path, seed: int, global_batch: int) -> float:
     """Σ token losses / Σ targets of the first global batch, computed here without the template's loop."""
     from transformers import GPT2LMHeadModel
@@ -100,15 +107,14 @@ def instruct_args(pretrained: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path):
+def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path, pretrained, reference):
     """Full fine-tune of tiny GPT-2 on Alpaca records (padded batches, prompt masked): 1 x 8, DDP 2 x 4,
     FSDP2 2 x 4 and 1 x 4 x accumulation 2 agree to 1e-5 in final parameters and in the logged train/loss
     at every step, and train/loss is the global batch's token mean."""
     from test_parity import assert_same_series, max_param_diff, train
 
-    pretrained = tiny_gpt2_without_dropout(tmp_path)
     args = instruct_args(pretrained)
-    one = train(tmp_path, "1x8", args)
+    one = reference(args)  # shared with the DeepSpeed test below
     two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"])
     acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
     fsdp = train(tmp_path, "fsdp2x4", args + ["trainer=fsdp", "trainer.devices=2",
@@ -123,16 +129,16 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
-def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path):
+def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretrained, reference):
     """DeepSpeed divides the loss by its gradient_accumulation_steps itself, after Lightning already did:
     ZeRO-2 on 2 ranks x 2 x accumulation 2 must still equal 1 x 8 (parameters and train/loss)."""
     from src.tools.checkpoints import load_checkpoint
     from test_deepspeed import CPU_DS
     from test_fsdp import last_ckpt, train_sharded
-    from test_parity import assert_same_series, max_param_diff, train
+    from test_parity import assert_same_series, max_param_diff
 
-    args = instruct_args(tiny_gpt2_without_dropout(tmp_path))
-    one = train(tmp_path, "1x8", args)
+    args = instruct_args(pretrained)
+    one = reference(args)
     ds = train_sharded(tmp_path, "ds", args + CPU_DS + ["trainer.strategy.stage=2", "trainer.accumulate_grad_batches=2"])
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5
     assert_same_series(one, ds, "train/loss", 1e-5)

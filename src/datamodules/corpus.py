@@ -27,7 +27,7 @@ from src.datamodules.file_hashes import FileHashes
 from src.utils.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl")
-TXT_CHUNK_CHARS = 1 << 20  # default piece of a .txt file per tokenizer input (data.txt_chunk_chars)
+TXT_CHUNK_CHARS = 1 << 18  # default piece of a .txt file per tokenizer input (data.txt_chunk_chars)
 HF_BATCH = 1000  # records per batch read from a HF dataset
 _LAST_SPACE_RUN = re.compile(r"\s\S")  # searched in the reversed text: the last non-space -> space boundary
 

@@ -127,7 +127,7 @@ class TextDataModule(ShardedDataModule):
         mix: Optional[list[dict]] = None,
         overfit_batches: int = 0,
         hf_streaming: bool = False,
-        txt_chunk_chars: int = 1 << 20,
+        txt_chunk_chars: int = 1 << 18,
         cache_shared: bool = True,
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)

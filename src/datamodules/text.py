@@ -126,6 +126,9 @@ class TextDataModule(ShardedDataModule):
         special_tokens: Sequence[str] = (),
         mix: Optional[list[dict]] = None,
         overfit_batches: int = 0,
+        hf_streaming: bool = False,
+        txt_chunk_chars: int = 1 << 18,
+        cache_shared: bool = True,
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
@@ -133,6 +136,12 @@ class TextDataModule(ShardedDataModule):
         self.tokenizer_name, self.seq_len = tokenizer, seq_len
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
         self.special_tokens = list(special_tokens)
+        self.hf_streaming, self.txt_chunk_chars = hf_streaming, txt_chunk_chars
+        if not isinstance(txt_chunk_chars, int) or txt_chunk_chars < 1:
+            raise ConfigError(f"data.txt_chunk_chars={txt_chunk_chars!r} must be a positive number of characters.")
+        # Who runs prepare_data (the cache build) while the other ranks wait at Lightning's barrier:
+        # global rank 0 for a cache dir every node sees, local rank 0 of each node for node-local disks.
+        self.prepare_data_per_node = not cache_shared
         self.mix = [dict(m) for m in mix or []]
         for m in self.mix:
             if set(m) != {"path", "weight"}:
@@ -152,12 +161,12 @@ class TextDataModule(ShardedDataModule):
 
     def tokens(self, path: Optional[str] = None) -> np.ndarray:
         corpus = Corpus.from_config(path or self.path, None if path else self.hf_dataset, self.hf_split,
-                                    self.text_field)
+                                    self.text_field, self.hf_streaming, self.txt_chunk_chars)
         return load_or_build(corpus, self.tokenizer, self.cache_dir)
 
     def prepare_data(self) -> None:
         for path in [m["path"] for m in self.mix] or [None]:
-            tokens = self.tokens(path)  # build the caches once (local rank 0); other ranks find them in setup()
+            tokens = self.tokens(path)  # build the caches once (see __init__: which rank); others find them in setup()
             try:  # too little text fails here, on rank 0 alone, rather than in every rank's setup()
                 split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction)
             except CorpusError as e:

@@ -1,9 +1,15 @@
 """Tokenize once, then memory-map: the nanoGPT `train.bin` idea, made safe for many ranks.
 
 The cache file is keyed by a hash of the corpus content and the tokenizer, so editing the
-corpus or switching tokenizers builds a new one. A file lock lets exactly one process
-build it while the others (ranks, sweep jobs) wait and then read; the file is written
-under a temporary name and renamed, so a reader never sees half a cache.
+corpus or switching tokenizers builds a new one; a warm start only stats the corpus files
+(file_hashes.py). Who builds: in a training run Lightning's prepare_data runs on global rank 0
+(data.cache_shared=true) or on local rank 0 of every node (false, for node-local cache dirs) while
+the other ranks wait at its barrier, then find the finished cache without any lock. The lock here
+only keeps separate jobs (sweeps, a second run) from building the same cache at once; where flock
+fails (Lustre without -o flock, some NFS) it falls back to an O_EXCL lock file. The cache is written
+under a temporary name and renamed, and its meta file written last, so nobody sees half a cache.
+The build streams: pieces of text go to the tokenizer in bounded batches and the ids are appended
+to the file, so memory does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -13,23 +19,26 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from filelock import FileLock
+from filelock import FileLock, SoftFileLock
 
 from src.datamodules.corpus import Corpus, CorpusError
-from src.datamodules.tokenizers import Tokenizer
+from src.datamodules.tokenizers import Tokenizer, tokenizer_threads
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = "v1"  # bump when the on-disk layout changes
-BATCH_DOCS = 256  # documents per tokenizer call: large enough for Rust-side parallelism, small enough for RAM
+FORMAT_VERSION = "v2"  # bump when the on-disk layout or the key changes
+BATCH_PIECES = 1024  # texts per tokenizer call: enough for the Rust tokenizer's threads to share
+BATCH_CHARS = 8 << 20  # ... and at most this much text per call, so memory stays bounded
 
 
-def cache_key(corpus: Corpus, tokenizer: Tokenizer) -> str:
-    h = hashlib.sha256(f"{FORMAT_VERSION}|{corpus.fingerprint()}|{tokenizer.fingerprint}".encode())
+def cache_key(corpus: Corpus, tokenizer: Tokenizer, index_dir: Path | None = None) -> str:
+    h = hashlib.sha256(f"{FORMAT_VERSION}|{corpus.fingerprint(index_dir)}|{tokenizer.fingerprint}".encode())
     return h.hexdigest()[:20]
 
 
@@ -47,13 +56,33 @@ def load_or_build(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Path
     except OSError as e:
         raise ConfigError(f"The token cache dir {cache_dir} cannot be written ({e.strerror}): set paths.cache_dir "
                           "(or data.cache_dir) to a writable dir.") from None
-    key = cache_key(corpus, tokenizer)
+    key = cache_key(corpus, tokenizer, cache_dir / "file-hashes")
     bin_path, meta_path = cache_dir / f"{key}.bin", cache_dir / f"{key}.json"
-    with FileLock(str(cache_dir / f"{key}.lock")):
-        if not meta_path.exists():  # the meta file is written last: its presence means the cache is complete
-            _build(corpus, tokenizer, bin_path, meta_path)
+    if not meta_path.exists():  # the meta file is written last: its presence means the cache is complete
+        with build_lock(cache_dir / f"{key}.lock"):
+            if not meta_path.exists():
+                _build(corpus, tokenizer, bin_path, meta_path)
+    corpus.file_hashes.save()
     meta = json.loads(meta_path.read_text())
     return np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["n_tokens"],))
+
+
+@contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """An flock between separate jobs; on a file system where flock fails, an O_EXCL lock file instead."""
+    lock = FileLock(str(path))
+    try:
+        lock.acquire()
+    except OSError as e:
+        excl = Path(f"{path}.excl")
+        log.warning(f"flock on {path} failed ({e.strerror or e}): locking with the O_EXCL file {excl} instead. "
+                    f"If a job was killed while building this cache and nothing else is building it, delete {excl}.")
+        lock = SoftFileLock(str(excl))
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _build(corpus: Corpus, tokenizer: Tokenizer, bin_path: Path, meta_path: Path) -> None:
@@ -77,22 +106,32 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, bin_path: Path, meta_path: Path
 
 
 def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, dtype: np.dtype, tmp: Path) -> tuple[int, int]:
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    """Append the token ids of the corpus's pieces to `tmp`, EOS after each document; a blank document is skipped."""
     n_tokens = n_docs = 0
-    with tmp.open("wb") as out:
-        batch: list[str] = []
-        docs = corpus.documents()
-        while True:
-            doc = next(docs, None)
-            if doc is not None and doc.strip():
-                batch.append(doc)
-            if batch and (doc is None or len(batch) == BATCH_DOCS):
-                for ids in tokenizer.encode_batch(batch):
-                    out.write(ids.astype(dtype).tobytes())
-                    out.write(eos.tobytes())
-                    n_tokens += len(ids) + 1
-                n_docs += len(batch)
-                batch = []
-            if doc is None:
-                break
+    texts: list[str] = []
+    ends: list[bool] = []
+
+    def flush() -> None:
+        nonlocal n_tokens, n_docs
+        flat, lengths = tokenizer.encode_flat(texts)
+        eos_at = np.cumsum(lengths)[np.asarray(ends, dtype=bool)]  # after the last piece of each document
+        stream = np.insert(flat.astype(dtype, copy=False), eos_at, tokenizer.eos_id)
+        out.write(stream.tobytes())
+        n_tokens, n_docs = n_tokens + len(stream), n_docs + len(eos_at)
+        texts.clear()
+        ends.clear()
+
+    with tmp.open("wb") as out, tokenizer_threads():
+        chars, first_piece = 0, True
+        for text, last in corpus.pieces():
+            if first_piece and last and not text.strip():  # a blank document: no tokens, no EOS
+                continue
+            texts.append(text)
+            ends.append(last)
+            chars, first_piece = chars + len(text), last
+            if len(texts) >= BATCH_PIECES or chars >= BATCH_CHARS:
+                flush()
+                chars = 0
+        if texts:
+            flush()
     return n_tokens, n_docs

@@ -8,7 +8,10 @@ local dir or a hub name.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +28,8 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]: ...  # (ids of all texts, lengths)
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -35,6 +40,11 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All texts' bytes in one array (one join, no per-document arrays) and each text's length."""
+        data = [t.encode("utf-8") for t in texts]
+        return np.frombuffer(b"".join(data), dtype=np.uint8), np.fromiter(map(len, data), np.int64, len(data))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -59,8 +69,31 @@ class HFTokenizer:
         ids = self.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         return [np.asarray(x, dtype=np.int64) for x in ids]
 
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The same ids as encode_batch, from the Rust tokenizer directly (no offsets, no per-text arrays)."""
+        backend = self.hf.backend_tokenizer
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
+
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)
+
+
+@contextmanager
+def tokenizer_threads() -> Iterator[None]:
+    """Let the Rust tokenizer encode a batch on all cores (its rayon pool; RAYON_NUM_THREADS caps it) while the
+    token cache is built, then switch it off again. conf/env sets TOKENIZERS_PARALLELISM=false for the run
+    because a process forked after the pool was used could deadlock in it; the build happens in prepare_data /
+    setup, before any DataLoader worker is forked, and the variable is back to "false" (set, so the fork
+    handler of `tokenizers` keeps quiet and the children do not use the pool) before this returns."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        os.environ["TOKENIZERS_PARALLELISM"] = before if before is not None else "false"
 
 
 def load_hf_tokenizer(name_or_path: str):

@@ -24,65 +24,93 @@ def run_dir(tmp: Path, name: str) -> Path:
     return run
 
 
-def train_pipeline(tmp: Path, name: str, args: list[str]) -> dict:
+def train_pipeline(tmp: Path, name: str, args: list[str], quiet: list[str] = QUIET) -> dict:
     """A pipeline run: its TensorBoard scalars (rank 0's file) and its DCP checkpoint's weights, all stages joined."""
     dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
-    run_script("train.py", QUIET + path_overrides(dirs) + args)
+    run_script("train.py", quiet + path_overrides(dirs) + args)
     run = run_dir(tmp, name)
     ea = read_events(run / "tensorboard")
     scalars = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
     return {"scalars": scalars, "params": load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]}
 
 
-
+# Validation at steps 3 and 6, every validation's checkpoint kept: the 1F1B run's step-3 checkpoint is where the
+# resume test starts from, so no second straight pipeline run is needed.
+EVERY_3 = ["trainer.val_check_interval=3", "callbacks.model_checkpoint.save_top_k=-1"]
+SCHEDULES = {
+    "GPipe": ["trainer.strategy.schedule=GPipe"],
+    "1F1B": ["trainer.strategy.schedule=1F1B"],
+    "Interleaved1F1B": ["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2"],
+}
+# the GPipe run also logs throughput (a window of 2 logging steps), to check the rates count each replica once
+THROUGHPUT = ["callbacks.throughput.window_size=2"]
 
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> dict:
-    """The one-process run every pipeline run is compared with (trained once per module)."""
+    """The one-process run every 2-rank pipeline run is compared with (trained once per module)."""
     tmp = tmp_path_factory.mktemp("one")
-    return {**train(tmp, "one", PIPE_GPT2), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+    return {**train(tmp, "one", PIPE_GPT2 + EVERY_3), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    """Each schedule's 2-rank run, trained on first use and shared by the tests (the tmp dir comes along)."""
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def get(schedule: str) -> tuple[Path, dict]:
+        if schedule not in runs:
+            tmp = tmp_path_factory.mktemp(schedule)
+            quiet = [a for a in QUIET if a != "callbacks.throughput=null"] if schedule == "GPipe" else QUIET
+            extra = THROUGHPUT if schedule == "GPipe" else []
+            runs[schedule] = tmp, train_pipeline(tmp, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES[schedule] + extra,
+                                                 quiet)
+        return runs[schedule]
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [
-    ["trainer.strategy.schedule=GPipe"],
-    ["trainer.strategy.schedule=1F1B"],
-    ["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2"],
-], ids=["GPipe", "1F1B", "Interleaved1F1B"])
-def test_pipeline_schedules_match_one_process(tmp_path, one, schedule):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_pipeline_schedules_match_one_process(tmp_path, one, pipelines, schedule):
     """2 ranks, 4 micro-batches: train loss at every step, val loss (52 samples in batches of 8: a short last batch) and
     final parameters equal one process's, with the tied wte/lm_head, clipping and an LR schedule."""
-    pipe = train_pipeline(tmp_path, "pipe", PIPE_GPT2 + PIPELINE + schedule)
+    tmp, pipe = pipelines(schedule)
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
-    assert len(pipe["scalars"]["train/loss"]) == 6
+    assert len(pipe["scalars"]["train/loss"]) == 6 and len(pipe["scalars"]["val/loss"]) == 2
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
     # the Hugging Face export of the stages' checkpoint gives the one-process model's logits
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(export_hf(run_dir(tmp_path, "pipe") / "checkpoints" / "last.ckpt",
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(run_dir(tmp, "pipe") / "checkpoints" / "last.ckpt",
                                                         tmp_path / "hf")).eval()
     module, _ = build_module(load_checkpoint(one["ckpt"]))
     ids = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+    if schedule == "GPipe":
+        # both ranks of the one pipeline read the same 8 samples a step: over all ranks, samples/s is 8 x batches/s
+        # (batches/s counts the replica's batches once, as samples/s counts its samples once)
+        scalars = pipe["scalars"]
+        assert scalars["train/batches_per_sec"] and scalars["validate/batches_per_sec"]
+        for stage in ("train", "validate"):
+            for (_, samples), (_, batches) in zip(scalars[f"{stage}/samples_per_sec"], scalars[f"{stage}/batches_per_sec"]):
+                assert samples / batches == pytest.approx(8 if stage == "train" else 52 / 7), stage
 
 
 @pytest.mark.slow
-def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
-    """Resumed mid-epoch from its step-6 checkpoint (DCP shards of both stages, with the optimizer and LR
-    schedule), a 1F1B run ends where the straight 12-step run ends; eval.py reads the checkpoint."""
-    args = PIPE_GPT2 + PIPELINE + ["trainer.strategy.schedule=1F1B", "trainer.max_steps=12",
-                                   "callbacks.model_checkpoint.save_top_k=-1"]
-    straight = train_pipeline(tmp_path, "straight", args)
-    ckpts = run_dir(tmp_path, "straight") / "checkpoints"
-    resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={ckpts / 'step_000006.ckpt'}"])
+def test_pipeline_resumes_exactly_and_evaluates(tmp_path, pipelines):
+    """Resumed mid-epoch from its step-3 checkpoint (DCP shards of both stages, with the optimizer and LR
+    schedule), a 1F1B run ends where the straight 6-step run ends; eval.py reads the checkpoint."""
+    tmp, straight = pipelines("1F1B")
+    ckpts = run_dir(tmp, "pipe") / "checkpoints"
+    args = PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES["1F1B"]
+    resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={ckpts / 'step_000003.ckpt'}"])
     assert max_param_diff(straight["params"], resumed["params"]) <= 1e-6
-    assert load_checkpoint(run_dir(tmp_path, "resumed") / "checkpoints" / "last.ckpt")["global_step"] == 12
+    assert load_checkpoint(run_dir(tmp_path, "resumed") / "checkpoints" / "last.ckpt")["global_step"] == 6
     steps = dict(straight["scalars"]["train/loss"])
     after = resumed["scalars"]["train/loss"]
-    assert [s for s, _ in after] == list(range(6, 12))  # only the steps after the checkpoint ran
+    assert [s for s, _ in after] == list(range(3, 6))  # only the steps after the checkpoint ran
     assert max(abs(v - steps[s]) for s, v in after) <= 1e-6
     # eval.py on one process (it consolidates the shards) gives the run's last validation loss
     proc = run_script("eval.py", [f"ckpt_path={ckpts / 'last.ckpt'}", *QUIET[:3], f"paths.log_dir={tmp_path / 'eval'}",
@@ -95,15 +123,22 @@ def test_pipeline_resumes_exactly_and_evaluates(tmp_path):
 @pytest.mark.slow
 def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     """2 data-parallel replicas x 2 stages on padded Alpaca records (prompt labels -100, one padded length
-    per batch): the global batch is split over the replicas only, and losses and parameters equal one process."""
+    per batch): the global batch is split over the replicas only, and losses and parameters equal one process.
+
+    Plain SGD without clipping: an update proportional to the gradient, so a data-parallel gradient of the
+    wrong scale (e.g. averaged over the replicas instead of summed) shows in the parameters (Adam and
+    clipping would hide a uniform scale; both are covered on 2 ranks above)."""
     from conftest import shared
 
     args = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=256",
             "data.global_batch_size=8", "seed=7", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
             "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "test=false",
-            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2", "trainer.gradient_clip_val=0.5"]
+            "model.scheduler.num_warmup_steps=1", "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=1.0",
+            "~model.optimizer.betas", "~model.optimizer.eps", "model.optimizer.fused=false",
+            "trainer.gradient_clip_val=null"]
     one = train(tmp_path, "one", args)
-    pipe = train_pipeline(tmp_path, "pipe", args + PIPELINE + ["trainer.devices=4", "trainer.strategy.n_microbatches=2"])
+    pipe = train_pipeline(tmp_path, "pipe", args + PIPELINE + ["trainer.devices=4", "trainer.strategy.n_microbatches=2",
+                                                               "trainer.strategy.gradient_clip_val=null"])
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5

@@ -15,43 +15,65 @@ from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
-pytestmark = pytest.mark.slow
 TP = ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]
 CLIP = ["trainer.gradient_clip_val=0.05"]  # below the tiny model's gradient norms: every step is clipped
+# 2 epochs of 3 steps, validation and a kept checkpoint after each, constant LR (a cosine schedule's length
+# depends on max_steps, which a resumed run would change): the TP run's step-3 checkpoint is where the resume
+# test starts from, and the TP run also records its state bytes (the memory estimate's test)
+BASE = GPT2 + CLIP + ["trainer.limit_train_batches=3", "trainer.val_check_interval=3", "model.scheduler=null",
+                      "callbacks.model_checkpoint.save_top_k=-1"]
+STATE_BYTES = ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
 
 
-def test_tensor_parallel_matches_one_process(tmp_path):
+def run_of(tmp: Path, name: str) -> Path:
+    (run,) = (tmp / name / "train" / "runs").iterdir()
+    return run
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> dict:
+    """The one-process run the TP runs are compared with (trained once per module)."""
+    return train(tmp_path_factory.mktemp("one"), "1", BASE)
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory) -> tuple[Path, dict]:
+    """The 2-rank tensor-parallel run (its tmp dir, its scalars), shared by the tests that read it."""
+    tmp = tmp_path_factory.mktemp("tp")
+    return tmp, train_sharded(tmp, "tp", BASE + TP + STATE_BYTES)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_one_process(one, tp):
     """2 ranks splitting each block (1 head each) == 1 process: every step's loss, val loss, final weights.
 
     The gradients are clipped at every step, so a norm summed over one rank's shard only would show."""
-    one = train(tmp_path, "1", GPT2 + CLIP)
-    tp = train_sharded(tmp_path, "tp", GPT2 + CLIP + TP)
-    assert_same_series(one, tp, "train/loss", 1e-5)
-    assert_same_series(one, tp, "val/loss", 1e-5)
-    assert len(tp["scalars"]["train/loss"]) == 6
+    tmp, run = tp
+    assert_same_series(one, run, "train/loss", 1e-5)
+    assert_same_series(one, run, "val/loss", 1e-5)
+    assert len(run["scalars"]["train/loss"]) == 6
     # the checkpoint reads back in HF GPT-2's names and Conv1D layouts
-    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "tp"))["state_dict"]) <= 1e-5
+    assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp, "tp"))["state_dict"]) <= 1e-5
 
 
-def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path):
+@pytest.mark.slow
+def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 data-parallel groups (FSDP2 over them) x 2 tensor-parallel ranks == 1 process: each group reads
     half of the global batch, both ranks of a group the same half."""
-    one = train(tmp_path, "1", GPT2 + CLIP)
-    dxt = train_sharded(tmp_path, "dxt", GPT2 + CLIP + ["trainer=tp", "trainer.devices=4"])
+    dxt = train_sharded(tmp_path, "dxt", BASE + ["trainer=tp", "trainer.devices=4"])
     assert_same_series(one, dxt, "train/loss", 1e-5)
     assert_same_series(one, dxt, "val/loss", 1e-5)
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "dxt"))["state_dict"]) <= 1e-5
 
 
-def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
-    """3 steps on 2 TP ranks, resume to 6 == 6 steps in one process; its HF export gives that run's logits."""
+@pytest.mark.slow
+def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
+    """Resumed on 2 TP ranks from the TP run's step-3 checkpoint to 6 == 6 steps in one process; its HF export
+    gives that run's logits; consolidate and eval.py take it."""
     from transformers import AutoModelForCausalLM
 
-    # constant LR: a cosine schedule's length depends on max_steps, which the resumed run changes
-    epoch = ["trainer.limit_train_batches=3", "trainer.val_check_interval=3", "model.scheduler=null"]
-    one = train(tmp_path, "1", GPT2 + epoch)
-    train_sharded(tmp_path, "first", GPT2 + TP + epoch + ["trainer.max_steps=3"])
-    resumed = train_sharded(tmp_path, "resumed", GPT2 + TP + epoch + [f"ckpt_path={last_ckpt(tmp_path, 'first')}"])
+    first = run_of(tp[0], "tp") / "checkpoints" / "step_000003.ckpt"
+    resumed = train_sharded(tmp_path, "resumed", BASE + TP + [f"ckpt_path={first}"])
     for tag, n in (("train/loss", 3), ("val/loss", 1)):  # the resumed run logs steps 4-6 only
         (steps_a, a), (steps_b, b) = zip(*one["scalars"][tag][-n:]), zip(*resumed["scalars"][tag])
         assert steps_a == steps_b and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (tag, a, b)
@@ -77,6 +99,9 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
         assert metrics["val/loss"] == pytest.approx(val, abs=1e-5), args
 
 
+# ---- config errors: checked in-process by the function train.py runs before launching; one real run shows
+# the user's view (one line, exit 2, no traceback, no rank started) ----
+
 @pytest.mark.parametrize("override,fragment", [
     (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
     (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
@@ -84,12 +109,26 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path):
     (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
     (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
 ])
-def test_tp_config_errors_are_one_line_before_any_rank_starts(tmp_path, override, fragment):
-    from test_errors import FAST, assert_one_clear_line, run_as_user
+def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
+    from src.utils.checks import check_values
+    from src.utils.config import ConfigError
+    from test_configs import compose_cfg
+    from test_errors import FAST
 
-    rc, out, _ = run_as_user(["train.py", *FAST, *TP, *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
-                              "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), *override])
-    assert_one_clear_line(rc, out, fragment)
+    cfg = compose_cfg([*FAST, *TP, *override], tmp=tmp_path)
+    with pytest.raises(ConfigError) as error:
+        check_values(cfg)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_tp_config_error_is_one_line_before_any_rank_starts(tmp_path):
+    from test_errors import FAST as USER_FAST, assert_one_clear_line, run_as_user
+
+    rc, out, _ = run_as_user(["train.py", *USER_FAST, *TP, *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
+                              "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+                              "model.n_head=3", "model.n_embd=48"])
+    assert_one_clear_line(rc, out, "model.n_head=3 and model.n_embd=48 must both divide by")
     assert "All distributed processes registered" not in out  # stopped before launching
 
 
@@ -114,16 +153,13 @@ def test_estimate_formulas_for_tensor_and_pipeline_parallel():
         estimate("small", 8, "ddp", tensor_parallel=3)
 
 
-def test_tp_estimate_matches_bytes_measured_per_rank(tmp_path):
+@pytest.mark.slow
+def test_tp_estimate_matches_bytes_measured_per_rank(tp):
     """fp32 Adam on 2 TP ranks: each holds rank_params parameters (its shards + the replicated rest),
-    as many gradients and twice as many optimizer values, to the byte."""
+    as many gradients and twice as many optimizer values, to the byte (recorded by the shared TP run)."""
     from src.tools.memory import model_states, rank_params
 
-    dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
-    run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + TP + [
-        "trainer.max_steps=3", "trainer.val_check_interval=3",
-        "+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"])
-    (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    run = run_of(tp[0], "tp")
     module, _ = build_module(load_checkpoint(run / "checkpoints" / "last.ckpt"))
     c = module.config
     psi = rank_params(c.n_layer, c.n_embd, c.vocab_size, c.n_positions, tensor_parallel=2)

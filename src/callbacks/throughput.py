@@ -68,7 +68,8 @@ def _num_items(batch: Any) -> Any:
 def replica_share(trainer) -> float:
     """The share of a batch's work that one rank does: 1 under data parallelism; 1/K when the K ranks of a
     pipeline (or tensor-parallel) group all read the same batch, so that the rates over all ranks
-    (rank 0's times the world size) count each model replica's samples once, and device/mfu a device's work."""
+    (rank 0's times the world size) count each model replica's batches and samples once, and device/mfu a
+    device's work."""
     from src.distributed.samplers import rank_and_world
 
     return rank_and_world()[1] / max(trainer.world_size, 1)
@@ -76,7 +77,7 @@ def replica_share(trainer) -> float:
 
 def _count(counts: dict, batch: Any, share: float = 1.0) -> None:
     """Add one batch to running counts; shapes and device-side sums only, so nothing waits for the device."""
-    counts["batches"] += 1
+    counts["batches"] += share  # a pipeline's K ranks run one batch: each counts 1/K of it, as of its samples
     counts["samples"] += _batch_size(batch) * share
     counts["items"] += _num_items(batch) * share
 

@@ -75,11 +75,19 @@ def replica_share(trainer) -> float:
     return rank_and_world()[1] / max(trainer.world_size, 1)
 
 
+def _scaled(x: Any, share: float) -> Any:
+    """x * share without losing exactness: device-side counts are integer tensors, and FLOPs of a batch
+    exceed float32's exact integers (2^24), so a float32 product would round them."""
+    if share == 1:
+        return x
+    return x.double() * share if isinstance(x, torch.Tensor) else x * share
+
+
 def _count(counts: dict, batch: Any, share: float = 1.0) -> None:
     """Add one batch to running counts; shapes and device-side sums only, so nothing waits for the device."""
     counts["batches"] += share  # a pipeline's K ranks run one batch: each counts 1/K of it, as of its samples
-    counts["samples"] += _batch_size(batch) * share
-    counts["items"] += _num_items(batch) * share
+    counts["samples"] += _scaled(_batch_size(batch), share)
+    counts["items"] += _scaled(_num_items(batch), share)
 
 
 def _flops(pl_module: Any, batch: Any) -> Any:
@@ -115,7 +123,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
         share = replica_share(trainer)
         _count(self._pending, batch, share)
-        self._pending["flops"] += _flops(pl_module, batch) * share
+        self._pending["flops"] += _scaled(_flops(pl_module, batch), share)
         if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
         self._read_clock(trainer)

@@ -128,6 +128,8 @@ def test_mid_epoch_resume_on_two_ranks_equals_a_straight_run(shards, one_process
     train(shards["tmp"], "first", args + ["trainer.max_steps=3"])
     (run,) = (shards["tmp"] / "first" / "train" / "runs").iterdir()
     resumed = train(shards["tmp"], "resumed", args + [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"])
-    assert max_param_diff(one_process["params"], resumed["params"]) <= 1e-6
+    # against 1 process, so the tolerance of every N-vs-1 comparison (2 ranks sum their gradients in another
+    # order: 1.25e-6 here); a wrong resume (batches repeated or skipped) is ~1e-3 away
+    assert max_param_diff(one_process["params"], resumed["params"]) <= 1e-5
     straight = {"scalars": {"train/loss": one_process["scalars"]["train/loss"][3:]}}
     assert_same_series(resumed, straight, "train/loss", 1e-5)

@@ -84,11 +84,16 @@ class PipelineStrategy(ModelParallelStrategy):
         module, pipe = self.lightning_module, self.pipeline
         optimizer = module.optimizers()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        n_targets = (batch["labels"] != -100).sum()
-        dist.all_reduce(n_targets, group=pipe.data_group)  # the global batch's target tokens
+        # the global batch's target tokens, from the sampler order every rank shares (as token_mean_loss does
+        # under DDP): no collective, no host sync; counted and all-reduced only for a train set without counts
+        n_targets = module.step_total(batch_idx)
+        if n_targets is None:
+            counted = (batch["labels"] != -100).sum()
+            dist.all_reduce(counted, group=pipe.data_group)
+            n_targets = int(counted)
         optimizer.zero_grad()
         with self.precision_plugin.train_step_context():
-            loss = pipe.run(batch["input_ids"], batch["labels"], training=True, scale=1.0 / max(int(n_targets), 1))
+            loss = pipe.run(batch["input_ids"], batch["labels"], training=True, scale=1.0 / max(n_targets, 1))
         dist.all_reduce(loss)  # last-stage ranks hold their shard's share; all others 0
         pipe.sync_grads(params)
         pipe.clip_grads(params, self.gradient_clip_val)

@@ -84,10 +84,10 @@ class LitModule(L.LightningModule):
         Returned to Lightning, which divides it by A (accumulation); DDP and FSDP average the gradients
         over the W ranks. So we return (sum of this micro-batch's token losses) x W x A / N_step, and
         the step's gradient is that of (sum of all its token losses) / N_step, whatever W and A are.
-        N_step comes from a table every rank computes alike (see _step_total): no communication, no
+        N_step comes from a table every rank computes alike (see step_total): no communication, no
         host sync. Without a table (the train set cannot count its targets), the micro-batch's own mean.
         """
-        total = self._step_total(batch_idx)
+        total = self.step_total(batch_idx)
         if total is None:
             return loss_sum / n_targets.clamp(min=1)
         world = self._step_totals[2]
@@ -102,7 +102,7 @@ class LitModule(L.LightningModule):
             return loss * trainer.accumulate_grad_batches
         return loss
 
-    def _step_total(self, batch_idx: int) -> Optional[int]:
+    def step_total(self, batch_idx: int) -> Optional[int]:
         """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches.
 
         The training sampler draws one seeded permutation per epoch that all ranks share, so each rank

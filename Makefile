@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(PY) train.py $(ARGS)
 
+# Tests run in TEST_WORKERS pytest-xdist processes (TEST_WORKERS=0: one process). Most of a slow test's time is
+# one core busy (a process importing torch and Lightning) or none (a rank waiting for a collective or a timeout),
+# so more workers than cores pays on small machines (docs/performance.md, "Test suite time").
+TEST_WORKERS ?= 3
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)

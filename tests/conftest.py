@@ -83,32 +83,72 @@ def event_file_pid(path: Path) -> int:
     return int(re.search(r"\.(\d+)\.\d+$", path.name).group(1))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist this runs in the controller before the workers start, and again in each worker:
+    the per-clone state below is prepared once, by the controller (or the only process without xdist)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has done it
+        return
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        cache = getattr(config, "cache", None)  # None under -p no:cacheprovider: each process builds its own then
+        if cache is not None:
+            path = cache.mkdir("torch_extensions")
+            for lock in path.glob("*/lock"):
+                lock.unlink()
+            os.environ["TORCH_EXTENSIONS_DIR"] = str(path)  # the workers inherit it
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first, so that under pytest-xdist the long runs start early and the quick ones fill the gaps
+    at the end instead of one long test running alone (pytest's sort is stable: file order kept within each)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def torch_extensions_dir(request, tmp_path_factory):
+def torch_extensions_dir(tmp_path_factory):
     """DeepSpeed JIT-compiles its C++ ops on first use into TORCH_EXTENSIONS_DIR: CPU Adam (~1 min on 2 cores)
-    and, in every DeepSpeed process on CPU, its shared-memory all-reduce (~35 s). One dir for the whole session,
-    kept in pytest's cache dir between sessions (.pytest_cache; `make clean` removes it), builds each once per
-    clone instead of once per test module or test. torch rebuilds an op whose sources or flags changed.
-    A build killed midway (a test's timeout, Ctrl+C) leaves torch's `lock` file behind, and every later build
-    would wait for it forever: a new session removes them (one test session per clone at a time).
-    A TORCH_EXTENSIONS_DIR set by the user is kept."""
+    and, in every DeepSpeed process on CPU, its shared-memory all-reduce (~35 s). One dir per clone, kept in
+    pytest's cache dir between sessions (.pytest_cache; `make clean` removes it) and shared by xdist workers
+    (torch's own lock file serialises a build), builds each op once per clone instead of once per test.
+    torch rebuilds an op whose sources or flags changed. A build killed midway (a test's timeout, Ctrl+C) leaves
+    torch's `lock` file behind, and every later build would wait for it forever: pytest_configure removes them
+    when a session starts (one test session per clone at a time). A TORCH_EXTENSIONS_DIR set by the user is kept."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         yield
         return
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a session temp dir then
-    path = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
-    for lock in path.glob("*/lock"):
-        lock.unlink()
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))  # no pytest cache
     yield
     os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+
+
+def once_per_session(tmp_path_factory, name: str, make):
+    """make(dir)'s result, computed by one process per test session and read by the others: under pytest-xdist
+    every worker runs session fixtures itself, so the runs they share are made once, under a file lock, in the
+    session's base temp dir (the workers' common parent; unique per session) and read back from a pickle."""
+    import pickle
+
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # no xdist: this process is the session
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / "shared_runs"
+    root.mkdir(exist_ok=True)
+    result = root / f"{name}.pkl"
+    with FileLock(str(result) + ".lock"):
+        if not result.exists():
+            work = root / name
+            work.mkdir()
+            value = make(work)
+            result.write_bytes(pickle.dumps(value))
+        return pickle.loads(result.read_bytes())
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """A run that several tests compare against (2-rank DDP GPT-2, a 1-process convnet), trained once per
-    session: reference(args) is test_parity.train's result for `args`, the same dict for the same args.
-    Callers only read it (parameters and logged series)."""
+    session (once for all xdist workers): reference(args) is test_parity.train's result for `args`, the same
+    dict for the same args. Callers only read it (parameters and logged series)."""
+    import hashlib
+
     runs: dict[tuple[str, ...], dict] = {}
 
     def get(args: list[str]) -> dict:
@@ -116,7 +156,8 @@ def reference(tmp_path_factory):
 
         key = tuple(args)
         if key not in runs:
-            runs[key] = train(tmp_path_factory.mktemp("reference"), "run", list(args))
+            name = "reference-" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+            runs[key] = once_per_session(tmp_path_factory, name, lambda tmp: train(tmp, "run", list(args)))
         return runs[key]
 
     return get
@@ -125,11 +166,14 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fsdp_checkpoint(tmp_path_factory) -> Path:
     """The sharded last.ckpt of a 2-step, 2-rank FSDP2 GPT-2 run (test_parity.GPT2), trained once per session
-    for the tests that only read one (export, consolidation, eval.py). Readers write their outputs elsewhere."""
+    (once for all xdist workers) for the tests that only read one (export, consolidation, eval.py). Readers
+    write their outputs elsewhere."""
     from test_parity import GPT2, QUIET
 
-    tmp = tmp_path_factory.mktemp("fsdp_checkpoint")
-    run_script("train.py", QUIET + path_overrides({"log_dir": tmp / "logs", "cache_dir": tmp / "cache"}) + GPT2
-               + ["trainer=fsdp", "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=2"])
-    (run,) = (tmp / "logs" / "train" / "runs").iterdir()
-    return run / "checkpoints" / "last.ckpt"
+    def make(tmp: Path) -> Path:
+        run_script("train.py", QUIET + path_overrides({"log_dir": tmp / "logs", "cache_dir": tmp / "cache"}) + GPT2
+                   + ["trainer=fsdp", "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=2"])
+        (run,) = (tmp / "logs" / "train" / "runs").iterdir()
+        return run / "checkpoints" / "last.ckpt"
+
+    return once_per_session(tmp_path_factory, "fsdp_checkpoint", make)

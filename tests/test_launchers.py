@@ -16,6 +16,9 @@ import torch
 from conftest import ROOT, path_overrides, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = pytest.mark.xdist_group("launchers")
+
 # 20 steps, 12 batches per epoch: an interruption at step 8 is mid-epoch
 RUN = ["trainer.max_steps=20", "trainer.limit_train_batches=12", "trainer.val_check_interval=10",
        "resume=auto", "model.scheduler.num_warmup_steps=2"]

@@ -12,6 +12,9 @@ from conftest import path_overrides, read_events, run_script
 from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 # 4 blocks: 2 stages of 2, or 4 stages of 1 for the interleaved schedule; a cosine schedule with warm-up,
 # clipping by the whole model's norm at a value that does clip (the early gradient norms are above 0.5)
 PIPE_GPT2 = GPT2 + ["model.n_layer=4", "trainer.gradient_clip_val=0.5"]

@@ -19,7 +19,8 @@ import pytest
 from conftest import ROOT, path_overrides, read_events
 from test_parity import QUIET, train
 
-pytestmark = pytest.mark.slow
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_eval")]
 
 CORPUS_BYTES = 14_040  # 220 blocks of 64 bytes: 198 train, 11 val, 11 test; 11 = 4 + 4 + 3 on 3 ranks
 UNEVEN = ["data.seq_len=64", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.global_batch_size=3",

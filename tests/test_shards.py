@@ -13,6 +13,9 @@ import torch
 
 from conftest import shared
 
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = pytest.mark.xdist_group("shards")
+
 pytest.importorskip("litdata")
 
 SEQ = 32

@@ -15,6 +15,9 @@ from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
+
 TP = ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]
 CLIP = ["trainer.gradient_clip_val=0.05"]  # below the tiny model's gradient norms: every step is clipped
 # 2 epochs of 3 steps, validation and a kept checkpoint after each, constant LR (a cosine schedule's length

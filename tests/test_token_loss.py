@@ -22,6 +22,9 @@ from src.datamodules.instruct import InstructDataModule, pad_collate
 from src.datamodules.text import IGNORE_INDEX
 from src.distributed.samplers import ResumableDistributedSampler
 
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = pytest.mark.xdist_group("token_loss")
+
 
 def instruct_train_set(seq_len: int = 64):
     dm = InstructDataModule(str(shared("alpaca", "alpaca_en_demo.json")), tokenizer=str(shared("gpt2-tokenizer")),

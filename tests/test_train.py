@@ -9,7 +9,8 @@ import pytest
 
 from conftest import FAST, event_file_pid, event_files, path_overrides, read_events, run_script
 
-pytestmark = pytest.mark.slow
+# Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 
 
 def run_dirs(log_dir: Path) -> list[Path]:

@@ -52,7 +52,11 @@ class PackedBlocks(Dataset):
         return {"input_ids": ids, "labels": labels}
 
     def target_counts(self) -> np.ndarray:
-        """Target tokens per block (seq_len, fewer in the stream's last block): the loss normaliser."""
+        """Target tokens per block (seq_len, fewer in the stream's last block): the loss normaliser.
+        Where every block is full (any split but the one holding the stream's end), one value broadcast
+        over all blocks: no memory per block."""
+        if (self.first + self.count) * self.seq_len <= len(self.tokens) - 1:
+            return np.broadcast_to(np.int64(self.seq_len), (self.count,))
         starts = (self.first + np.arange(self.count, dtype=np.int64)) * self.seq_len
         return np.minimum(self.seq_len, len(self.tokens) - 1 - starts)
 

@@ -45,12 +45,17 @@ class ResumableDistributedSampler(DistributedSampler):
         DistributedSampler draws with shuffle=True, drop_last=True); rank r reads positions r, r+W, ..."""
         g = torch.Generator()
         g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
-        return torch.randperm(len(self.dataset), generator=g).numpy()[: self.total_size]
+        n = len(self.dataset)
+        # int32 where it fits: 4 bytes a sample instead of 8, and the same draws, so the same order
+        dtype = torch.int32 if n < 2**31 else torch.int64
+        return torch.randperm(n, generator=g, dtype=dtype).numpy()[: self.total_size]
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.epoch_order()[self.rank :: self.num_replicas].tolist()
+        indices = self.epoch_order()[self.rank :: self.num_replicas]
         skip, self.skip = self.skip, 0
-        return iter(indices[skip:])
+        # Read lazily from the array: a list of the epoch's indices would be ~44 bytes a sample in RAM
+        # (a 2 GB corpus at seq_len 128: 15 M blocks, 0.7 GB per rank)
+        return map(int, indices[skip:])
 
     def step_totals(self, counts: np.ndarray, micro_batch: int, accumulate: int, epoch: int) -> np.ndarray:
         """Per optimizer step of `epoch`: the sum of `counts` (e.g. target tokens per sample) over the
@@ -62,8 +67,12 @@ class ResumableDistributedSampler(DistributedSampler):
         """
         world = self.num_replicas
         n_micro = self.num_samples // micro_batch  # DataLoader(drop_last=True) drops each rank's partial batch
-        order = self.epoch_order(epoch)[: n_micro * micro_batch * world]
-        per_micro = np.asarray(counts, dtype=np.int64)[order].reshape(n_micro, micro_batch * world).sum(1)
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.size and counts.min() == counts.max():  # e.g. full packed blocks: no order needed
+            per_micro = np.full(n_micro, int(counts[0]) * micro_batch * world, dtype=np.int64)
+        else:
+            order = self.epoch_order(epoch)[: n_micro * micro_batch * world]
+            per_micro = counts[order].reshape(n_micro, micro_batch * world).sum(1)
         return np.add.reduceat(per_micro, np.arange(0, n_micro, accumulate)) if n_micro else per_micro
 
 

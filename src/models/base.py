@@ -120,8 +120,8 @@ class LitModule(L.LightningModule):
         if self._step_totals is None or self._step_totals[0] != epoch:
             sampler = train_sampler(dataset, datamodule.seed or 0)  # the order the train loader reads
             totals = sampler.step_totals(self._target_counts[1], datamodule.batch_size, accumulate, epoch)
-            self._step_totals = (epoch, totals.tolist(), sampler.num_replicas)
-        return self._step_totals[1][batch_idx // accumulate]
+            self._step_totals = (epoch, totals, sampler.num_replicas)  # numpy: 8 bytes a step
+        return int(self._step_totals[1][batch_idx // accumulate])
 
     def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
         """Log the step's loss: the sum over its micro-batches of `loss` / A, averaged over ranks.

@@ -147,6 +147,34 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
 
 
+@pytest.mark.slow
+def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
+    """2 stages x 2 tensor-parallel ranks per stage (each stage's blocks split as trainer=tp splits them, 1 head per
+    rank): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned
+    back into GPT-2's layout) and the HF export's logits equal one process's, with the tied wte/lm_head, clipping by
+    the whole model's norm (over stages and tensor-parallel shards) and the LR schedule; resumed from its step-3
+    checkpoint, it ends where it ended."""
+    args = PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES["1F1B"] + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+    pipe = train_pipeline(tmp_path, "pipe", args)
+    assert_same_series(one, pipe, "train/loss", 1e-5)
+    assert_same_series(one, pipe, "val/loss", 1e-5)
+    assert len(pipe["scalars"]["train/loss"]) == 6 and len(pipe["scalars"]["val/loss"]) == 2
+    assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
+    last = run_dir(tmp_path, "pipe") / "checkpoints" / "last.ckpt"
+    assert torch.load(last / "meta.pt", weights_only=False)["tensor_parallel"] == {"size": 2, "n_head": 2}  # split
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(last,
+                                                        tmp_path / "hf")).eval()
+    module, _ = build_module(load_checkpoint(one["ckpt"]))
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+    resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={last.parent / 'step_000003.ckpt'}"])
+    assert [s for s, _ in resumed["scalars"]["train/loss"]] == [3, 4, 5]
+    assert max_param_diff(pipe["params"], resumed["params"]) <= 1e-6
+
+
 # ---- checked before any process starts: one sentence naming the key and the fix (no processes, fast) ----
 
 @pytest.mark.parametrize("overrides,message", [
@@ -164,6 +192,13 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
     (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
     (["model=convnet", "data=digits"], r"splits GPT-2 models only"),
+    (["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2", "model.n_head=3", "model.n_embd=48"],
+     r"model.n_head=3 and model.n_embd=48 must both divide by trainer.strategy.tensor_parallel_size=2"),
+    (["trainer.strategy.tensor_parallel_size=0"], r"tensor_parallel_size=0 is not valid"),
+    (["trainer.devices=6", "trainer.strategy.tensor_parallel_size=2"],
+     r"6 process\(es\) do not divide into pipeline_parallel_size=2 x tensor_parallel_size=2 = 4"),
+    (["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2", "trainer.strategy.n_microbatches=8"],
+     r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x n_microbatches=8 = 16"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, message):
     from src.utils.checks import check_values

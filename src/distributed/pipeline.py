@@ -14,6 +14,11 @@ Exactness (each checked against one process in tests/test_pipeline.py):
 * tied weights: GPT-2's lm_head is wte; the first and last stages each hold a copy, so their gradients
   are summed over those two ranks (else each copy would learn half and they drift apart);
 * attention: GPT-2 blocks called without a mask are causal only under SDPA, so eager gets the causal mask.
+
+With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
+(src/distributed/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
+(replicated) tensors, so rank (dp, pp, tp) sends to (dp, pp + 1, tp) over its pipeline group as before. The
+gradient sums and the clipping norm below then work on each rank's DTensor shards.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining import ScheduleLoopedBFS
+from torch.distributed.tensor import DTensor
 
 from src.models.gpt2 import summed_token_loss
 from src.utils.config import ConfigError
@@ -58,6 +64,13 @@ def check_config(cfg: DictConfig) -> None:
     if not OmegaConf.select(cfg, "model.pretrained") and n_layer % (pp * v):
         raise ConfigError(f"model.n_layer={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
                           f"{v} = {pp * v} stages of equal size: pick n_layer as a multiple of {pp * v}.")
+    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
+    if tp > 1 and not OmegaConf.select(cfg, "model.pretrained"):
+        from src.distributed.tensor_parallel import check_divisible
+
+        check_divisible(OmegaConf.select(cfg, "model.n_head"), OmegaConf.select(cfg, "model.n_embd"), tp)
     unsupported = [(key, value) for key, value in (
         ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
         ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
@@ -78,10 +91,21 @@ def check_config(cfg: DictConfig) -> None:
     if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
         from src.distributed.mesh import mesh_sizes
 
-        dp = mesh_sizes(devices * nodes, pipeline_parallel=pp)["data_parallel"]
+        dp = mesh_sizes(devices * nodes, pipeline_parallel=pp, tensor_parallel=tp)["data_parallel"]
         if isinstance(batch, int) and batch % (dp * m):
             raise ConfigError(f"data.global_batch_size={batch} does not divide into {dp} data-parallel replica(s) x "
                               f"n_microbatches={m} = {dp * m}: pick a multiple of {dp * m}.")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's part on this rank (its shard, or its whole value if replicated); a plain tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of a whole gradient: a tensor-parallel shard's is summed over its ranks."""
+    squares = grad.double().pow(2).sum()
+    return squares.full_tensor() if isinstance(squares, DTensor) else squares
 
 
 class GPT2Stage(nn.Module):
@@ -138,6 +162,8 @@ class Pipeline:
         self.data_group = mesh["data_parallel"].get_group()
         self.schedule_name, self.n_microbatches, self.device = schedule, n_microbatches, device
         self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
+        # the last stage's tensor-parallel ranks all compute the loss: one of them reports it (sums count it once)
+        self.reports_loss = self.has_last and mesh["tensor_parallel"].get_local_rank() == 0
         self.scale = 1.0  # 1 / target tokens of the global batch while training; 1 in evaluation
         self._schedules: dict[tuple, object] = {}
         self.tie_group = self._tie_group(mesh)
@@ -179,7 +205,7 @@ class Pipeline:
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor, training: bool, scale: float = 1.0) -> torch.Tensor:
         """Runs the batch through the pipeline (each micro-batch's loss: its summed token losses x `scale`);
-        returns the sum of the micro-batch losses on the rank with the last stage, 0 elsewhere."""
+        returns the sum of the micro-batch losses on the rank that reports the loss, 0 elsewhere."""
         self.scale = scale
         schedule = self._schedule(training, tuple(input_ids.shape))
         losses: list[torch.Tensor] = []
@@ -189,7 +215,7 @@ class Pipeline:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
             schedule.eval(*args, target=target, losses=losses)
-        if not losses:
+        if not losses or not self.reports_loss:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
@@ -208,9 +234,9 @@ class Pipeline:
         (each replica's loss is already its shard's share of the global batch's token mean: see `run`'s scale)."""
         for p in self.tied_parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.tie_group)
+                dist.all_reduce(local(p.grad), group=self.tie_group)
         if dist.get_world_size(self.data_group) > 1:
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [local(p.grad) for p in params if p.grad is not None]
             flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat, group=self.data_group)  # a sum: each replica's loss is its share of the global mean
             offset = 0
@@ -222,7 +248,7 @@ class Pipeline:
         """Clip by the norm of the whole model's gradient, as torch.nn.utils.clip_grad_norm_ on one process:
         squares summed over this pipeline group's stages, the tied weight counted once (on the first stage)."""
         skip = {id(mod.head["lm_head"].weight) for mod in self.modules if mod.last and not self.has_first}
-        squares = sum((p.grad.double().pow(2).sum() for p in params if p.grad is not None and id(p) not in skip),
+        squares = sum((squared_norm(p.grad) for p in params if p.grad is not None and id(p) not in skip),
                       torch.zeros((), dtype=torch.float64, device=self.device))
         dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt().float()
@@ -230,7 +256,7 @@ class Pipeline:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in params:
                 if p.grad is not None:
-                    p.grad.mul_(coef)
+                    local(p.grad).mul_(coef)
         return norm
 
 
@@ -250,6 +276,11 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatch
     stages = [GPT2Stage(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
     keep = {b for i in indices for b in range(*ranges[i])}
     _prune(hf, keep, first=0 in indices, last=n_stages - 1 in indices)
+    tp = mesh["tensor_parallel"]
+    if tp.size() > 1:  # then each stage's blocks split over the tensor-parallel ranks (as trainer=tp does)
+        from src.distributed.tensor_parallel import parallelize as split_blocks
+
+        split_blocks(module, tp, blocks=[hf.transformer.h[b] for b in sorted(keep)])
     log.info(f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
              f"{n_microbatches} micro-batches; this rank holds stages {indices}")
     return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device)

@@ -1,4 +1,4 @@
-"""trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel) mesh.
+"""trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel, tensor_parallel) mesh.
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
 so this subclass builds the mesh (src/distributed/mesh.py), splits the model (src/distributed/pipeline.py)
@@ -45,10 +45,12 @@ class PipelineStrategy(ModelParallelStrategy):
         n_microbatches: int = 4,
         stages_per_rank: int = 1,
         gradient_clip_val: float = 1.0,
+        tensor_parallel_size: int = 1,
         timeout: timedelta = default_pg_timeout,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, timeout=timeout)
         self.pipeline_parallel_size, self.schedule, self.n_microbatches = pipeline_parallel_size, schedule, n_microbatches
+        self.tensor_parallel_size = tensor_parallel_size
         self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
         self.mesh = None
         self.pipeline: Pipeline | None = None
@@ -65,7 +67,8 @@ class PipelineStrategy(ModelParallelStrategy):
         # Lightning's own (world x 1) mesh is built and unused; ours has the pipeline dim.
         self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
-        self.mesh = meshes.build_mesh(self.world_size, self.root_device.type, pipeline_parallel=self.pipeline_parallel_size)
+        self.mesh = meshes.build_mesh(self.world_size, self.root_device.type, pipeline_parallel=self.pipeline_parallel_size,
+                                      tensor_parallel=self.tensor_parallel_size)
         meshes.split_data_over(self.mesh)
 
     def setup(self, trainer) -> None:
@@ -107,8 +110,8 @@ class PipelineStrategy(ModelParallelStrategy):
     def _evaluate(self, batch: dict[str, torch.Tensor], metrics) -> None:
         with torch.no_grad(), self.precision_plugin.val_step_context():
             loss = self.pipeline.run(batch["input_ids"], batch["labels"], training=False)
-        count = (batch["labels"] != -100).sum() if self.pipeline.has_last else torch.zeros((), dtype=torch.int64)
-        metrics["loss"].update(loss, count)  # ranks without the last stage add (0, 0) to the synced sums
+        count = (batch["labels"] != -100).sum() if self.pipeline.reports_loss else torch.zeros((), dtype=torch.int64)
+        metrics["loss"].update(loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
 
     def validation_step(self, batch, batch_idx, *args: Any) -> None:
         self._evaluate(batch, self.lightning_module.val_metrics)
@@ -131,6 +134,10 @@ class PipelineStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
+            from src.distributed.tensor_parallel import LAYOUT_KEY
+
+            checkpoint[LAYOUT_KEY] = {"size": self.tensor_parallel_size, "n_head": self.lightning_module.config.n_head}
         save_sharded(self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
                      filepath)
 

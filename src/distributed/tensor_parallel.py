@@ -60,8 +60,9 @@ def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linea
     return linear
 
 
-def parallelize(module: Any, mesh: DeviceMesh) -> Any:
-    """Split every block of the LitModule `module` over the 1-D `mesh` (the tensor-parallel ranks)."""
+def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]] = None) -> Any:
+    """Split the blocks of the LitModule `module` (all, or the `blocks` this rank holds: a pipeline stage's)
+    over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh.size()
@@ -69,7 +70,8 @@ def parallelize(module: Any, mesh: DeviceMesh) -> Any:
     check_divisible(config.n_head, config.n_embd, tp)
     order = qkv_order(config.n_embd, config.n_head, tp)
     plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
-    for _, _, block in module.blocks():
+    blocks = [block for _, _, block in module.blocks()] if blocks is None else blocks
+    for block in blocks:
         for name in COLWISE + ROWWISE:
             parent, child = name.split(".")
             owner = getattr(block, parent)
@@ -78,7 +80,7 @@ def parallelize(module: Any, mesh: DeviceMesh) -> Any:
         attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
         parallelize_module(block, mesh, plan)
     replicate_the_rest(module.network(), mesh)
-    log.info(f"Tensor parallel: {len(module.blocks())} blocks split over {tp} ranks "
+    log.info(f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks "
              f"({config.n_head // tp} heads and {4 * config.n_embd // tp} MLP units per rank)")
     return module
 

@@ -3,6 +3,7 @@ losses at every step, validation, final parameters, resume, export; and the chec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,18 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     resumed = train_pipeline(tmp_path, "resumed", args + [f"ckpt_path={last.parent / 'step_000003.ckpt'}"])
     assert [s for s, _ in resumed["scalars"]["train/loss"]] == [3, 4, 5]
     assert max_param_diff(pipe["params"], resumed["params"]) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TEST_8_RANKS") != "1",
+                    reason="8 gloo processes, more than the suite's 2-4 on a 2-core machine: TEST_8_RANKS=1 runs it")
+def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, one):
+    """The 2 x 2 x 2 mesh: 2 replicas of 2 stages of 2 tensor-parallel ranks == 1 process (loss, val loss, weights)."""
+    pipe = train_pipeline(tmp_path, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES["1F1B"]
+                          + ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2"])
+    assert_same_series(one, pipe, "train/loss", 1e-5)
+    assert_same_series(one, pipe, "val/loss", 1e-5)
+    assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
 
 
 # ---- checked before any process starts: one sentence naming the key and the fix (no processes, fast) ----

@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail
 
 import src.utils.resolvers  # noqa: E402,F401
 from src.utils.config import register_schemas  # noqa: E402
+from tests.helpers import forkrun  # noqa: E402
 
 register_schemas()
 
@@ -57,8 +58,11 @@ def path_overrides(dirs: dict[str, Path]) -> list[str]:
 def run_script(script: str, args: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
     env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    if os.environ.get("TEST_FRESH_PROCESSES") == "1":
+        proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    else:  # the same, forked from a process that has imported torch & co. once (tests/helpers/forkrun.py)
+        proc = forkrun.run(script, args, env=env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

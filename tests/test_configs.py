@@ -133,6 +133,21 @@ def test_machine_checks_name_the_problem_and_the_fix(tmp_path):
         assert "Use trainer" in str(e.value)  # ... and the fix
 
 
+@pytest.mark.parametrize("bf16_cpu", [False, True])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns(bf16_cpu, tmp_path, monkeypatch, caplog):
+    """bf16 autocast on an AVX2-only CPU trains ~10x slower than fp32 (docs/performance.md): say so at start."""
+    if torch.cuda.is_available():
+        pytest.skip("the warning is about CPUs")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_cpu)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    for precision, warns in [("bf16-mixed", not bf16_cpu), ("32-true", False)]:
+        caplog.clear()
+        check_machine(compose_cfg([f"trainer.precision={precision}"], tmp=tmp_path).trainer)
+        assert ("without AVX512-BF16 or AMX" in caplog.text) == warns, (precision, caplog.text)
+        if warns:
+            assert "Use trainer.precision=32-true" in caplog.text  # ... and the fix
+
+
 def test_ddp_means_two_cpu_processes_without_gpu(tmp_path):
     cfg = compose_cfg(["trainer=ddp"], tmp=tmp_path)
     expected = torch.cuda.device_count() if torch.cuda.is_available() else 2

@@ -4,6 +4,7 @@ cannot run, keys added with `+` that nothing reads, values out of range, unusabl
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.utils.config import ConfigError, check_int
 from src.utils.errors import CheckpointError, PathNotFound
+from src.utils.resolvers import fastest_precision
+
+log = logging.getLogger(__name__)
 
 
 def check_machine(trainer_cfg: DictConfig) -> None:
@@ -44,6 +48,11 @@ def check_machine(trainer_cfg: DictConfig) -> None:
     if str(trainer_cfg.get("precision", "32")).startswith("16"):
         raise ConfigError(f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
                           "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
+    if "bf16" in str(trainer_cfg.get("precision", "32")) and fastest_precision("cpu") == "32-true":
+        # measured on an AVX2-only AMD EPYC: 40 steps of the 4-layer GPT took 230 s in bf16-mixed, 23 s in fp32
+        log.warning(f"trainer.precision={trainer_cfg.precision} on a CPU without AVX512-BF16 or AMX: bf16 has no fast "
+                    "matmul path here and trains ~10x slower than fp32. Use trainer.precision=32-true (the default "
+                    "on this CPU) unless you need bf16's numerics.")
 
 
 def check_top_level_keys(cfg: DictConfig) -> None:

@@ -4,8 +4,9 @@ change is worth, measurable even on a busy shared machine (no process start-up, 
 
     python -m bench.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
 
-Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the
-template's: one fused kernel) x use_cache default/False; and nanoGPT's model (always fp32, as on a CPU).
+Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
+tanh approximation in one kernel) / gelu (exact GELU, one kernel: the template's default and nanoGPT's) x
+use_cache default/False; and nanoGPT's model (always fp32, as on a CPU).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
                                                             "gelu_new", use_cache=False)
         steps[f"{attn} gelu_pytorch_tanh"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
                                                      "gelu_pytorch_tanh")
+        steps[f"{attn} gelu"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu")
     steps["nanogpt (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch)
     for step in steps.values():  # warm-up
         for _ in range(2):

@@ -120,7 +120,7 @@ class GPT2LitModule(LitModule):
         peft: Optional[Any] = None,
         compile: bool = False,
         attn_implementation: str = "sdpa",
-        activation_function: str = "gelu_pytorch_tanh",
+        activation_function: str = "gelu",
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)

@@ -3,6 +3,7 @@ all in one process, interleaved in blocks, timed in thread CPU seconds on 1 thre
 change is worth, measurable even on a busy shared machine (no process start-up, no loop of ours).
 
     python -m bench.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
+    python -m bench.step_variants --gelu-kernels   # exact against tanh GELU alone, 1 and 2 threads
 
 Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
 tanh approximation in one kernel) / gelu (exact GELU, one kernel: the template's default and nanoGPT's) x
@@ -52,6 +53,27 @@ def nanogpt_step(shape, vocab_size, batch):
     return step
 
 
+def gelu_kernels(shape: str, rounds: int) -> None:
+    """The MLP activation alone: forward + backward of exact and tanh-approximated GELU on one MLP activation
+    (batch x ctx x 4 width), 1 and 2 threads, interleaved rounds of 10 calls; the median of the rounds."""
+    layers, _, width, ctx, batch = SHAPES[shape]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        x = torch.randn(batch, ctx, 4 * width, requires_grad=True)
+        grad = torch.randn_like(x)
+        times = {"none": [], "tanh": []}
+        for _ in range(rounds):
+            for mode in times:
+                start = time.perf_counter()
+                for _ in range(10):
+                    torch.nn.functional.gelu(x, approximate=mode).backward(grad)
+                times[mode].append((time.perf_counter() - start) / 10)
+        exact, tanh = statistics.median(times["none"]), statistics.median(times["tanh"])
+        print(f"GELU fwd+bwd {tuple(x.shape)}, {threads} thread(s), wall: exact {exact * 1e3:.2f} ms, tanh "
+              f"{tanh * 1e3:.2f} ms, tanh/exact {tanh / exact:.2f}; x {layers} layers: {layers * (tanh - exact) * 1e3:.1f} "
+              "ms a step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
@@ -59,7 +81,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4, help="steps per variant per round (the median is kept)")
     ap.add_argument("--cache-dir", default=".cache/bench/tokens")
+    ap.add_argument("--gelu-kernels", action="store_true", help="only time the GELU kernels, exact against tanh")
     args = ap.parse_args()
+    if args.gelu_kernels:
+        return gelu_kernels(args.shape, rounds=15)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", args.precision)

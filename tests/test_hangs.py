@@ -98,11 +98,14 @@ def test_mismatched_collective_fails_after_the_timeout_naming_rank_and_collectiv
     proc, out, waited = fault_run(tmp_path, "all_reduce")
     assert proc.returncode == 1, out[-3000:]
     assert TIMEOUT_S - 1 <= waited <= TIMEOUT_S + 30, out[-3000:]
-    assert f"Rank 1: collective all_reduce timed out after {TIMEOUT_S} s (trainer.strategy.timeout)" in out, out[-3000:]
     # Rank 0 waits in whichever collective comes next for it (DDP's gradient all_reduce, or a barrier when gloo
     # paired its all_reduce with rank 1's extra one): named too, whichever it is. Both ranks time out at about
-    # the same moment; on a loaded machine rank 1 may exit first, and rank 0's collective then fails on the
-    # closed connection instead of its own timeout: either way one line naming the collective.
+    # the same moment; on a loaded machine either may exit first, and the other's collective then fails on the
+    # closed connection instead of its own timeout (seen both ways in CI): each rank names its collective, and
+    # at least one says it timed out.
+    assert re.search(rf"Rank 1: collective all_reduce (timed out after {TIMEOUT_S} s \(trainer\.strategy\.timeout\)"
+                     r"|failed: another rank exited)", out), out[-3000:]
+    assert re.search(r"Rank [01]: collective \S+ timed out.*\(trainer\.strategy\.timeout\)", out), out[-3000:]
     assert re.search(r"Rank 0: collective (all_reduce|barrier|broadcast)\S* .*(timed out|failed: another rank exited)",
                      out), out[-3000:]
     assert "Traceback" not in out  # the short message, not a stack per rank

@@ -10,6 +10,16 @@ from lightning.pytorch.strategies import DDPStrategy
 from src.distributed.deepspeed import DeepSpeedStrategy
 
 
+def skip_shm_allreduce_build() -> None:
+    """On a CPU accelerator, DeepSpeed's comm backend JIT-builds and loads its shared-memory all-reduce
+    (`deepspeed_shm_comm`) in every process. Only `inference_all_reduce` (AutoTP inference) uses it; training
+    reduces through torch.distributed. Marked incompatible, the backend skips it: no ~35 s build per clone,
+    no load and no shared-memory segment per process."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     requires_cuda = False
 
@@ -19,6 +29,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:  # as Lightning's, minus the check that device indices are GPU ranks
         reset_seed()
         self.set_world_ranks()
+        skip_shm_allreduce_build()
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

@@ -55,14 +55,17 @@ def path_overrides(dirs: dict[str, Path]) -> list[str]:
     return [f"paths.log_dir={dirs['log_dir']}", f"paths.cache_dir={dirs['cache_dir']}"]
 
 
+def python() -> str:
+    """The interpreter tests run scripts with: a stand-in that forks each run from a server that imported torch,
+    Lightning and the project once (tests/helpers/forkrun.py), or, with TEST_FRESH_PROCESSES=1, the real one."""
+    return sys.executable if os.environ.get("TEST_FRESH_PROCESSES") == "1" else forkrun.interpreter()
+
+
 def run_script(script: str, args: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
     env.pop("OMP_NUM_THREADS", None)
-    if os.environ.get("TEST_FRESH_PROCESSES") == "1":
-        proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    else:  # the same, forked from a process that has imported torch & co. once (tests/helpers/forkrun.py)
-        proc = forkrun.run(script, args, env=env, cwd=ROOT, timeout=timeout)
+    proc = subprocess.run([python(), script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          errors="replace", timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -2,12 +2,12 @@
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.throughput import paired_ratio
+from conftest import python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_paired_ratio_pairs_runs_of_the_same_round():
 @pytest.mark.slow
 def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6",
+        [python(), "-m", "bench.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6",
          "--warmup", "2", "--cache-dir", str(tmp_path), "--nanogpt", "--variants", "fp32=trainer.precision=32-true"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline_bubble", "--k", "2", "--m", "1", "2", "8", "--modes", "sleep",
+        [python(), "-m", "bench.pipeline_bubble", "--k", "2", "--m", "1", "2", "8", "--modes", "sleep",
          "--sleep-ms", "20", "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {(int(m), name): (float(measured), float(expected)) for m, name, measured, expected in re.findall(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from src.callbacks.divergence import Divergence, DivergenceError
 from src.models.base import LitModule
-from tests.conftest import ROOT, read_events, run_script
+from tests.conftest import ROOT, python, read_events, run_script
 from tests.helpers.divergence import InjectNaN
 from tests.test_parity import GPT2, QUIET
 
@@ -92,7 +91,7 @@ def test_two_ranks_stop_together(tmp_path):
     args = job(tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.strategy.timeout.minutes=2",
                "+callbacks.nan.step=3", "+callbacks.nan.rank=1", "trainer.val_check_interval=2")
     try:
-        proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+        proc = subprocess.run([python(), "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                               capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the 2-rank job hung:\n{str(e.stdout)[-3000:]}")

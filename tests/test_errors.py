@@ -11,13 +11,12 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 
 FAST = ["extras.print_config=false", "trainer.max_steps=2", "trainer.val_check_interval=2",
         "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
@@ -30,7 +29,7 @@ def run_as_user(args: list[str], timeout: int = 300) -> tuple[int, str, float]:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([python(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 

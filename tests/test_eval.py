@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, path_overrides, run_script, shared
+from conftest import ROOT, path_overrides, python, run_script, shared
 from src.tools.checkpoints import load_checkpoint, read_config
 from test_parity import GPT2, QUIET
 
@@ -72,11 +71,11 @@ def test_paths_typed_relative_are_stored_absolute(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    export = subprocess.run([sys.executable, "-m", "src.tools.checkpoints", "export-hf", str(ckpt), "hf"],
+    export = subprocess.run([python(), "-m", "src.tools.checkpoints", "export-hf", str(ckpt), "hf"],
                             cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-3000:]
     assert (elsewhere / "hf" / "model.safetensors").is_file() and (elsewhere / "hf" / "tokenizer.json").is_file()
-    evaluation = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"ckpt_path={ckpt}", *QUIET[:3],
+    evaluation = subprocess.run([python(), str(ROOT / "eval.py"), f"ckpt_path={ckpt}", *QUIET[:3],
                                  f"paths.log_dir={tmp_path / 'eval'}", "trainer.limit_val_batches=2",
                                  "trainer.limit_test_batches=2"],
                                 cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)

@@ -1,29 +1,46 @@
-"""Tests only: run `python train.py ARGS` (or eval.py, or any script) as a process forked from one that has
-already imported torch, Lightning, transformers and the project, instead of a fresh interpreter.
+"""Tests only: an interpreter that starts `python script.py ...` (or `python -m module ...`) by forking a server
+that has already imported torch, Lightning, transformers and the project, instead of importing them afresh.
 
 Why: a fresh interpreter spends ~6.5 s of one core importing (`python -X importtime -c "import train"`: torch
 1.9 s, torchmetrics via Lightning 2.7 s, torch._dynamo via Lightning 1.4 s), while a test's run trains a tiny
-model for a few steps. Measured over the suite, the processes' CPU time was almost all imports. multiprocessing's
-"forkserver" keeps one clean server per test process that imports `PRELOAD` once and forks a child per run.
+model for a few steps. In a 2-rank run, rank 0 then waits ~10 s at the rendezvous for rank 1's imports.
 
-What stays the same as `subprocess.run([python, script, *args])`: the run is its own process (its own pid,
-state, exit code, and stdout/stderr at file descriptors 1 and 2, which its own children inherit); it starts in
-`cwd` with exactly `env`; `sys.argv` is `[script, *args]` and the script runs as `__main__`, so Hydra, Lightning's
-DDP launcher (which starts the other ranks as fresh `python script ...` processes) and `sys.exit` behave as from
-a shell; atexit handlers run at the end. What differs: the modules in PRELOAD were imported with the server's
-environment (the test session's, minus OMP_NUM_THREADS, as run_script passes it), so a variable read at import
-time by one of them is the session's; Python's `random` is reseeded at fork (as a fresh process seeds it).
-Tests that signal a run or need a special environment start their own subprocess.
+How: `interpreter()` starts one server per test process (`serve`: imports PRELOAD, listens on a Unix socket) and
+returns the path of a small executable that stands in for `python`. Run as `STAND_IN script.py args`, the stand-in
+sends its argv, environment, cwd and its stdin/stdout/stderr file descriptors to the server; the server forks a
+supervisor, which forks the run; the stand-in forwards the signals it gets to the run and exits with the run's
+exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
+DDP launcher starts (`sys.executable train.py ...`) are forked from the server too, through the real launcher.
+It forks scripts (`-u` first is taken: torchrun starts its ranks so) and the project's own modules (`-m src.…`, `-m bench.…`);
+anything else (`-c`, other options, other modules, no server) it hands to the real interpreter with exec. A run's
+pid is not the pid its parent sees (the stand-in's), so programs that need that (submitit's local controller,
+`-m submitit.local._local`, names its job dir by it) must start as real processes: they do.
+
+What stays the same as a fresh `python script.py args`: the run is a process of its own with its own pid, cwd,
+environment, argv, file descriptors 0-2 (which its own children inherit) and exit code; the script runs as
+`__main__` with sys.path[0] its dir, so Hydra, Lightning's launcher and `sys.exit` behave as from a shell; atexit
+handlers run at the end; a stand-in killed by SIGKILL takes its run with it (the supervisor kills it).
+What differs: the modules in PRELOAD were imported with the server's environment (the test session's, minus
+OMP_NUM_THREADS), so a variable read at import time is the session's, except OMP_NUM_THREADS, which the run
+applies with torch.set_num_threads as torch's import would; the run's parent is its supervisor, not the stand-in,
+and it is in the server's process group. Tests that signal process groups start their own fresh subprocess.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import atexit
+import importlib
+import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # What a train.py / eval.py run imports before and during its first steps (the server imports them once).
 PRELOAD = [
@@ -34,50 +51,171 @@ PRELOAD = [
     "src.datamodules.text", "src.tools.checkpoints",
 ]
 
-_context = None
+# The stand-in for `python`: stdlib only and run with -S, so it starts in milliseconds.
+STAND_IN = r'''#!{python} -S
+import json, os, signal, socket, sys
+PYTHON, SERVER = {python!r}, {server!r}
+args = sys.argv[1:]
+unbuffered = args[:1] == ["-u"]  # torchrun starts its ranks as `python -u script ...`
+args = args[1:] if unbuffered else args
+script = bool(args) and not args[0].startswith("-")
+project_module = args[:1] == ["-m"] and len(args) > 1 and args[1].split(".")[0] in ("src", "bench")
+if not (script or project_module) or not os.path.exists(SERVER):
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # anything else, or no server: the real interpreter
+for fd in (0, 1, 2):
+    try:
+        os.fstat(fd)
+    except OSError:
+        os.open(os.devnull, os.O_RDWR)  # takes the lowest free descriptor: this one
+request = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}})
+request = request.encode()
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.connect(SERVER)
+socket.send_fds(server, [len(request).to_bytes(8, "big")], [0, 1, 2])
+server.sendall(request)
+replies = server.makefile("rb")
+pid = int(replies.readline())
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda number, frame: os.kill(pid, number))
+line = replies.readline()
+code = int(line) if line else 1
+if code < 0:  # the run died of a signal: so does its stand-in
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (these two cannot be caught, so need no reset)
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+'''
+
+_server: subprocess.Popen | None = None
+_stand_in: str | None = None
 
 
-def _forkserver():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-        omp = os.environ.pop("OMP_NUM_THREADS", None)  # the server starts now, with this environment
-        try:
-            _context.Process(target=os.getpid).start()  # starts the server
-        finally:
-            if omp is not None:
-                os.environ["OMP_NUM_THREADS"] = omp
-    return _context
+def interpreter() -> str:
+    """The stand-in's path, starting this process's server on the first call."""
+    global _server, _stand_in
+    if _stand_in is None:
+        tmp = tempfile.mkdtemp(prefix="forkrun-")
+        server, stand_in = os.path.join(tmp, "server.sock"), os.path.join(tmp, "python")
+        Path(stand_in).write_text(STAND_IN.format(python=sys.executable, server=server))
+        os.chmod(stand_in, 0o755)
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        _server = subprocess.Popen(  # its stdin is our pipe: it exits when this process is gone
+            [sys.executable, "-c", f"from tests.helpers.forkrun import serve; serve({server!r}, {stand_in!r})"],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert _server.stdout.readline() == b"ready\n", "the tests' fork server did not start"
+        atexit.register(_stop, _server, tmp)
+        _stand_in = stand_in
+    return _stand_in
 
 
-def _run(script: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """In the forked child: become `python script *args`, then exit with its code."""
-    import atexit
+def _stop(server: subprocess.Popen, tmp: str) -> None:
+    server.stdin.close()
+    server.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- in the server ----
+
+def serve(path: str, stand_in: str) -> None:
+    import selectors
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors
+    os.write(1, b"ready\n")
+    events = selectors.DefaultSelector()
+    events.register(listener, selectors.EVENT_READ)
+    events.register(0, selectors.EVENT_READ)
+    while True:
+        for key, _ in events.select():
+            if key.fileobj == 0:
+                if not os.read(0, 1):  # the test process is gone
+                    os._exit(0)
+                continue
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                events.close()
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                try:
+                    _supervise(conn, stand_in)
+                finally:
+                    os._exit(0)
+            conn.close()
+
+
+def _supervise(conn: socket.socket, stand_in: str) -> None:
+    """Fork one run, tell the stand-in its pid, then its exit code; kill it if the stand-in goes away first."""
+    import select
+
+    header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    while len(header) < 8:
+        header += conn.recv(8 - len(header))
+    size, request = int.from_bytes(header, "big"), b""
+    while len(request) < size:
+        chunk = conn.recv(size - len(request))
+        if not chunk:
+            return
+        request += chunk
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _become(json.loads(request), fds, stand_in)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(b"%d\n" % pid)
+    ended = os.pidfd_open(pid)
+    readable, _, _ = select.select([conn, ended], [], [])
+    if ended not in readable:  # the stand-in closed the connection: it was killed
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+    except OSError:
+        pass
+
+
+def _add_pythonpath() -> None:
+    """The run's PYTHONPATH entries after sys.path[0], where the interpreter puts them (the server's were its own)."""
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = entries
+
+
+def _become(request: dict, fds: list[int], stand_in: str) -> None:
+    """In the forked run: become `python argv...` in the request's cwd and environment, then exit with its code."""
     import io
     import runpy
     import traceback
 
-    os.chdir(cwd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-    code = 0
+    os.environ.update(request["env"])
+    sys.executable = stand_in  # the run's own `python script` children (Lightning's ranks) start here too
+    if "OMP_NUM_THREADS" in os.environ:  # what torch's import does with it in a fresh process
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    buffered = not (request["unbuffered"] or os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=not buffered)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    argv, code = request["argv"], 0
     try:
-        if script == "-m":  # `python -m module args`: argv[0] is the module's file, sys.path[0] the cwd
-            sys.argv = ["-m", *args[1:]]
-            sys.path.insert(0, cwd)
-            sys.modules.pop(args[0], None)  # preloaded: run it afresh as __main__ (runpy warns otherwise)
-            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        if argv[0] == "-m":  # `python -m module args`: sys.path[0] is the cwd
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[0] = os.getcwd()
+            _add_pythonpath()
+            sys.modules.pop(argv[1], None)  # preloaded: run it afresh as __main__ (runpy warns otherwise)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:  # `python script args`: sys.path[0] is the script's dir
-            path = str(Path(cwd, script).resolve())
-            sys.argv = [script, *args]
-            sys.path.insert(0, os.path.dirname(path))
+            path = os.path.abspath(argv[0])
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(path)
+            _add_pythonpath()
             runpy.run_path(path, run_name="__main__")
     except SystemExit as e:  # what the interpreter does with sys.exit(x)
         if e.code is None or isinstance(e.code, int):
@@ -93,19 +231,3 @@ def _run(script: str, args: list[str], env: dict[str, str], cwd: str, out: str, 
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
-
-
-def run(script: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Like subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout), from a forked child (see the module docstring)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = _forkserver().Process(target=_run, args=(script, list(args), dict(env), str(cwd), out, err))
-        child.start()
-        child.join(timeout)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired([script, *args], timeout, Path(out).read_text(), Path(err).read_text())
-        return subprocess.CompletedProcess([sys.executable, script, *args], child.exitcode,
-                                           Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))

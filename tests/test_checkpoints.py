@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, run_script
+from conftest import ROOT, python, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover, save_sharded
 from src.tools.checkpoints import load_checkpoint
@@ -185,7 +185,7 @@ def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
     from test_scaleout import free_port
 
     port, procs = free_port(), []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
     for node in (0, 1):
         run = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=resume", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={tmp / f'node{node}'}"]

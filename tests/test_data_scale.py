@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, shared
+from conftest import ROOT, python, shared
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.file_hashes import UNVERIFIED_WINDOW_NS, hash_entry, trusted
 from src.datamodules.text import TextDataModule
@@ -220,9 +220,9 @@ def torchrun_two_nodes(tmp: Path, cache_dirs: tuple[Path, Path], shared: bool) -
                f"--rdzv-id=cache{shared}", f"--node-rank={node}", "train.py", "trainer=ddp", *QUIET, *GPT2,
                "trainer.max_steps=2", "trainer.val_check_interval=2", f"hydra.run.dir={tmp / f'run{shared}{node}'}",
                f"data.cache_dir={cache_dirs[node]}", f"data.cache_shared={str(shared).lower()}"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run], cwd=ROOT,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     return outs

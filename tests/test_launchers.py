@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, path_overrides, read_events, run_script
+from conftest import ROOT, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -121,7 +121,8 @@ def test_torchrun_ranks_share_one_run_dir(dirs):
     """torchrun --standalone, no hydra.run.dir: one timestamped dir (was two, 1-2 s apart), logs by rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
            "trainer=ddp"] + QUIET + GPT2 + ["trainer.max_steps=4", "trainer.val_check_interval=4"] + path_overrides(dirs)
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(PYTHON_EXEC=python()), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_dir(dirs["log_dir"] / "train" / "runs")
     assert (run / ".hydra" / "overrides.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
@@ -173,7 +174,7 @@ def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "train.py", "trainer=ddp", "callbacks.last_checkpoint.every_n_train_steps=5",
            "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep", "+callbacks.kill.step=8"]
-    proc = subprocess.run(cmd + QUIET + GPT2 + RUN + path_overrides(dirs), cwd=ROOT, env=clean_env(),
+    proc = subprocess.run(cmd + QUIET + GPT2 + RUN + path_overrides(dirs), cwd=ROOT, env=clean_env(PYTHON_EXEC=python()),
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, event_file_pid, event_files, path_overrides, read_events, run_script
+from conftest import ROOT, event_file_pid, event_files, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ def test_two_nodes_with_torchrun_train_in_lockstep(tmp_path):
     """2 "nodes" x 1 process on localhost with c10d rendezvous, one shared hydra.run.dir (as on a shared file
     system); num_nodes and devices come from torchrun's env."""
     port, procs, run = free_port(), [], tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
     for node in (0, 1):
         args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=lockstep", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={run}",

@@ -11,10 +11,11 @@ sends its argv, environment, cwd and its stdin/stdout/stderr file descriptors to
 supervisor, which forks the run; the stand-in forwards the signals it gets to the run and exits with the run's
 exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
 DDP launcher starts (`sys.executable train.py ...`) are forked from the server too, through the real launcher.
-It forks scripts (`-u` first is taken: torchrun starts its ranks so) and the project's own modules (`-m src.…`, `-m bench.…`);
-anything else (`-c`, other options, other modules, no server) it hands to the real interpreter with exec. A run's
-pid is not the pid its parent sees (the stand-in's), so programs that need that (submitit's local controller,
-`-m submitit.local._local`, names its job dir by it) must start as real processes: they do.
+It forks scripts (after an optional `-u`: torchrun starts its ranks so, and takes the stand-in from PYTHON_EXEC)
+and the project's own modules (`-m src.…`, `-m bench.…`); anything else (`-c`, other options, other modules, no
+server) it hands to the real interpreter with exec. A run's pid is not the pid its parent sees (the stand-in's),
+so programs that need that (submitit's local controller, `-m submitit.local._local`, names its job dir by it)
+must start as real processes: they do.
 
 What stays the same as a fresh `python script.py args`: the run is a process of its own with its own pid, cwd,
 environment, argv, file descriptors 0-2 (which its own children inherit) and exit code; the script runs as

@@ -112,9 +112,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_dir(tmp_path_factory):
-    """DeepSpeed JIT-compiles its C++ ops on first use into TORCH_EXTENSIONS_DIR: CPU Adam (~1 min on 2 cores)
-    and, in every DeepSpeed process on CPU, its shared-memory all-reduce (~35 s). One dir per clone, kept in
-    pytest's cache dir between sessions (.pytest_cache; `make clean` removes it) and shared by xdist workers
+    """DeepSpeed JIT-compiles its C++ ops on first use into TORCH_EXTENSIONS_DIR: CPU Adam (~1 min on 2 cores; the
+    shared-memory all-reduce it would also build is skipped, tests/helpers/deepspeed_cpu.py). One dir per clone, kept
+    in pytest's cache dir between sessions (.pytest_cache; `make clean` removes it) and shared by xdist workers
     (torch's own lock file serialises a build), builds each op once per clone instead of once per test.
     torch rebuilds an op whose sources or flags changed. A build killed midway (a test's timeout, Ctrl+C) leaves
     torch's `lock` file behind, and every later build would wait for it forever: pytest_configure removes them

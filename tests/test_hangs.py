@@ -3,8 +3,10 @@ trainer.strategy.timeout, with one line naming the rank and the collective, and 
 
 The slow tests run real 2-rank gloo train.py jobs with tests/helpers/faults.py making rank 1 misbehave.
 The timeout is 30 s, not a few: it also bounds rank 1's start-up (Lightning re-runs the script for it while
-rank 0 waits in init_process_group; train.py's imports alone take ~7 s on an idle 2-core machine). 20 s, which would
-save 20 s of suite time (two tests wait it out), failed there in init_process_group at a load average of 15.
+rank 0 waits in init_process_group; train.py's imports alone take ~7 s on an idle 2-core machine, in a fresh
+interpreter: with TEST_FRESH_PROCESSES=1). 20 s failed there in init_process_group at a load average of 15.
+SIGTERM goes to the job's process (rank 0), as a scheduler or a user's kill would send it; with the tests'
+stand-in interpreter it forwards the signal to the run (tests/helpers/forkrun.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 from tests.test_parity import GPT2, QUIET
 
 TIMEOUT_S = 30
@@ -49,7 +50,7 @@ def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = (
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "OMP_NUM_THREADS")}
     args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}",
                   f"paths.cache_dir={tmp_path / 'cache'}", *extra]
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+    proc = subprocess.Popen([python(), "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, run
 

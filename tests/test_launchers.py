@@ -207,7 +207,7 @@ def test_optuna_with_ddp_one_study_one_sweep_dir(dirs):
 def test_slurm_one_task_per_node_lightning_starts_the_ranks_and_a_short_run_validates(tmp_path):
     """sbatch --ntasks-per-node=1, `python train.py trainer=ddp`: Lightning starts 2 ranks (was 1, silently);
     max_steps=6 < val_check_interval=100 validates once at the end and exits 0 (was: exit 1, no val/loss)."""
-    proc = subprocess.run([sys.executable, "train.py", "trainer=ddp", "trainer.val_check_interval=100",
+    proc = subprocess.run([python(), "train.py", "trainer=ddp", "trainer.val_check_interval=100",
                            f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}"]
                           + QUIET + GPT2, cwd=ROOT, env=slurm_env("77", 0, 1, 1, MASTER_PORT=str(free_port())),
                           capture_output=True, text=True, timeout=600)

@@ -41,26 +41,28 @@ def test_a_script_runs_as_under_a_fresh_interpreter_and_its_children_fork_too(tm
     assert (fresh_lines[1], forked_lines[1]) == ("child False", "child True")  # sys.executable is the stand-in
 
 
-def test_signals_reach_the_run_and_a_killed_stand_in_takes_its_run_along(tmp_path):
-    script = tmp_path / "sleep.py"
+def _sleeper(tmp_path: Path, name: str) -> tuple[subprocess.Popen, int]:
+    """A stand-in running a script that writes its pid and sleeps: (the stand-in, the run's pid)."""
+    script, pid_file = tmp_path / "sleep.py", tmp_path / f"pid_{name}"
     script.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
-    for sig, code in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
-        pid_file = tmp_path / f"pid{sig}"
-        proc = subprocess.Popen([forkrun.interpreter(), str(script), str(pid_file)])
-        while not pid_file.exists() or not pid_file.read_text():
-            assert proc.poll() is None
-            time.sleep(0.05)
-        run_pid = int(pid_file.read_text())
-        assert run_pid != proc.pid  # forked by the server, not the stand-in itself
-        proc.send_signal(sig)
-        assert proc.wait(timeout=10) == code
-        assert not _alive(run_pid, timeout=10), f"the run outlived its stand-in ({sig!r})"
-    # a run that dies of SIGKILL itself (a simulated preemption): its stand-in dies of it too
-    pid_file = tmp_path / "pid_self"
     proc = subprocess.Popen([forkrun.interpreter(), str(script), str(pid_file)])
     while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None
         time.sleep(0.05)
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    run_pid = int(pid_file.read_text())
+    assert run_pid != proc.pid  # forked by the server, not the stand-in itself
+    return proc, run_pid
+
+
+def test_signals_reach_the_run_and_a_killed_stand_in_takes_its_run_along(tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc, run_pid = _sleeper(tmp_path, sig.name)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == -sig
+        assert not _alive(run_pid, timeout=10), f"the run outlived its stand-in ({sig!r})"
+    # a run that dies of SIGKILL itself (a simulated preemption): its stand-in dies of it too
+    proc, run_pid = _sleeper(tmp_path, "self")
+    os.kill(run_pid, signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
 
 

@@ -3,8 +3,8 @@ trainer.strategy.timeout, with one line naming the rank and the collective, and 
 
 The slow tests run real 2-rank gloo train.py jobs with tests/helpers/faults.py making rank 1 misbehave.
 The timeout is 30 s, not a few: it also bounds rank 1's start-up (Lightning re-runs the script for it while
-rank 0 waits in init_process_group; train.py's imports alone take ~7 s on an idle 2-core machine, in a fresh
-interpreter: with TEST_FRESH_PROCESSES=1). 20 s failed there in init_process_group at a load average of 15.
+rank 0 waits in init_process_group). In a fresh interpreter (TEST_FRESH_PROCESSES=1) train.py's imports alone
+take ~7 s on an idle 2-core machine, and 20 s failed in init_process_group at a load average of 15.
 SIGTERM goes to the job's process (rank 0), as a scheduler or a user's kill would send it; with the tests'
 stand-in interpreter it forwards the signal to the run (tests/helpers/forkrun.py).
 """

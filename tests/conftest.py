@@ -14,6 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail fast instead of retrying
+# One torch thread per process: in the test processes and in every run they start (which inherit it). `make test`
+# runs 3 pytest-xdist workers on 2 cores; a 1-process run taking both cores (torch's default) beside the others
+# oversubscribes them, and OpenMP's spin-waits made such runs 2-6x slower (docs/performance.md, "Test suite time").
+# Lightning's launcher keeps a set OMP_NUM_THREADS for its ranks; test_train checks the cap of a larger one.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import src.utils.resolvers  # noqa: E402,F401
 from src.utils.config import register_schemas  # noqa: E402
@@ -55,15 +60,28 @@ def path_overrides(dirs: dict[str, Path]) -> list[str]:
     return [f"paths.log_dir={dirs['log_dir']}", f"paths.cache_dir={dirs['cache_dir']}"]
 
 
+def worker_processes():
+    """The multiprocessing context for tests that start Python worker processes themselves (gloo ranks of
+    src.distributed's pieces, cache builders): forked from multiprocessing's forkserver, which imports torch and
+    Lightning once per pytest worker, instead of spawned fresh. A spawned child re-imports them (~7 s of one core,
+    `python -X importtime -c "import test_distributed"`) before running a function that takes milliseconds.
+    The children are processes of their own all the same: own pid, memory, gloo connections."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning", "numpy"])
+    return ctx
+
+
 def python() -> str:
     """The interpreter tests run scripts with: a stand-in that forks each run from a server that imported torch,
     Lightning and the project once (tests/helpers/forkrun.py), or, with TEST_FRESH_PROCESSES=1, the real one."""
     return sys.executable if os.environ.get("TEST_FRESH_PROCESSES") == "1" else forkrun.interpreter()
 
 
-def run_script(script: str, args: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("OMP_NUM_THREADS", None)
+def run_script(script: str, args: list[str], timeout: int = 600, check: bool = True,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     proc = subprocess.run([python(), script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           errors="replace", timeout=timeout)
     if check and proc.returncode != 0:

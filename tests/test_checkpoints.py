@@ -137,7 +137,6 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
     args = base(tmp_path) + overrides + run
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("OMP_NUM_THREADS", None)
     stall = [f"+callbacks.stall._target_=tests.helpers.checkpoint_faults.{stall}", "+callbacks.stall.step=6"]
     proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={killed}", *stall], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -47,7 +47,7 @@ def pids(run: Path) -> list[int]:
 
 def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}",
                   f"paths.cache_dir={tmp_path / 'cache'}", *extra]
     proc = subprocess.Popen([python(), "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},

@@ -32,7 +32,6 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.pop("OMP_NUM_THREADS", None)
     return {**env, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **extra}
 
 

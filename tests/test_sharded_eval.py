@@ -42,7 +42,6 @@ def train_or_kill(tmp: Path, name: str, args: list[str]) -> dict:
     group (the launcher and the ranks it started) is killed and the test fails."""
     dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.Popen([sys.executable, "train.py", *QUIET, *path_overrides(dirs), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

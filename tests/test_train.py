@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -89,13 +90,15 @@ def test_optimized_metric_is_returned(tmp_path, dirs):
 
 
 def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
+    # an inherited OMP_NUM_THREADS of twice the cores (a shell profile's), which Lightning's launcher leaves alone
+    too_many = {"OMP_NUM_THREADS": str(2 * len(os.sched_getaffinity(0)))}
     proc = run_script("train.py", FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2",
-                                                                 "callbacks.throughput.peak_flops=4e11"])
+                                                                 "callbacks.throughput.peak_flops=4e11"], env=too_many)
     out = proc.stdout + proc.stderr
     (run,) = run_dirs(dirs["log_dir"])  # exactly one output dir: the child rank reused its parent's
     assert not (dirs["log_dir"] / "train" / "multiruns").exists()
     assert "MEMBER: 2/2" in out  # Lightning's banner from the second rank
-    # each rank gets its share of the 2 cores: 1 thread, not 2 (oversubscription is 4-15x slower)
+    # each rank is capped to its share of the cores (CpuThreadsPerRank): oversubscription is 4-15x slower
     for rank in (0, 1):
         m = re.search(rf"\[rank {rank}\] pid \d+, torch threads: (\d+) \((\d+) cores / 2 local", out)
         assert m, f"rank {rank} did not report its threads:\n{out[-3000:]}"

@@ -20,6 +20,21 @@ def skip_shm_allreduce_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def build_cpu_adam_without_debug_info() -> None:
+    """DeepSpeed JIT-builds its CPU Adam (optimizer offload) with `-O3 -g`. The debug info changes no instruction
+    but makes each of its two files 1.5x slower to compile (64 against 43 s of one core here, measured): without
+    it, a fresh clone's tests build it ~40 s of CPU sooner. Tests only: the build goes to the tests' own
+    extensions dir (conftest.torch_extensions_dir), and torch rebuilds an op whose flags changed."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    cxx_args = CPUAdamBuilder.cxx_args
+    if not getattr(cxx_args, "without_debug_info", False):
+        def without_g(self):
+            return [a for a in cxx_args(self) if a != "-g"]
+        without_g.without_debug_info = True
+        CPUAdamBuilder.cxx_args = without_g
+
+
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     requires_cuda = False
 
@@ -30,6 +45,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         skip_shm_allreduce_build()
+        build_cpu_adam_without_debug_info()
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

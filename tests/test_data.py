@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import shared
+from conftest import shared, worker_processes
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.base import micro_batch_size
 from src.datamodules.text import IGNORE_INDEX, TextDataModule, split_blocks
@@ -109,7 +109,7 @@ def test_cache_is_reused_and_invalidated_when_corpus_or_tokenizer_change(tmp_pat
     assert len(list(cache.glob("*.bin"))) == 3 and len(gpt2) < len(changed)
 
 
-def _build_in_process(root: str, cache: str, log: str) -> None:
+def _build_in_process(root: str, cache: str, log: str, start) -> None:
     from src.datamodules import token_cache
 
     real_build = token_cache._build
@@ -121,6 +121,7 @@ def _build_in_process(root: str, cache: str, log: str) -> None:
 
     token_cache._build = recording_build
     corpus = Corpus.from_config(root, None, "train", "text")
+    start.wait()  # the 3 "ranks" ask for the cache at the same moment
     np.save(f"{log}.{mp.current_process().name}.npy", np.asarray(load_or_build(corpus, ByteTokenizer(), cache)))
 
 
@@ -128,8 +129,9 @@ def test_cache_is_built_once_when_ranks_start_together(tmp_path):
     root = write_corpus(tmp_path / "c")
     (root / "big.txt").write_text("lorem ipsum " * 200_000)  # slow enough that the ranks overlap
     log = tmp_path / "builds.log"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_build_in_process, args=(str(root), str(tmp_path / "cache"), str(log)),
+    ctx = worker_processes()
+    start = ctx.Barrier(3)
+    procs = [ctx.Process(target=_build_in_process, args=(str(root), str(tmp_path / "cache"), str(log), start),
                          name=f"rank{i}") for i in range(3)]
     for p in procs:
         p.start()

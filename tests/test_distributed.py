@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from conftest import worker_processes
 from src.distributed.gather import gather_shards
 from src.distributed.samplers import ShardSampler, train_sampler
 from src.distributed.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
@@ -35,9 +36,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, out: dict) -> None:
 
 def run_ranks(world: int, fn: Callable) -> dict:
     """Run fn(rank, world) in `world` gloo processes; return {rank: result}."""
-    with mp.Manager() as manager:
+    with worker_processes().Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), fn, out), nprocs=world, join=True)
+        mp.start_processes(_worker, args=(world, free_port(), fn, out), nprocs=world, start_method="forkserver")
         return dict(out)
 
 

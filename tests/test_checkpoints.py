@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, python, run_script
+from tests.helpers import forkrun
 from test_parity import GPT2, QUIET, max_param_diff
 from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover, save_sharded
 from src.tools.checkpoints import load_checkpoint
@@ -114,6 +115,17 @@ def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) ->
         time.sleep(0.2)
 
 
+def wait_gone(pid: int, timeout: float = 10) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 KILLS = {  # strategy -> its overrides and the test callback that stalls its save at step 6
     "fsdp": (FSDP, "StallShardedSave"),
     "deepspeed": (["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
@@ -136,15 +148,18 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
            "callbacks.last_checkpoint.every_n_train_steps=3", "resume=auto"]
     args = base(tmp_path) + overrides + run
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **forkrun.DIE_WITH_PARENT}
     stall = [f"+callbacks.stall._target_=tests.helpers.checkpoint_faults.{stall}", "+callbacks.stall.step=6"]
-    proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={killed}", *stall], cwd=ROOT, env=env,
+    proc = subprocess.Popen([python(), "train.py", *args, f"hydra.run.dir={killed}", *stall], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    markers = [killed / "saving_rank0", killed / "saving_rank1"]  # each holds its rank's pid
     try:
-        wait_for([killed / "saving_rank0", killed / "saving_rank1"], proc)
+        wait_for(markers, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    for marker in markers:  # both ranks are gone before anything reads the checkpoint dir
+        assert wait_gone(int(marker.read_text())), f"{marker.name}: the rank outlived the kill"
     last = killed / "checkpoints" / "last.ckpt"
     assert problem(last) is None and load_checkpoint(last)["global_step"] == 3  # still the complete step-3 one
 

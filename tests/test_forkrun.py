@@ -86,3 +86,30 @@ def test_what_the_stand_in_does_not_fork_goes_to_the_real_interpreter(tmp_path):
         proc = subprocess.Popen([forkrun.interpreter(), *args], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
         out = proc.communicate(timeout=60)[0]
         assert out.split() == ["False", str(Path(sys.executable)), str(proc.pid)]
+
+
+def test_a_process_group_kill_takes_the_whole_job_with_die_with_parent(tmp_path):
+    """A job (a run that starts a child run, as rank 0 starts rank 1) SIGKILLed as a process group, the way a
+    node goes down: with DIE_WITH_PARENT both runs end. Without it the child run outlives its parent, as a real
+    process does (test_hangs relies on that to see orphans)."""
+    parent = tmp_path / "parent.py"
+    parent.write_text("import os, subprocess, sys, time\n"
+                      "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                      "subprocess.Popen([sys.executable, sys.argv[2], sys.argv[3]])\n"
+                      "time.sleep(60)\n")
+    (tmp_path / "sleep.py").write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                       "time.sleep(60)\n")
+    for name, extra, child_survives in (("die", forkrun.DIE_WITH_PARENT, False), ("default", {}, True)):
+        pids = [tmp_path / f"{name}_parent", tmp_path / f"{name}_child"]
+        proc = subprocess.Popen([forkrun.interpreter(), str(parent), str(pids[0]), str(tmp_path / "sleep.py"),
+                                 str(pids[1])], env={**os.environ, **extra}, start_new_session=True)
+        while not all(p.exists() and p.read_text() for p in pids):
+            assert proc.poll() is None
+            time.sleep(0.05)
+        parent_pid, child_pid = (int(p.read_text()) for p in pids)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not _alive(parent_pid, timeout=10)
+        assert _alive(child_pid, timeout=2) == child_survives, name
+        if child_survives:
+            os.kill(child_pid, signal.SIGKILL)

@@ -3,7 +3,8 @@ forward (FSDP2, ZeRO-3): every rank must run the same number of evaluation batch
 more wait forever for the one that stopped. The sampler pads the short shards with a label-less sample;
 the metrics must still be those of one process, every real sample counted once.
 
-The runs here are killed (whole process group) after a timeout, so a regression fails instead of hanging.
+The runs here are killed (whole process group, forkrun.DIE_WITH_PARENT) after a timeout, so a regression fails
+instead of hanging.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, path_overrides, read_events
+from conftest import ROOT, path_overrides, python, read_events
 from test_parity import QUIET, train
+from tests.helpers import forkrun
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_eval")]
@@ -41,8 +42,8 @@ def train_or_kill(tmp: Path, name: str, args: list[str]) -> dict:
     """A sharded train.py run (its checkpoint is a dir; compare scalars). On timeout the whole process
     group (the launcher and the ranks it started) is killed and the test fails."""
     dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.Popen([sys.executable, "train.py", *QUIET, *path_overrides(dirs), *args], cwd=ROOT, env=env,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **forkrun.DIE_WITH_PARENT}
+    proc = subprocess.Popen([python(), "train.py", *QUIET, *path_overrides(dirs), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=HANG_TIMEOUT[name])

@@ -8,6 +8,7 @@ run dir: the test waits for the markers and SIGKILLs the whole process group.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ class StallShardedSave(L.Callback):
             done = original(writer, plan, planner)
             if trainer.global_step == callback.step and callback.name in str(writer.path):
                 done.wait()  # this rank's shard files are on disk
-                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(writer.path))
+                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(os.getpid()))
                 time.sleep(600)  # killed here
             return done
 
@@ -74,7 +75,7 @@ class StallDeepSpeedSave(L.Callback):
 
         def save_zero(engine, save_path, tag):
             if trainer.global_step == callback.step and callback.name in str(save_path):
-                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(save_path))
+                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(os.getpid()))
                 time.sleep(600)  # killed here
             return original(engine, save_path, tag)
 

@@ -24,7 +24,7 @@ handlers run at the end; a stand-in killed by SIGKILL takes its run with it (the
 What differs: the modules in PRELOAD were imported with the server's environment (the test session's, minus
 OMP_NUM_THREADS), so a variable read at import time is the session's, except OMP_NUM_THREADS, which the run
 applies with torch.set_num_threads as torch's import would; the run's parent is its supervisor, not the stand-in,
-and it is in the server's process group. Tests that signal process groups start their own fresh subprocess.
+and it is in the server's process group: tests that SIGKILL a process group put DIE_WITH_PARENT in its environment.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ script = bool(args) and not args[0].startswith("-")
 project_module = args[:1] == ["-m"] and len(args) > 1 and args[1].split(".")[0] in ("src", "bench")
 if not (script or project_module) or not os.path.exists(SERVER):
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # anything else, or no server: the real interpreter
+if os.environ.get("FORKRUN_DIE_WITH_PARENT") == "1":  # see DIE_WITH_PARENT
+    import ctypes
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: SIGKILL when the parent dies
+    if os.getppid() != parent:  # it died before that
+        os.kill(os.getpid(), signal.SIGKILL)
 for fd in (0, 1, 2):
     try:
         os.fstat(fd)
@@ -86,6 +92,14 @@ if code < 0:  # the run died of a signal: so does its stand-in
     os.kill(os.getpid(), -code)
 sys.exit(code)
 '''
+
+# For tests that SIGKILL a job's process group (a node going down): a run is forked from the server, so it is not
+# in the group of the stand-in the test started, and neither are the ranks it starts. With this in the job's
+# environment, every stand-in of the job dies with its parent process (PR_SET_PDEATHSIG), and its supervisor then
+# kills its run: the group's SIGKILL reaches the top stand-in, which takes rank 0 along, whose death takes the
+# other ranks' stand-ins, and so their runs. The real interpreter ignores the variable (a fresh job is all in
+# the group already). Not the default: a real process outlives its parent, and test_hangs checks for orphans.
+DIE_WITH_PARENT = {"FORKRUN_DIE_WITH_PARENT": "1"}
 
 _server: subprocess.Popen | None = None
 _stand_in: str | None = None

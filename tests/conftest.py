@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,18 @@ def run_script(script: str, args: list[str], timeout: int = 600, check: bool = T
         raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether process `pid` has ended (and been reaped) within `timeout` seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def read_events(log_dir: Path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, python, run_script
+from conftest import ROOT, gone, python, run_script
 from tests.helpers import forkrun
 from test_parity import GPT2, QUIET, max_param_diff
 from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover, save_sharded
@@ -115,17 +115,6 @@ def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) ->
         time.sleep(0.2)
 
 
-def wait_gone(pid: int, timeout: float = 10) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 KILLS = {  # strategy -> its overrides and the test callback that stalls its save at step 6
     "fsdp": (FSDP, "StallShardedSave"),
     "deepspeed": (["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
@@ -159,7 +148,7 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for marker in markers:  # both ranks are gone before anything reads the checkpoint dir
-        assert wait_gone(int(marker.read_text())), f"{marker.name}: the rank outlived the kill"
+        assert gone(int(marker.read_text())), f"{marker.name}: the rank outlived the kill"
     last = killed / "checkpoints" / "last.ckpt"
     assert problem(last) is None and load_checkpoint(last)["global_step"] == 3  # still the complete step-3 one
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import gone
 from tests.helpers import forkrun
 
 SCRIPT = """
@@ -59,22 +60,11 @@ def test_signals_reach_the_run_and_a_killed_stand_in_takes_its_run_along(tmp_pat
         proc, run_pid = _sleeper(tmp_path, sig.name)
         proc.send_signal(sig)
         assert proc.wait(timeout=10) == -sig
-        assert not _alive(run_pid, timeout=10), f"the run outlived its stand-in ({sig!r})"
+        assert gone(run_pid), f"the run outlived its stand-in ({sig!r})"
     # a run that dies of SIGKILL itself (a simulated preemption): its stand-in dies of it too
     proc, run_pid = _sleeper(tmp_path, "self")
     os.kill(run_pid, signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
-
-
-def _alive(pid: int, timeout: float) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_what_the_stand_in_does_not_fork_goes_to_the_real_interpreter(tmp_path):
@@ -109,7 +99,7 @@ def test_a_process_group_kill_takes_the_whole_job_with_die_with_parent(tmp_path)
         parent_pid, child_pid = (int(p.read_text()) for p in pids)
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL
-        assert not _alive(parent_pid, timeout=10)
-        assert _alive(child_pid, timeout=2) == child_survives, name
+        assert gone(parent_pid)
+        assert gone(child_pid, timeout=2) != child_survives, name
         if child_survives:
             os.kill(child_pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,7 +192,7 @@ def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
     for node in (0, 1):
         run = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=resume", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={tmp / f'node{node}'}"]
-        procs.append(subprocess.Popen([python(), "-m", "torch.distributed.run", *run, *args], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run, *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]

@@ -221,7 +221,7 @@ def torchrun_two_nodes(tmp: Path, cache_dirs: tuple[Path, Path], shared: bool) -
                "trainer.max_steps=2", "trainer.val_check_interval=2", f"hydra.run.dir={tmp / f'run{shared}{node}'}",
                f"data.cache_dir={cache_dirs[node]}", f"data.cache_shared={str(shared).lower()}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
-        procs.append(subprocess.Popen([python(), "-m", "torch.distributed.run", *run], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]

@@ -118,7 +118,7 @@ def straight(tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_torchrun_ranks_share_one_run_dir(dirs):
     """torchrun --standalone, no hydra.run.dir: one timestamped dir (was two, 1-2 s apart), logs by rank."""
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
            "trainer=ddp"] + QUIET + GPT2 + ["trainer.max_steps=4", "trainer.val_check_interval=4"] + path_overrides(dirs)
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(PYTHON_EXEC=python()), capture_output=True, text=True,
                           timeout=600)
@@ -170,7 +170,7 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
 def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight):
     """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 5); torchrun --max-restarts=1 restarts both ranks,
     which come back to the same agreed run dir and end with an uninterrupted run's parameters."""
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "train.py", "trainer=ddp", "callbacks.last_checkpoint.every_n_train_steps=5",
            "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep", "+callbacks.kill.step=8"]
     proc = subprocess.run(cmd + QUIET + GPT2 + RUN + path_overrides(dirs), cwd=ROOT, env=clean_env(PYTHON_EXEC=python()),

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,7 @@ def test_two_nodes_with_torchrun_train_in_lockstep(tmp_path):
         args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=lockstep", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={run}",
                 f"paths.cache_dir={tmp_path / 'cache'}", "+callbacks.params._target_=tests.helpers.callbacks.SaveParamsAtEnd"]
-        procs.append(subprocess.Popen([python(), "-m", "torch.distributed.run", *args] + QUIET + SHORT,
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args] + QUIET + SHORT,
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]

@@ -15,7 +15,8 @@ It forks scripts (after an optional `-u`: torchrun starts its ranks so, and take
 and the project's own modules (`-m src.…`, `-m bench.…`); anything else (`-c`, other options, other modules, no
 server) it hands to the real interpreter with exec. A run's pid is not the pid its parent sees (the stand-in's),
 so programs that need that (submitit's local controller, `-m submitit.local._local`, names its job dir by it)
-must start as real processes: they do.
+must start as real processes: they do. So does torchrun's agent: its c10d rendezvous numbers the nodes by sorted
+(host, pid), and the two-"node" tests need node 0's agent, started first, to have the lower pid.
 
 What stays the same as a fresh `python script.py args`: the run is a process of its own with its own pid, cwd,
 environment, argv, file descriptors 0-2 (which its own children inherit) and exit code; the script runs as

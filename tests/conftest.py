@@ -143,7 +143,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_dir(tmp_path_factory):
-    """DeepSpeed JIT-compiles its C++ ops on first use into TORCH_EXTENSIONS_DIR: CPU Adam (~1 min on 2 cores; the
+    """DeepSpeed JIT-compiles its C++ ops on first use into TORCH_EXTENSIONS_DIR: CPU Adam (~45 s on 2 idle cores; the
     shared-memory all-reduce it would also build is skipped, tests/helpers/deepspeed_cpu.py). One dir per clone, kept
     in pytest's cache dir between sessions (.pytest_cache; `make clean` removes it) and shared by xdist workers
     (torch's own lock file serialises a build), builds each op once per clone instead of once per test.

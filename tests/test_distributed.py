@@ -36,7 +36,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, out: dict) -> None:
 
 def run_ranks(world: int, fn: Callable) -> dict:
     """Run fn(rank, world) in `world` gloo processes; return {rank: result}."""
-    with worker_processes().Manager() as manager:
+    ctx = worker_processes()  # sets the preload of the one forkserver that start_processes forks from too
+    with ctx.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(world, free_port(), fn, out), nprocs=world, start_method="forkserver")
         return dict(out)

@@ -2,8 +2,8 @@
 
 Loaded into a real train.py run with `+callbacks.slow._target_=tests.helpers.checkpoint_faults.StallShardedSave`.
 At global step `step`, the DCP writer of a checkpoint named `name` writes every rank's shard files
-and then stalls before the `.metadata` is written, after leaving a `saving_rank<R>` marker in the
-run dir: the test waits for the markers and SIGKILLs the whole process group.
+and then stalls before the `.metadata` is written, after leaving a `saving_rank<R>` marker (holding the rank's
+pid) in the run dir: the test waits for the markers, SIGKILLs the whole process group and waits for those pids.
 """
 
 from __future__ import annotations

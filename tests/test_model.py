@@ -223,6 +223,38 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
     torch.testing.assert_close(model._loss_and_count(batch)[0], loss, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix_tuning"])
+def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
+    """On a CPU the training and evaluation forward skips the KV cache transformers would fill (a copy of every
+    layer's keys and values, 2-3% of a step): the model returns none, and the loss is the cached forward's, on
+    packed text and on a padded batch, also under prefix tuning, whose learned prefix is itself a cache.
+    Compiled, the cache stays (without it transformers would build a full attention mask)."""
+    from conftest import shared
+    from peft import PrefixTuningConfig
+
+    from src.models.gpt2 import summed_token_loss
+
+    torch.manual_seed(0)
+    if prefix:  # on pretrained weights, as users run it: the prefix takes positions of the model's context
+        model = GPT2LitModule(vocab_size=50257, seq_len=32, pretrained=str(shared("tiny-gpt2")),
+                              peft=PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    else:
+        model = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=16)
+    caches = []
+    model.hf_model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
+    ids, labels = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    mask = torch.ones_like(ids)
+    mask[1, 20:], labels[1, 20:] = 0, -100
+    for batch in ({"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels, "attention_mask": mask}):
+        caches.clear()
+        loss_sum, n_targets = model._loss_and_count(batch)
+        cached = model.model(input_ids=ids, attention_mask=batch.get("attention_mask"), use_cache=True).logits
+        assert caches[0] is None and caches[1] is not None  # the hook sees a cache where one is made
+        torch.testing.assert_close((loss_sum, n_targets), summed_token_loss(cached, labels), atol=0, rtol=1e-6)
+    compiled = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile=True)
+    assert compiled._cache_kwargs() == {}
+
+
 def test_peak_memory_counts_a_new_allocation():
     """On a CPU it is the process's peak RSS: touching memory beyond the old peak raises it by as much."""
     import os

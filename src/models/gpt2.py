@@ -275,8 +275,16 @@ class GPT2LitModule(LitModule):
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                            **self._cache_kwargs()).logits
         return summed_token_loss(logits, batch["labels"])
+
+    def _cache_kwargs(self) -> dict[str, bool]:
+        """No KV cache on a CPU: transformers fills one in every forward, training too (GPT2Config.use_cache),
+        a copy of each layer's keys and values that nothing reads; 2-3% of a CPU step (docs/performance.md).
+        Without it transformers checks the position ids for packed sequences instead: a host sync per forward
+        on an accelerator, and under torch.compile a full attention mask. So there the cache stays."""
+        return {"use_cache": False} if self.device.type == "cpu" and not self._compile else {}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)

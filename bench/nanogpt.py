@@ -102,11 +102,13 @@ def lr_at(it: int, lr: float, warmup: int = 100, decay_iters: int = 5000, min_lr
 
 
 def train(tokens: np.ndarray, vocab_size: int, shape: tuple[int, int, int, int, int], steps: int,
-          lr: float, betas: tuple[float, float], weight_decay: float, clip: float, clock) -> list[float]:
-    """nanoGPT's loop (gradient_accumulation_steps=1, fp32); the time at the end of each optimizer step."""
+          lr: float, betas: tuple[float, float], weight_decay: float, clip: float, clock,
+          bias: bool = False) -> list[float]:
+    """nanoGPT's loop (gradient_accumulation_steps=1, fp32); the time at the end of each optimizer step.
+    bias=True: nanoGPT's `--bias=True`, GPT-2's own architecture (biases in every Linear and LayerNorm)."""
     layers, heads, width, ctx, batch = shape
     torch.manual_seed(1337)
-    model = GPT(vocab_size, ctx, layers, heads, width)
+    model = GPT(vocab_size, ctx, layers, heads, width, bias=bias)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -5,7 +5,8 @@
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
-    python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32)
+    python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
+                                                      # as it comes (no biases) and with GPT-2's biases
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
@@ -143,13 +144,14 @@ def run_raw(args) -> None:
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
 
-def run_nanogpt(args) -> None:
-    """bench/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU)."""
+def run_nanogpt(args, bias: bool = False) -> None:
+    """bench/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU).
+    bias=False is nanoGPT's default; bias=True (the way nanogpt_bias) is GPT-2's architecture, the template's."""
     from bench import nanogpt
 
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true")
     tokens = dm.splits["train"].tokens
-    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP, clock)
+    times = nanogpt.train(tokens, dm.vocab_size, SHAPES[args.shape], args.steps, LR, BETAS, WD, CLIP, clock, bias)
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     report(times, args.warmup, batch * ctx, args.out)
 
@@ -199,14 +201,16 @@ def main() -> None:
                     help="for all three ways; auto: what train.py picks on this machine")
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
-    ap.add_argument("--nanogpt", action="store_true", help="add the way nanogpt (bench/nanogpt.py, fp32)")
+    ap.add_argument("--nanogpt", action="store_true",
+                    help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
+                         "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)")
     ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
     ap.add_argument("--hf-activation", default="gelu_new",
                     help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
                          "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)")
-    ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt", "nanogpt_bias"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -215,13 +219,14 @@ def main() -> None:
     if args.clock == "cpu":
         os.environ.update(BENCH_CLOCK="cpu", OMP_NUM_THREADS="1")  # inherited by every run
     if args.child:
-        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt}[args.child](args)
+        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt,
+         "nanogpt_bias": lambda a: run_nanogpt(a, bias=True)}[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = [*args.ways.split(","), *(["nanogpt"] if args.nanogpt else []), *variants]
+            ways = [*args.ways.split(","), *(["nanogpt", "nanogpt_bias"] if args.nanogpt else []), *variants]
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
@@ -249,7 +254,7 @@ def main() -> None:
         layers, heads, width, ctx, batch = SHAPES[shape]
         attn = fastest_attention("cpu", args.precision, ctx)
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
-        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default", "nanogpt")
+        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default", "nanogpt", "nanogpt_bias")
                   if way in ways and "template" in ways}
         ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
         ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})

@@ -19,6 +19,21 @@ def test_paired_ratio_pairs_runs_of_the_same_round():
     assert paired_ratio(template, raw) == (0.9, 1.0, 1.0)
 
 
+def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
+    """The way nanogpt_bias compares the template with nanoGPT at GPT-2's own architecture: the same parameter
+    shapes as the template's GPT-2 (nanoGPT's default, bias=False, has none of the Linear and LayerNorm biases)."""
+    from bench.nanogpt import GPT
+    from src.models.gpt2 import GPT2LitModule
+
+    def shapes(model):  # dims sorted: transformers' Conv1D stores a projection as (in, out), nn.Linear as (out, in)
+        return sorted(tuple(sorted(p.shape)) for p in model.parameters())
+
+    ours = shapes(GPT2LitModule(vocab_size=257, seq_len=128, n_layer=4, n_head=4, n_embd=128).model)
+    assert shapes(GPT(257, 128, 4, 4, 128, bias=True)) == ours
+    bare = shapes(GPT(257, 128, 4, 4, 128, bias=False))
+    assert len(ours) - len(bare) == 4 * 6 + 1  # per block: 4 projections + 2 LayerNorms; and the final LayerNorm
+
+
 @pytest.mark.slow
 def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     out = subprocess.run(
@@ -26,12 +41,12 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
          "--warmup", "2", "--cache-dir", str(tmp_path), "--nanogpt", "--variants", "fp32=trainer.precision=32-true"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    for way in ("template", "raw", "hf", "hf_default", "nanogpt", "fp32"):
+    for way in ("template", "raw", "hf", "hf_default", "nanogpt", "nanogpt_bias", "fp32"):
         row = re.search(rf"^overhead\s+{way}\s+([\d.]+)\s+(\d+)\s+(\d+)$", out.stdout, re.M)
         assert row, f"no row for {way}:\n{out.stdout}"
         assert float(row[1]) > 0 and int(row[2]) > 0 and int(row[3]) > 100  # step ms, tokens/s, peak RSS MiB
-    for label in ("template/raw", "template/hf", "template/hf_default", "template/nanogpt", "fp32/template",
-                  "fp32/nanogpt"):
+    for label in ("template/raw", "template/hf", "template/hf_default", "template/nanogpt", "template/nanogpt_bias",
+                  "fp32/template", "fp32/nanogpt"):
         assert re.search(rf"^overhead\s+{label}\s+= \d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\]$", out.stdout, re.M), \
             f"no ratio {label}:\n{out.stdout}"
 

@@ -7,7 +7,8 @@ change is worth, measurable even on a busy shared machine (no process start-up, 
 
 Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
 tanh approximation in one kernel) / gelu (exact GELU, one kernel: the template's default and nanoGPT's) x
-use_cache default/False; and nanoGPT's model (always fp32, as on a CPU).
+use_cache default/False (the template passes False on a CPU); and nanoGPT's model (always fp32, as on a CPU),
+as it comes (bias=False) and with GPT-2's biases (bias=True).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None
     return step
 
 
-def nanogpt_step(shape, vocab_size, batch):
+def nanogpt_step(shape, vocab_size, batch, bias=False):
     layers, heads, width, ctx, _ = SHAPES[shape]
-    model = nanogpt.GPT(vocab_size, ctx, layers, heads, width)
+    model = nanogpt.GPT(vocab_size, ctx, layers, heads, width, bias=bias)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)  # torch's default on a CPU, as nanoGPT
 
     def step():
@@ -97,7 +98,10 @@ def main() -> None:
         steps[f"{attn} gelu_pytorch_tanh"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
                                                      "gelu_pytorch_tanh")
         steps[f"{attn} gelu"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu")
+        steps[f"{attn} gelu use_cache=False"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu",
+                                                        use_cache=False)
     steps["nanogpt (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch)
+    steps["nanogpt bias=True (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch, bias=True)
     for step in steps.values():  # warm-up
         for _ in range(2):
             step()

@@ -226,7 +226,7 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
 @pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix_tuning"])
 def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
     """On a CPU the training and evaluation forward skips the KV cache transformers would fill (a copy of every
-    layer's keys and values, 2-3% of a step): the model returns none, and the loss is the cached forward's, on
+    layer's keys and values, 1-3% of a step): the model returns none, and the loss is the cached forward's, on
     packed text and on a padded batch, also under prefix tuning, whose learned prefix is itself a cache.
     Compiled, the cache stays (without it transformers would build a full attention mask)."""
     from conftest import shared

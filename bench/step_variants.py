@@ -3,6 +3,7 @@ all in one process, interleaved in blocks, timed in thread CPU seconds on 1 thre
 change is worth, measurable even on a busy shared machine (no process start-up, no loop of ours).
 
     python -m bench.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
+    python -m bench.step_variants --wall   # all cores, wall clock: what a training run sees on a quiet machine
     python -m bench.step_variants --gelu-kernels   # exact against tanh GELU alone, 1 and 2 threads
 
 Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
@@ -83,10 +84,14 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4, help="steps per variant per round (the median is kept)")
     ap.add_argument("--cache-dir", default=".cache/bench/tokens")
     ap.add_argument("--gelu-kernels", action="store_true", help="only time the GELU kernels, exact against tanh")
+    ap.add_argument("--wall", action="store_true", help="torch's default threads and the wall clock, not 1 thread's "
+                                                        "CPU time (some costs, e.g. copies, show only there)")
     args = ap.parse_args()
     if args.gelu_kernels:
         return gelu_kernels(args.shape, rounds=15)
-    torch.set_num_threads(1)
+    clock = time.perf_counter if args.wall else time.thread_time
+    if not args.wall:
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", args.precision)
     batch = next(iter(dm.train_dataloader()))
@@ -110,12 +115,13 @@ def main() -> None:
         for name, step in steps.items():
             block = []
             for _ in range(args.block):
-                start = time.thread_time()
+                start = clock()
                 step()
-                block.append(time.thread_time() - start)
+                block.append(clock() - start)
             times[name].append(statistics.median(block))
     base = statistics.median(times["nanogpt (fp32)"])
-    print(f"{args.shape}, {args.precision}, 1 thread, thread CPU ms per step: median of {args.rounds} rounds "
+    how = f"{torch.get_num_threads()} threads, wall" if args.wall else "1 thread, thread CPU"
+    print(f"{args.shape}, {args.precision}, {how} ms per step: median of {args.rounds} rounds "
           f"[lowest-highest]; speed vs nanoGPT")
     for name, t in times.items():
         mid = statistics.median(t)

@@ -13,7 +13,13 @@ vocabulary 257). The ways run interleaved round by round (who goes first rotates
 - `template_fp32`: the same with `trainer.precision=32-true` (nanoGPT's only CPU mode).
 - `nanogpt`: nanoGPT's own train.py (`--nanogpt-dir`, a checkout of github.com/karpathy/nanoGPT) with
   `--device=cpu --compile=False` and the same shape, optimizer and clipping; without `--nanogpt-dir`,
-  `bench/nanogpt.py`'s loop in a process of its own (`nanogpt_style`).
+  `bench/nanogpt.py`'s loop in a process of its own (`nanogpt_style`). nanoGPT's default evaluates at step 0
+  only (every 2000 steps), so in the difference of the two runs it does no evaluation at all.
+- `nanogpt_val`: nanoGPT's own train.py evaluating as often as the template does (`--eval_interval=100`, the
+  template's `trainer.val_check_interval`) on as many batches as the template's val split has
+  (`--eval_iters`, 28 for tinyshakespeare), the equal-settings comparison for the template's default run.
+  nanoGPT's evaluation also estimates the train loss on as many batches, and saves a checkpoint each time;
+  the template's writes sample text and two checkpoints (best and last).
 - `--variants NAME=OVERRIDE[,OVERRIDE...]`: the template with extra overrides, e.g.
   `noval=trainer.limit_val_batches=0` to see what periodic validation costs.
 """
@@ -21,6 +27,7 @@ vocabulary 257). The ways run interleaved round by round (who goes first rotates
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import shutil
@@ -44,7 +51,19 @@ def template_cmd(work: Path, name: str, steps: int, corpus: Path, extra: list[st
             f"hydra.run.dir={work}/runs/{name}_{steps}", f"paths.cache_dir={work}/cache", *extra], ROOT
 
 
-def nanogpt_cmd(work: Path, steps: int, nanogpt_dir: Path | None) -> tuple[list[str], Path]:
+def template_val_batches(corpus: Path) -> int:
+    """Batches in the template's val split of the corpus as bytes: one block per CTX tokens (the last one
+    padded), 5% of them (data.val_fraction), BATCH a batch."""
+    from src.datamodules.text import split_blocks
+
+    n_tokens = corpus.stat().st_size + 1  # the bytes and one EOS
+    _, n_val, _ = split_blocks(math.ceil((n_tokens - 1) / CTX), val_fraction=0.05, test_fraction=0.05)
+    return math.ceil(n_val / BATCH)
+
+
+def nanogpt_cmd(work: Path, steps: int, nanogpt_dir: Path | None, eval_every: int = 0,
+                eval_iters: int = 20) -> tuple[list[str], Path]:
+    """eval_every 0: nanoGPT's default eval_interval (2000: only at step 0 here)."""
     if nanogpt_dir is None:
         return [sys.executable, "-m", "bench.outside", "--child-nanogpt", str(steps), "--work", str(work)], ROOT
     # nanoGPT reads configurator.py and data/<dataset>/ from its working directory, so it runs from `work`.
@@ -54,8 +73,8 @@ def nanogpt_cmd(work: Path, steps: int, nanogpt_dir: Path | None) -> tuple[list[
             f"--n_layer={LAYERS}", f"--n_head={HEADS}", f"--n_embd={WIDTH}", f"--block_size={CTX}",
             f"--batch_size={BATCH}", "--gradient_accumulation_steps=1", "--dropout=0.0", f"--max_iters={steps}",
             f"--lr_decay_iters={steps}", "--warmup_iters=50", "--learning_rate=1e-3", "--min_lr=1e-4",
-            "--weight_decay=0.1", "--beta2=0.95", "--grad_clip=1.0", "--eval_iters=20",
-            f"--out_dir={work}/nanogpt_out"], work
+            "--weight_decay=0.1", "--beta2=0.95", "--grad_clip=1.0", f"--eval_iters={eval_iters}",
+            *([f"--eval_interval={eval_every}"] if eval_every else []), f"--out_dir={work}/nanogpt_out"], work
 
 
 def byte_data(work: Path, corpus: Path) -> None:
@@ -101,6 +120,9 @@ def main() -> None:
     byte_data(args.work, args.corpus)
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     ways = [*args.ways.split(","), *variants]
+    if "nanogpt_val" in ways and args.nanogpt_dir is None:
+        sys.exit("bench.outside: the way nanogpt_val runs nanoGPT's own train.py: give --nanogpt-dir")
+    val_batches = template_val_batches(args.corpus)
     walls: dict[str, dict[int, list[float]]] = {w: {args.short: [], args.long: []} for w in ways}
     for r in range(args.rounds):
         k = r % len(ways)
@@ -108,6 +130,8 @@ def main() -> None:
             for steps in (args.short, args.long):
                 if way == "nanogpt":
                     cmd, cwd = nanogpt_cmd(args.work, steps, args.nanogpt_dir)
+                elif way == "nanogpt_val":
+                    cmd, cwd = nanogpt_cmd(args.work, steps, args.nanogpt_dir, eval_every=100, eval_iters=val_batches)
                 else:
                     extra = {"template": [], "template_fp32": ["trainer.precision=32-true"]}.get(way, variants.get(way))
                     cmd, cwd = template_cmd(args.work, way, steps, args.corpus, extra)
@@ -121,16 +145,19 @@ def main() -> None:
                 for w, t in walls.items()}
     label = "nanogpt" if args.nanogpt_dir else "nanogpt_style"
     print(f"\n{args.rounds} rounds, {os.cpu_count()} CPU cores; ms/step = (wall {args.long} - wall {args.short}) / "
-          f"{args.long - args.short}; nanogpt = {label}")
-    print(f"{'way':<16}{'ms/step (rounds)':<24}{'tokens/s':>10}  vs nanogpt median [lowest-highest]")
+          f"{args.long - args.short}; nanogpt = {label}; nanogpt_val evaluates every 100 steps on {val_batches} "
+          "batches of each split")
+    bases = [b for b in ("nanogpt", "nanogpt_val") if b in per_step]
+    print(f"{'way':<16}{'ms/step (rounds)':<24}{'tokens/s':>10}" + "".join(
+        f"  vs {b}: median [lowest-highest]" for b in bases))
     for way, steps in per_step.items():
         rounds = ", ".join(f"{s * 1e3:.1f}" for s in steps)
         line = f"{way:<16}{rounds:<24}{BATCH * CTX / statistics.median(steps):10.0f}"
-        if "nanogpt" in per_step and way != "nanogpt":
-            ratios = [n / s for n, s in zip(per_step["nanogpt"], steps)]  # tokens/s ratio, round by round
-            line += f"  {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+        for base in bases:
+            if way not in bases:
+                ratios = [n / s for n, s in zip(per_step[base], steps)]  # tokens/s ratio, round by round
+                line += f"  {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
         print(line)
-
 
 if __name__ == "__main__":
     main()

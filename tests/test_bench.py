@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.throughput import paired_ratio
-from conftest import python
+from conftest import python, shared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,18 @@ def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
     assert shapes(GPT(257, 128, 4, 4, 128, bias=True)) == ours
     bare = shapes(GPT(257, 128, 4, 4, 128, bias=False))
     assert len(ours) - len(bare) == 4 * 6 + 1  # per block: 4 projections + 2 LayerNorms; and the final LayerNorm
+
+
+def test_outside_bench_gives_nanogpt_as_many_eval_batches_as_the_template_validates(tmp_path):
+    """bench.outside's nanogpt_val way evaluates nanoGPT on as many batches as the template's val split holds:
+    the count it derives from the corpus size is the template's own val dataloader length."""
+    from bench.outside import BATCH, CTX, template_val_batches
+    from src.datamodules.text import TextDataModule
+
+    corpus = shared("tinyshakespeare", "input.txt")
+    data = TextDataModule(path=str(corpus), seq_len=CTX, global_batch_size=BATCH, cache_dir=str(tmp_path))
+    data.setup()
+    assert template_val_batches(corpus) == len(data.val_dataloader()) == 28
 
 
 @pytest.mark.slow

@@ -29,6 +29,28 @@ def test_generation_does_not_touch_the_training_rng():
     assert [p for p, _ in first] == ["def ", "x = "] and model.model.training
 
 
+def test_prompts_generated_together_complete_as_each_would_alone():
+    """GenerateText runs all prompts in one left-padded batch: each greedy completion is the one a call with
+    that prompt alone gives (positions follow the attention mask), for prompts of different lengths."""
+    model = GPT2LitModule(vocab_size=257, seq_len=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights: the next token depends on every position (no fixed point)
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    prompts = ["def ", "import os\n", "x"]
+    cb = GenerateText(prompts=prompts, max_new_tokens=12, do_sample=False)
+    tok = ByteTokenizer()
+    together = cb.generate(model.model, tok)
+    alone = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode_batch([prompt])[0].tolist()])
+        out = model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)[0, ids.shape[1]:].tolist()
+        alone.append((prompt, tok.decode(out[: out.index(tok.eos_id)] if tok.eos_id in out else out)))
+    assert together == alone
+    assert len({completion for _, completion in alone}) == 3 and all(len(c) >= 8 for _, c in alone), alone
+
+
 def test_padding_labels_are_not_counted():
     """Labels are already shifted (labels[t] is the target of position t): the loss is their summed
     cross-entropy in fp32, and -100 is no target."""

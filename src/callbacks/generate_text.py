@@ -63,33 +63,38 @@ class GenerateText(L.Callback):
         log.info("Samples at step %d:\n%s", step, "\n---\n".join(p + c for p, c in texts))
 
     def generate(self, model: torch.nn.Module, tokenizer, synced: bool = False) -> list[tuple[str, str]]:
-        """(prompt, completion) pairs; stops at EOS or the context length."""
+        """(prompt, completion) pairs; each stops at EOS or the context length.
+
+        All prompts go through one `generate` call, left-padded with EOS under an attention mask (GPT-2's
+        positions follow the mask, so each completion is what it would be alone): one forward per new token
+        for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md)."""
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        if not self.prompts:
+            return []
+        prompts = [ids.tolist() for ids in tokenizer.encode_batch(self.prompts)]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[tokenizer.eos_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         texts = []
         # A private RNG: sampling must not shift the training RNG stream (and with it the data order).
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.seed)
-            for prompt in self.prompts:
-                input_ids = torch.tensor([tokenizer.encode_batch([prompt])[0].tolist()], device=device)
-                # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
-                # The logits are the same on every rank (also sharded), so all ranks skip together.
-                logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
-                if not torch.isfinite(logits).all():
-                    rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
-                                   "diverged?); skipping samples.")
-                    texts = []
-                    break
-                room = model.config.n_positions - input_ids.shape[1]
+            # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
+            # The logits are the same on every rank (also sharded), so all ranks skip together.
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
+            if torch.isfinite(logits[mask.bool()]).all():
                 out = model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=max(1, min(self.max_new_tokens, room)),
+                    input_ids, attention_mask=mask,
+                    max_new_tokens=max(1, min(self.max_new_tokens, model.config.n_positions - width)),
                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,
                 )
-                completion = out[0, input_ids.shape[1]:].tolist()
-                if tokenizer.eos_id in completion:
-                    completion = completion[: completion.index(tokenizer.eos_id)]
-                texts.append((prompt, tokenizer.decode(completion)))
+                for prompt, row in zip(self.prompts, out[:, width:].tolist()):
+                    completion = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
+                    texts.append((prompt, tokenizer.decode(completion)))
+            else:
+                rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
+                               "diverged?); skipping samples.")
         model.train(was_training)
         return texts

@@ -159,5 +159,6 @@ def main() -> None:
                 line += f"  {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
         print(line)
 
+
 if __name__ == "__main__":
     main()

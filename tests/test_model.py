@@ -12,6 +12,13 @@ from src.datamodules.tokenizers import ByteTokenizer
 from src.models.gpt2 import GPT2LitModule
 
 
+class IdsTokenizer(ByteTokenizer):
+    """Bytes, decoded as their ids: completions compare token for token (random bytes decode to U+FFFD alike)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
 def tiny_model() -> GPT2LitModule:
     torch.manual_seed(0)
     return GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16)
@@ -39,7 +46,7 @@ def test_prompts_generated_together_complete_as_each_would_alone():
             p.normal_(0.0, 0.5)
     prompts = ["def ", "import os\n", "x"]
     cb = GenerateText(prompts=prompts, max_new_tokens=12, do_sample=False)
-    tok = ByteTokenizer()
+    tok = IdsTokenizer()
     together = cb.generate(model.model, tok)
     alone = []
     for prompt in prompts:
@@ -48,7 +55,30 @@ def test_prompts_generated_together_complete_as_each_would_alone():
                                    eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)[0, ids.shape[1]:].tolist()
         alone.append((prompt, tok.decode(out[: out.index(tok.eos_id)] if tok.eos_id in out else out)))
     assert together == alone
-    assert len({completion for _, completion in alone}) == 3 and all(len(c) >= 8 for _, c in alone), alone
+    assert len({completion for _, completion in alone}) == 3 and all(len(c.split()) >= 8 for _, c in alone), alone
+
+
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning", "prefix_tuning"])
+def test_prompts_generated_together_under_a_peft_adapter_complete_as_each_would_alone(method):
+    """The same under peft adapters. Prompt tuning's virtual tokens take positions that ignore the mask (peft
+    drops position ids), so there each prompt gets its own call."""
+    from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
+
+    from src.models.gpt2 import lora_config
+
+    config = {"lora": lambda: lora_config(r=4, alpha=8, dropout=0.0, target_modules=["c_attn"]),
+              "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+              "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}[method]()
+    base = GPT2LitModule(vocab_size=257, seq_len=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0).model
+    model = get_peft_model(base, config)
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights, adapters too: the next token depends on every position
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    prompts, tok = ["def ", "import os\n", "x"], IdsTokenizer()
+    together = GenerateText(prompts=prompts, max_new_tokens=10).generate(model, tok)
+    alone = [GenerateText(prompts=[prompt], max_new_tokens=10).generate(model, tok)[0] for prompt in prompts]
+    assert together == alone and len({completion for _, completion in alone}) >= 2, (together, alone)
 
 
 def test_padding_labels_are_not_counted():

@@ -67,35 +67,43 @@ class GenerateText(L.Callback):
 
         All prompts go through one `generate` call, left-padded with EOS under an attention mask (GPT-2's
         positions follow the mask, so each completion is what it would be alone): one forward per new token
-        for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md)."""
+        for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md). Under peft's prompt
+        tuning the positions ignore the mask (peft drops position ids), so there each prompt gets its own call."""
         if not self.prompts:
             return []
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         prompts = [ids.tolist() for ids in tokenizer.encode_batch(self.prompts)]
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[tokenizer.eos_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        peft_config = getattr(model, "active_peft_config", None)
+        alone = peft_config is not None and peft_config.is_prompt_learning and peft_config.peft_type != "PREFIX_TUNING"
+        groups = [[i] for i in range(len(prompts))] if alone else [list(range(len(prompts)))]
         texts = []
         # A private RNG: sampling must not shift the training RNG stream (and with it the data order).
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.seed)
-            # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
-            # The logits are the same on every rank (also sharded), so all ranks skip together. The last
-            # position is a prompt token in every row (left padding; after peft's virtual tokens too).
-            logits = model(input_ids=input_ids, attention_mask=mask).logits
-            if torch.isfinite(logits[:, -1]).all():
+            for group in groups:
+                width = max(len(prompts[i]) for i in group)
+                input_ids = torch.tensor([[tokenizer.eos_id] * (width - len(prompts[i])) + prompts[i] for i in group],
+                                         device=device)
+                mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in group],
+                                    device=device)
+                # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
+                # The logits are the same on every rank (also sharded), so all ranks skip together. The last
+                # position is a prompt token in every row (left padding; after peft's virtual tokens too).
+                logits = model(input_ids=input_ids, attention_mask=mask).logits
+                if not torch.isfinite(logits[:, -1]).all():
+                    rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
+                                   "diverged?); skipping samples.")
+                    texts = []
+                    break
                 out = model.generate(
                     input_ids, attention_mask=mask,
                     max_new_tokens=max(1, min(self.max_new_tokens, model.config.n_positions - width)),
                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,
                 )
-                for prompt, row in zip(self.prompts, out[:, width:].tolist()):
+                for i, row in zip(group, out[:, width:].tolist()):
                     completion = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-                    texts.append((prompt, tokenizer.decode(completion)))
-            else:
-                rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
-                               "diverged?); skipping samples.")
+                    texts.append((self.prompts[i], tokenizer.decode(completion)))
         model.train(was_training)
         return texts

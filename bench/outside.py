@@ -16,10 +16,11 @@ vocabulary 257). The ways run interleaved round by round (who goes first rotates
   `bench/nanogpt.py`'s loop in a process of its own (`nanogpt_style`). nanoGPT's default evaluates at step 0
   only (every 2000 steps), so in the difference of the two runs it does no evaluation at all.
 - `nanogpt_val`: nanoGPT's own train.py evaluating as often as the template does (`--eval_interval=100`, the
-  template's `trainer.val_check_interval`) on as many batches as the template's val split has
-  (`--eval_iters`, 28 for tinyshakespeare), the equal-settings comparison for the template's default run.
-  nanoGPT's evaluation also estimates the train loss on as many batches, and saves a checkpoint each time;
-  the template's writes sample text and two checkpoints (best and last).
+  template's `trainer.val_check_interval`) and as much: nanoGPT estimates the loss of both splits, `--eval_iters`
+  batches each, so it gets half the template's val batches per split (14 + 14 for tinyshakespeare's 28), the
+  same number of evaluation forwards in all. The equal-settings comparison for the template's default run.
+  nanoGPT saves a checkpoint at each evaluation; the template writes sample text and two checkpoints (best and
+  last).
 - `--variants NAME=OVERRIDE[,OVERRIDE...]`: the template with extra overrides, e.g.
   `noval=trainer.limit_val_batches=0` to see what periodic validation costs.
 """
@@ -59,6 +60,12 @@ def template_val_batches(corpus: Path) -> int:
     n_tokens = corpus.stat().st_size + 1  # the bytes and one EOS
     _, n_val, _ = split_blocks(math.ceil((n_tokens - 1) / CTX), val_fraction=0.05, test_fraction=0.05)
     return math.ceil(n_val / BATCH)
+
+
+def nanogpt_eval_iters(corpus: Path) -> int:
+    """nanoGPT's `--eval_iters` for as many evaluation forwards as the template's validation: nanoGPT runs
+    `eval_iters` batches of each split, train and val, so half the template's val batches (rounded up)."""
+    return math.ceil(template_val_batches(corpus) / 2)
 
 
 def nanogpt_cmd(work: Path, steps: int, nanogpt_dir: Path | None, eval_every: int = 0,
@@ -122,7 +129,7 @@ def main() -> None:
     ways = [*args.ways.split(","), *variants]
     if "nanogpt_val" in ways and args.nanogpt_dir is None:
         sys.exit("bench.outside: the way nanogpt_val runs nanoGPT's own train.py: give --nanogpt-dir")
-    val_batches = template_val_batches(args.corpus)
+    eval_iters = nanogpt_eval_iters(args.corpus)
     walls: dict[str, dict[int, list[float]]] = {w: {args.short: [], args.long: []} for w in ways}
     for r in range(args.rounds):
         k = r % len(ways)
@@ -131,7 +138,7 @@ def main() -> None:
                 if way == "nanogpt":
                     cmd, cwd = nanogpt_cmd(args.work, steps, args.nanogpt_dir)
                 elif way == "nanogpt_val":
-                    cmd, cwd = nanogpt_cmd(args.work, steps, args.nanogpt_dir, eval_every=100, eval_iters=val_batches)
+                    cmd, cwd = nanogpt_cmd(args.work, steps, args.nanogpt_dir, eval_every=100, eval_iters=eval_iters)
                 else:
                     extra = {"template": [], "template_fp32": ["trainer.precision=32-true"]}.get(way, variants.get(way))
                     cmd, cwd = template_cmd(args.work, way, steps, args.corpus, extra)
@@ -145,8 +152,8 @@ def main() -> None:
                 for w, t in walls.items()}
     label = "nanogpt" if args.nanogpt_dir else "nanogpt_style"
     print(f"\n{args.rounds} rounds, {os.cpu_count()} CPU cores; ms/step = (wall {args.long} - wall {args.short}) / "
-          f"{args.long - args.short}; nanogpt = {label}; nanogpt_val evaluates every 100 steps on {val_batches} "
-          "batches of each split")
+          f"{args.long - args.short}; nanogpt = {label}; nanogpt_val evaluates every 100 steps on {eval_iters} "
+          f"batches of each split ({2 * eval_iters} in all, the template {template_val_batches(args.corpus)})")
     bases = [b for b in ("nanogpt", "nanogpt_val") if b in per_step]
     print(f"{'way':<16}{'ms/step (rounds)':<24}{'tokens/s':>10}" + "".join(
         f"  vs {b}: median [lowest-highest]" for b in bases))

@@ -34,16 +34,18 @@ def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
     assert len(ours) - len(bare) == 4 * 6 + 1  # per block: 4 projections + 2 LayerNorms; and the final LayerNorm
 
 
-def test_outside_bench_gives_nanogpt_as_many_eval_batches_as_the_template_validates(tmp_path):
-    """bench.outside's nanogpt_val way evaluates nanoGPT on as many batches as the template's val split holds:
-    the count it derives from the corpus size is the template's own val dataloader length."""
-    from bench.outside import BATCH, CTX, template_val_batches
+def test_outside_bench_gives_nanogpt_as_many_eval_forwards_as_the_template_validates(tmp_path):
+    """bench.outside's nanogpt_val way runs as many evaluation batches in nanoGPT as the template's validation:
+    nanoGPT evaluates `eval_iters` batches of each of its two splits, the template its whole val split, whose
+    length the bench derives from the corpus size: it must be the template's own val dataloader length."""
+    from bench.outside import BATCH, CTX, nanogpt_eval_iters, template_val_batches
     from src.datamodules.text import TextDataModule
 
     corpus = shared("tinyshakespeare", "input.txt")
     data = TextDataModule(path=str(corpus), seq_len=CTX, global_batch_size=BATCH, cache_dir=str(tmp_path))
     data.setup()
     assert template_val_batches(corpus) == len(data.val_dataloader()) == 28
+    assert 2 * nanogpt_eval_iters(corpus) == len(data.val_dataloader())  # train + val splits in nanoGPT
 
 
 @pytest.mark.slow

@@ -9,14 +9,16 @@ change is worth, measurable even on a busy shared machine (no process start-up, 
 Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
 tanh approximation in one kernel) / gelu (exact GELU, one kernel: the template's default and nanoGPT's) x
 use_cache default/False (the template passes False on a CPU); and nanoGPT's model (always fp32, as on a CPU),
-as it comes (bias=False) and with GPT-2's biases (bias=True).
+as it comes (bias=False) and with GPT-2's biases (bias=True); with `--nanogpt-dir`, also nanoGPT's own model.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,9 +43,19 @@ def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None
     return step
 
 
-def nanogpt_step(shape, vocab_size, batch, bias=False):
+def nanogpt_own_model(nanogpt_dir: Path, shape: str, vocab_size: int) -> torch.nn.Module:
+    """nanoGPT's own model.py from a checkout (bias=False, its default), to check bench/nanogpt.py's GPT against it."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt_dir / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     layers, heads, width, ctx, _ = SHAPES[shape]
-    model = nanogpt.GPT(vocab_size, ctx, layers, heads, width, bias=bias)
+    return module.GPT(module.GPTConfig(block_size=ctx, vocab_size=vocab_size, n_layer=layers, n_head=heads,
+                                       n_embd=width, dropout=0.0, bias=False))
+
+
+def nanogpt_step(shape, vocab_size, batch, bias=False, model=None):
+    layers, heads, width, ctx, _ = SHAPES[shape]
+    model = model or nanogpt.GPT(vocab_size, ctx, layers, heads, width, bias=bias)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)  # torch's default on a CPU, as nanoGPT
 
     def step():
@@ -84,6 +96,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4, help="steps per variant per round (the median is kept)")
     ap.add_argument("--cache-dir", default=".cache/bench/tokens")
     ap.add_argument("--gelu-kernels", action="store_true", help="only time the GELU kernels, exact against tanh")
+    ap.add_argument("--nanogpt-dir", type=Path, help="a checkout of github.com/karpathy/nanoGPT: also time its own "
+                                                    "model.py, against bench/nanogpt.py's GPT")
     ap.add_argument("--wall", action="store_true", help="torch's default threads and the wall clock, not 1 thread's "
                                                         "CPU time (some costs, e.g. copies, show only there)")
     args = ap.parse_args()
@@ -107,6 +121,9 @@ def main() -> None:
                                                         use_cache=False)
     steps["nanogpt (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch)
     steps["nanogpt bias=True (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch, bias=True)
+    if args.nanogpt_dir:
+        own = nanogpt_own_model(args.nanogpt_dir, args.shape, dm.vocab_size)
+        steps["nanoGPT's own model.py (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch, model=own)
     for step in steps.values():  # warm-up
         for _ in range(2):
             step()

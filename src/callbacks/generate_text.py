@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Optional
 
@@ -68,42 +69,60 @@ class GenerateText(L.Callback):
         All prompts go through one `generate` call, left-padded with EOS under an attention mask (GPT-2's
         positions follow the mask, so each completion is what it would be alone): one forward per new token
         for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md). Under peft's prompt
-        tuning the positions ignore the mask (peft drops position ids), so there each prompt gets its own call."""
+        learning (prefix and prompt tuning) see `_prompt_learning_inputs`."""
         if not self.prompts:
             return []
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         prompts = [ids.tolist() for ids in tokenizer.encode_batch(self.prompts)]
-        peft_config = getattr(model, "active_peft_config", None)
-        alone = peft_config is not None and peft_config.is_prompt_learning and peft_config.peft_type != "PREFIX_TUNING"
-        groups = [[i] for i in range(len(prompts))] if alone else [list(range(len(prompts)))]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[tokenizer.eos_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         texts = []
         # A private RNG: sampling must not shift the training RNG stream (and with it the data order).
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.seed)
-            for group in groups:
-                width = max(len(prompts[i]) for i in group)
-                input_ids = torch.tensor([[tokenizer.eos_id] * (width - len(prompts[i])) + prompts[i] for i in group],
-                                         device=device)
-                mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in group],
-                                    device=device)
-                # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
-                # The logits are the same on every rank (also sharded), so all ranks skip together. The last
-                # position is a prompt token in every row (left padding; after peft's virtual tokens too).
-                logits = model(input_ids=input_ids, attention_mask=mask).logits
-                if not torch.isfinite(logits[:, -1]).all():
-                    rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
-                                   "diverged?); skipping samples.")
-                    texts = []
-                    break
-                out = model.generate(
-                    input_ids, attention_mask=mask,
-                    max_new_tokens=max(1, min(self.max_new_tokens, model.config.n_positions - width)),
+            # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
+            # The logits are the same on every rank (also sharded), so all ranks skip together. The last
+            # position is a prompt token in every row (left padding; after peft's virtual tokens too).
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
+            if not torch.isfinite(logits[:, -1]).all():
+                rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
+                               "diverged?); skipping samples.")
+            else:
+                generator, inputs, virtual = _prompt_learning_inputs(model, input_ids, mask)
+                out = generator.generate(
+                    **inputs, max_new_tokens=max(1, min(self.max_new_tokens, model.config.n_positions - width - virtual)),
                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,
                 )
-                for i, row in zip(group, out[:, width:].tolist()):
+                new_tokens = out if "inputs_embeds" in inputs else out[:, width:]  # with embeddings: only new ones
+                for prompt, row in zip(self.prompts, new_tokens.tolist()):
                     completion = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-                    texts.append((self.prompts[i], tokenizer.decode(completion)))
+                    texts.append((prompt, tokenizer.decode(completion)))
         model.train(was_training)
         return texts
+
+
+def _prompt_learning_inputs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor):
+    """(the model to call `generate` on, its inputs, the number of virtual tokens before the prompt).
+
+    Under peft's prompt learning the virtual tokens are put in front here, with the public `get_prompt`, and the
+    base model generates: prefix tuning's key/value prefix as the starting cache, prompt tuning's embeddings in
+    front of the prompt's, both under a mask that covers them, so positions follow the mask and a left-padded
+    batch completes as each prompt alone (peft's own generate dropped the positions of prompt tuning).
+    Needed since transformers 5.24 renamed generation's cache argument `past_key_values` to `cache`: peft
+    0.21.2's `PeftModelForCausalLM.prepare_inputs_for_generation` still looks for `past_key_values`, takes every
+    step for the first and injects the virtual tokens again, so its samples ignore the learned prefix
+    (tests/test_model.py compares them with a greedy decode by full forwards)."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is None or not peft_config.is_prompt_learning:
+        return model, {"input_ids": input_ids, "attention_mask": mask}, 0
+    base, virtual, batch = model.get_base_model(), peft_config.num_virtual_tokens, input_ids.shape[0]
+    mask = torch.cat([mask.new_ones(batch, virtual), mask], dim=1)
+    if peft_config.peft_type == "PREFIX_TUNING":
+        cache_name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        return base, {"input_ids": input_ids, "attention_mask": mask, cache_name: model.get_prompt(batch)}, virtual
+    embeds = base.get_input_embeddings()(input_ids)
+    embeds = torch.cat([model.get_prompt(batch_size=batch).to(embeds.dtype), embeds], dim=1)
+    return base, {"inputs_embeds": embeds, "attention_mask": mask}, virtual

@@ -5,16 +5,20 @@ PY := $(VENV)/bin/python
 # torch first and pinned: 2.13.0 is a local CPU wheel on the CI machines. On a GPU machine
 # use the CUDA build: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
+# The tested versions of every package (pip constraints, README "Reproducible installs"). LOCK= installs the newest
+# releases that pyproject.toml allows instead.
+LOCK ?= requirements.lock
+CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup train test test-fast clean
+.PHONY: setup train test test-fast test-latest lock flake-check clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q $(TORCH) $(CONSTRAINTS)
+	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[dev]"
 	# litdata (data=litdata) without its declared deps: its torchvision requirement would replace torch (pyproject.toml)
-	$(PY) -m pip install -q --no-deps "litdata>=0.2.76"
+	$(PY) -m pip install -q $(CONSTRAINTS) --no-deps "litdata>=0.2.76"
 	touch $@
 
 train: setup
@@ -29,6 +33,30 @@ test: setup
 
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# The newest releases pyproject.toml allows, in a venv of their own made anew each time, against the fast tests:
+# run it before `make lock` to see what a new release breaks before a user installing without the lock does.
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) setup VENV=.venv-latest LOCK=
+	.venv-latest/bin/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(ARGS)
+
+# Refresh requirements.lock: install the newest allowed releases into a scratch venv and freeze what was installed
+# (torch without its local build tag, so the CUDA builds of the same version satisfy it too).
+# The routine: make test-latest; make lock; make test; commit requirements.lock.
+lock:
+	rm -rf .venv-lock
+	$(MAKE) setup VENV=.venv-lock LOCK=
+	{ echo "# The tested versions: pip constraints frozen by 'make lock' (Makefile) on Linux x86_64, CPython $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version())')."; \
+	  echo "# Used by 'make setup' as pip install -c requirements.lock; LOCK= installs without it."; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > requirements.lock.tmp
+	mv requirements.lock.tmp requirements.lock
+	rm -rf .venv-lock
+
+# Every multi-process / end-to-end test (marked slow) FLAKE_RUNS times; prints each test's failures.
+FLAKE_RUNS ?= 20
+flake-check: setup
+	$(PY) tests/helpers/flake_check.py --runs $(FLAKE_RUNS) -- -m slow -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 clean:  # generated outputs only; keeps the environment
 	rm -rf logs .cache .pytest_cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -145,6 +146,15 @@ def worker(rank: int, k: int, init: str, args) -> None:
                               f"measured {bubble:.3f}  formula {formula(name, k, m):.3f}", flush=True)
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization. After the pipelining schedules have run, torch 2.13's
+    # destroy_process_group no longer stops gloo's worker threads, and such a thread destroys a finished
+    # collective's Work late; its tensors drop their Python objects, which takes the GIL, and during
+    # finalization that ends the thread by a forced unwind through C++: "terminate called without an active
+    # exception", SIGABRT (1 run in 12-25 before this; a core dump shows ~AsyncAllgatherWork on
+    # ProcessGroupGloo::runLoop under Py_FinalizeEx). Everything is printed and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:

@@ -78,9 +78,9 @@ def test_prompts_generated_together_under_a_peft_adapter_complete_as_greedy_full
     step (its samples were those of another model), batched or alone."""
     from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
 
-    from src.models.gpt2 import lora_config
+    from peft import LoraConfig
 
-    config = {"lora": lambda: lora_config(r=4, alpha=8, dropout=0.0, target_modules=["c_attn"]),
+    config = {"lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True),
               "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
               "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}[method]()
     base = GPT2LitModule(vocab_size=257, seq_len=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0).model
@@ -310,7 +310,7 @@ def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
     from conftest import shared
     from peft import PrefixTuningConfig
 
-    from src.models.gpt2 import summed_token_loss
+    from src.models.loss import summed_token_loss
 
     torch.manual_seed(0)
     if prefix:  # on pretrained weights, as users run it: the prefix takes positions of the model's context

@@ -92,7 +92,7 @@ class GenerateText(L.Callback):
                                "diverged?); skipping samples.")
             else:
                 generator, inputs, virtual = _prompt_learning_inputs(model, input_ids, mask)
-                room = model.config.n_positions - virtual - width  # virtual tokens take positions too
+                room = model.config.max_position_embeddings - virtual - width  # virtual tokens take positions too
                 out = generator.generate(
                     **inputs, max_new_tokens=max(1, min(self.max_new_tokens, room)),
                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,

@@ -35,7 +35,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import ScheduleLoopedBFS
 from torch.distributed.tensor import DTensor
 
-from src.models.gpt2 import summed_token_loss
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,13 @@ def check_config(cfg: DictConfig) -> None:
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
-    if tp > 1 and not OmegaConf.select(cfg, "model.pretrained"):
+    if tp > 1:
         from src.distributed.tensor_parallel import check_divisible
+        from src.utils.hf_config import architecture
 
-        check_divisible(OmegaConf.select(cfg, "model.n_head"), OmegaConf.select(cfg, "model.n_embd"), tp)
+        config = architecture(cfg.model)
+        if config is not None:
+            check_divisible(config, tp)
     unsupported = [(key, value) for key, value in (
         ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
         ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
@@ -156,7 +158,8 @@ class Pipeline:
     """This rank's stages and the schedules that run them, for training and for evaluation."""
 
     def __init__(self, stages: list[GPT2Stage], indices: list[int], n_stages: int, mesh: DeviceMesh, schedule: str,
-                 n_microbatches: int, device: torch.device) -> None:
+                 n_microbatches: int, device: torch.device, token_loss) -> None:
+        self.token_loss = token_loss  # (logits, labels) -> (sum of token losses, targets): the module's own
         self.modules, self.indices, self.n_stages = stages, indices, n_stages
         self.group = mesh["pipeline_parallel"].get_group()
         self.data_group = mesh["data_parallel"].get_group()
@@ -183,7 +186,7 @@ class Pipeline:
         return mine
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return summed_token_loss(logits, labels)[0] * self.scale
+        return self.token_loss(logits, labels)[0] * self.scale
 
     def _schedule(self, training: bool, batch_shape: tuple[int, ...]):
         """One schedule per (mode, batch shape): stages size their send/receive buffers on the first step."""
@@ -283,4 +286,4 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatch
         split_blocks(module, tp, blocks=[hf.transformer.h[b] for b in sorted(keep)])
     log.info(f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
              f"{n_microbatches} micro-batches; this rank holds stages {indices}")
-    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device)
+    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.summed_token_loss)

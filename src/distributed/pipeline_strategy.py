@@ -135,9 +135,11 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
-            from src.distributed.tensor_parallel import LAYOUT_KEY
+            from src.distributed.tensor_parallel import LAYOUT_KEY, layout
 
-            checkpoint[LAYOUT_KEY] = {"size": self.tensor_parallel_size, "n_head": self.lightning_module.config.n_head}
+            entry = layout(self.lightning_module.config, self.tensor_parallel_size)
+            if entry is not None:
+                checkpoint[LAYOUT_KEY] = entry
         save_sharded(self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
                      filepath)
 

@@ -1,20 +1,26 @@
-"""Megatron-style tensor parallelism for GPT-2 blocks, applied from outside the model (torchtitan's style).
+"""Megatron-style tensor parallelism for decoder layers, applied from outside the model (torchtitan's style).
 
-Each block's attention and MLP are split over the `tensor_parallel` ranks with torch's DTensor
-`ColwiseParallel` / `RowwiseParallel`: c_attn and mlp.c_fc by output columns (each rank computes its
-own heads and its own quarter of the MLP), attn.c_proj and mlp.c_proj by input rows, followed by one
-all-reduce each. So per block: 2 all-reduces of the activations in forward, 2 in backward.
+Each layer's attention and MLP are split over the `tensor_parallel` ranks with torch's DTensor
+`ColwiseParallel` / `RowwiseParallel`: the q, k, v and MLP input projections by output columns (each rank
+computes its own heads and its own share of the MLP), the attention output and MLP output projections by
+input rows, followed by one all-reduce each. So per layer: 2 all-reduces of the activations in forward, 2
+in backward.
 
-Two facts shape the code:
+Which projection is split which way is read from the model: transformers ships it as
+`config.base_model_tp_plan` (Llama, Qwen2, Mistral and most modern decoders: `layers.*.self_attn.q_proj:
+colwise`, ...). Their attention infers its head count from the projection's width, so each rank's local
+heads (and key/value heads, under grouped-query attention) need nothing more.
+
+GPT-2 has no plan, and is the one hand-written adapter here:
 * torch's styles accept `nn.Linear` only, and HF GPT-2 uses `Conv1D` (weight stored [in, out]). We swap
   in `nn.Linear` with the transposed weight: the same values, the same math.
 * c_attn fuses q, k, v: its outputs are [q | k | v], each n_embd wide. A plain column split would give
   rank 0 all of q and half of k. We reorder the rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's
   heads), so the split hands each rank its own heads' q, k and v, and the attention module, told its
   per-rank head count, splits them as usual.
-
-Checkpoints keep this layout (it is what resumes); `hf_layout` turns a full state dict back into HF
-GPT-2 names and Conv1D layouts for eval.py and export-hf (src/tools/checkpoints.py).
+GPT-2 checkpoints keep this layout (it is what resumes); `hf_layout` turns a full state dict back into HF
+GPT-2 names and Conv1D layouts for eval.py and export-hf (src/tools/checkpoints.py). Models with a plan
+keep transformers' own layout: their full state dict is already HF's.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from src.distributed.checkpointing import save_sharded
 from src.distributed.mesh import split_data_over
+from src.utils.hf_config import architecture, head_counts
 
 log = logging.getLogger(__name__)
 
-# suffixes of the Conv1D layers that become Linear, and how each is split
+# GPT-2's plan: the suffixes of the Conv1D layers that become Linear, and how each is split
 COLWISE, ROWWISE = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+GPT2_PLAN = {**{name: "colwise" for name in COLWISE}, **{name: "rowwise" for name in ROWWISE}}
+STYLES = ("colwise", "rowwise")  # the plan styles torch's ColwiseParallel / RowwiseParallel implement here
 LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads} when weights are in our layout
 
 
@@ -60,17 +69,36 @@ def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linea
     return linear
 
 
-def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]] = None) -> Any:
-    """Split the blocks of the LitModule `module` (all, or the `blocks` this rank holds: a pipeline stage's)
-    over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def layer_plan(config: Any) -> Optional[dict[str, str]]:
+    """How one decoder layer splits ({"self_attn.q_proj": "colwise", ...}): transformers' plan for the model
+    (`base_model_tp_plan`, keys "layers.*.<path>"), GPT-2's own, or None when the model has neither."""
+    from src.utils.config import ConfigError
 
-    tp = mesh.size()
-    config = module.config
-    check_divisible(config.n_head, config.n_embd, tp)
+    shipped = getattr(config, "base_model_tp_plan", None) or {}
+    plan = {pattern.partition(".*.")[2]: style for pattern, style in shipped.items() if ".*." in pattern}
+    if not plan:
+        return dict(GPT2_PLAN) if config.model_type == "gpt2" else None
+    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    if unknown:
+        raise ConfigError(f"{config.model_type}'s tensor-parallel plan uses the style(s) {unknown}, which trainer=tp "
+                          f"does not implement ({', '.join(STYLES)}): train it with trainer=fsdp or trainer=ddp.")
+    return plan
+
+
+def check_plan(config: Any) -> dict[str, str]:
+    from src.utils.config import ConfigError
+
+    plan = layer_plan(config)
+    if plan is None:
+        raise ConfigError(f"trainer=tp needs a tensor-parallel plan and {config.model_type}'s config has none "
+                          "(base_model_tp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers "
+                          "ships a plan for work; train this one with trainer=fsdp or trainer=ddp.")
+    return plan
+
+
+def _gpt2_adapter(blocks: list[nn.Module], config: Any, tp: int) -> None:
+    """GPT-2's Conv1D layers become Linear (c_attn's rows in per-rank head order); attention told its heads."""
     order = qkv_order(config.n_embd, config.n_head, tp)
-    plan = {**{name: ColwiseParallel() for name in COLWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
-    blocks = [block for _, _, block in module.blocks()] if blocks is None else blocks
     for block in blocks:
         for name in COLWISE + ROWWISE:
             parent, child = name.split(".")
@@ -78,11 +106,36 @@ def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]]
             owner.register_module(child, to_linear(getattr(owner, child), order if child == "c_attn" else None))
         attn = block.attn  # its forward splits c_attn's output by split_size and views it per head
         attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
-        parallelize_module(block, mesh, plan)
+
+
+def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]] = None) -> Any:
+    """Split the blocks of the LitModule `module` (all, or the `blocks` this rank holds: a pipeline stage's)
+    over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh.size()
+    config = module.config
+    check_divisible(config, tp)
+    plan = check_plan(config)
+    blocks = [block for _, _, block in module.blocks()] if blocks is None else blocks
+    if layout(config, tp) is not None:
+        _gpt2_adapter(blocks, config, tp)
+    styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
+    for block in blocks:
+        parallelize_module(block, mesh, styles)
     replicate_the_rest(module.network(), mesh)
-    log.info(f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks "
-             f"({config.n_head // tp} heads and {4 * config.n_embd // tp} MLP units per rank)")
+    heads, kv_heads, _ = head_counts(config)
+    log.info(f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks ({heads // tp} query and {kv_heads // tp} "
+             f"key/value heads per rank)")
     return module
+
+
+def layout(config: Any, tp: int) -> Optional[dict[str, int]]:
+    """The checkpoint's LAYOUT_KEY entry when its weights are in our GPT-2 Linear layout; None for HF's own."""
+    shipped = getattr(config, "base_model_tp_plan", None)
+    if config.model_type == "gpt2" and not shipped:
+        return {"size": tp, "n_head": config.n_head}
+    return None
 
 
 def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
@@ -118,12 +171,22 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
                     setattr(other, other_name, getattr(mod, name))
 
 
-def check_divisible(n_head: int, n_embd: int, tp: int) -> None:
+def check_divisible(config: Any, tp: int) -> None:
+    """Every rank gets whole heads (query and key/value) and an equal share of the MLP."""
     from src.utils.config import ConfigError
 
-    if n_head % tp or n_embd % tp:
-        raise ConfigError(f"model.n_head={n_head} and model.n_embd={n_embd} must both divide by "
-                          f"trainer.strategy.tensor_parallel_size={tp}: pick a tensor-parallel size that divides them.")
+    heads, kv_heads, hidden = head_counts(config)
+    key = "trainer.strategy.tensor_parallel_size"
+    if config.model_type == "gpt2" and not getattr(config, "base_model_tp_plan", None):
+        if heads % tp or hidden % tp:
+            raise ConfigError(f"model.n_head={heads} and model.n_embd={hidden} must both divide by {key}={tp}: pick a "
+                              "tensor-parallel size that divides them.")
+        return
+    width = getattr(config, "intermediate_size", None) or 0
+    if heads % tp or kv_heads % tp or width % tp:
+        raise ConfigError(f"model.config.num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
+                          f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "
+                          "that divides them.")
 
 
 def hf_layout(state_dict: dict[str, torch.Tensor], size: int, n_head: int) -> dict[str, torch.Tensor]:
@@ -192,7 +255,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""
-        checkpoint[LAYOUT_KEY] = {"size": self.tp_size, "n_head": self.lightning_module.config.n_head}
+        entry = layout(self.lightning_module.config, self.tp_size)
+        if entry is not None:
+            checkpoint[LAYOUT_KEY] = entry
         save_sharded(self, lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp,
                                                                                            storage_options), filepath)
 
@@ -208,8 +273,11 @@ def check_config(cfg: Any) -> None:
     if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
         data_and_tensor_sizes(devices * nodes, tp)
     model = cfg.model
-    if not model.get("pretrained"):
-        check_divisible(model.get("n_head"), model.get("n_embd"), tp)
+    config = architecture(model)
+    if config is not None:
+        check_plan(config)
+        if isinstance(tp, int) and tp > 0:
+            check_divisible(config, tp)
     unsupported = {"model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
                    "model/peft": model.get("peft") is not None, "model.compile=true": model.get("compile", False),
                    "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False)}

@@ -68,11 +68,27 @@ def has_meta(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
+def allocate(model: nn.Module, device: torch.device, tie: bool = True) -> None:
+    """Memory for `model` (on meta) on `device`, its buffers recomputed; parameters hold garbage until filled.
+
+    `to_empty` gives buffers memory but not values: transformers' own per-module init recomputes them (RoPE's
+    inv_freq: a function of the config, no RNG). Only modules that hold buffers and no parameters are passed
+    to it, so no parameter is drawn there. `_init_weights` is private: canary in tests/test_meta_init.py.
+    """
+    model.to_empty(device=device)
+    if tie and hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives each module its own new tensor
+    owner = next((m for m in model.modules() if hasattr(m, "_init_weights")), None)  # the transformers model
+    for module in model.modules():
+        holds_buffers = next(module.buffers(recurse=False), None) is not None
+        if owner is not None and holds_buffers and next(module.parameters(recurse=False), None) is None:
+            owner._init_weights(module)
+
+
+@torch.no_grad()
 def materialize_full(model: nn.Module, fill: Fill, base_seed: int, device: torch.device) -> None:
     """Allocate `model` (on meta) on `device` and fill every parameter. Tied weights stay tied."""
-    model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty gives each module its own new tensor
+    allocate(model, device)
     for name, param in model.named_parameters():
         param.copy_(full_value(fill, base_seed, name, param.shape))
 
@@ -83,7 +99,7 @@ def materialize_sharded(model: nn.Module, fill: Fill, base_seed: int, device: to
     of the full value `materialize_full` would give. One full parameter at a time exists on a rank."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model.to_empty(device=device)
+    allocate(model, device, tie=False)
     for name, param in model.named_parameters():
         value = full_value(fill, base_seed, name, param.shape)
         if isinstance(param, DTensor):  # src_data_rank=None: every rank slices its own copy, no communication
@@ -114,7 +130,7 @@ def load_full_state_sharded(model: nn.Module, state_dict: Optional[dict], device
     `state_dict` (None on the other ranks), which is broadcast one tensor at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model.to_empty(device=device)
+    allocate(model, device, tie=False)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state_dict or {}, options=options)
 

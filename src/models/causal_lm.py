@@ -1,0 +1,256 @@
+"""Any Hugging Face decoder-only language model as a LightningModule: `AutoModelForCausalLM` built from a model
+type and config fields (`model=llama`, `model=qwen2`, `model=mistral`) or loaded pretrained
+(`model=causal_lm model.pretrained=DIR`); optionally with LoRA or another peft adapter, gradient
+checkpointing and torch.compile. GPT-2 (`model=gpt2`) is one instance of it (src/models/gpt2.py).
+
+The model knows nothing about ranks: strategies shard it from outside, over `blocks()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from src.models import hf, init
+from src.models.base import LitModule
+from src.models.flops import FlopCount, count_flops
+from src.models.loss import TokenMeanLoss, summed_token_loss
+from src.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class CausalLMLitModule(LitModule):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        model_type: Optional[str] = None,
+        config: Optional[dict[str, Any]] = None,
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        scheduler: Optional[Callable[..., Any]] = None,
+        weight_decay: float = 0.1,
+        lr_scaling: str = "none",
+        base_batch_size: int = 32,
+        pretrained: Optional[str] = None,
+        gradient_checkpointing: bool = False,
+        lora: Optional[dict[str, Any]] = None,
+        peft: Optional[Any] = None,
+        compile: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
+        lora = dict(lora or {})
+        use_lora = bool(lora.pop("enabled", False))
+        if use_lora and peft is not None:
+            raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
+        if not pretrained and not model_type:
+            raise ConfigError("model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
+                              "or load one with model.pretrained=DIR_OR_HUB_NAME.")
+        # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
+        # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
+        self._deferred = init.init_is_deferred() and peft is None and not use_lora
+        self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
+        self._pretrained, self._attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
+        if pretrained:  # the checkpoint's shape wins over the config fields
+            config = self.check_pretrained(hf.pretrained_config(pretrained, attn_implementation), seq_len)
+            if self._deferred:  # rank 0 reads the weights when the strategy materialises the shards
+                config.vocab_size = max(vocab_size, config.vocab_size)
+                model = hf.build_on_meta(config)
+            else:
+                model = self._load_pretrained()
+        else:
+            model = hf.build_on_meta(self.new_config(vocab_size, seq_len, model_type, dict(config or {}),
+                                                     attn_implementation))
+            if not self._deferred:
+                init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
+        self.config: PretrainedConfig = model.config
+        self.seq_len = seq_len
+        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile
+        model = self._prepare(model, compile=compile and peft is None and not use_lora)
+        if use_lora:
+            peft = hf.lora_config(**lora, model=model)
+        if peft is not None:
+            model = self._add_adapter(model, peft, seq_len)
+        # Counted now, before a strategy shards the parameters (a DeepSpeed stage-3 parameter has numel 0).
+        base = model.get_base_model() if peft is not None else model
+        inside = {id(p) for p in base.parameters()}
+        prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
+        virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
+        self.flop_count: FlopCount = count_flops(base, hf.decoder_layers(base), prompt, virtual)
+        self.model = model
+        self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+        self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+
+    # ---- what an architecture may decide (src/models/gpt2.py overrides these) ----
+
+    def new_config(self, vocab_size: int, seq_len: int, model_type: str, fields: dict[str, Any],
+                   attn_implementation: str) -> PretrainedConfig:
+        """A config built from `model.model_type` and `model.config` (any field of that architecture's config);
+        the vocabulary comes from the tokenizer and the context from data.seq_len unless the fields set it."""
+        fields = {"max_position_embeddings": seq_len, "bos_token_id": vocab_size - 1, "eos_token_id": vocab_size - 1,
+                  **fields, "vocab_size": vocab_size}
+        config = hf.new_config(model_type, attn_implementation, **fields)
+        if seq_len > hf.context_length(config):
+            raise ConfigError(f"data.seq_len={seq_len} exceeds model.config.max_position_embeddings="
+                              f"{hf.context_length(config)}: raise it or lower data.seq_len.")
+        return config
+
+    def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
+        """One sentence for a pretrained model that cannot take this data."""
+        if seq_len > hf.context_length(config):
+            raise ConfigError(f"data.seq_len={seq_len} exceeds {self._pretrained}'s context of "
+                              f"{hf.context_length(config)}.")
+        if self._vocab_size < config.vocab_size:
+            raise ConfigError(f"The tokenizer has {self._vocab_size} tokens but {self._pretrained} was trained with "
+                              f"{config.vocab_size}: use its own tokenizer (data.tokenizer={self._pretrained}).")
+        return config
+
+    def fill(self, model: torch.nn.Module) -> init.Fill:
+        """Initial values of a model built from a config (src/models/init.py): transformers' default rule."""
+        return hf.standard_fill(model, model.config.initializer_range)
+
+    # ---- building ----
+
+    def _prepare(self, model: PreTrainedModel, compile: bool) -> PreTrainedModel:
+        model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
+        if self._gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
+            model.compile()
+        return model
+
+    def _add_adapter(self, model: PreTrainedModel, peft: Any, seq_len: int) -> torch.nn.Module:
+        """Only the adapter trains; the base weights are frozen."""
+        from peft import get_peft_model
+
+        virtual = getattr(peft, "num_virtual_tokens", 0) or 0  # prompt tuning prepends these to the input
+        if virtual and seq_len + virtual > hf.context_length(model.config):
+            raise ConfigError(f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
+                              f"{hf.context_length(model.config)}; lower data.seq_len.")
+        model = get_peft_model(model, peft)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
+        if self._compile:
+            model.compile()
+        return model
+
+    def _load_pretrained(self) -> PreTrainedModel:
+        """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
+        model = hf.load_pretrained(self._pretrained, self._attn_implementation)
+        if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
+            hf.resize_vocab(model, self._vocab_size, self._base_seed)
+        return model
+
+    def materialize(self, device: torch.device, sharded: bool) -> None:
+        """Give the meta-device model (deferred init) its values: sharded, after fully_shard, each rank makes
+        only its shards, one parameter at a time; pretrained weights are read by rank 0 alone and broadcast."""
+        if not init.has_meta(self.model):
+            return
+        if self._pretrained:
+            rank0 = not sharded or torch.distributed.get_rank() == 0
+            state = self._load_pretrained().state_dict() if rank0 else None
+            if sharded:
+                init.load_full_state_sharded(self.model, state, device)
+            else:
+                init.allocate(self.model, device)
+                self.model.load_state_dict(state)
+        elif sharded:
+            init.materialize_sharded(self.model, self.fill(self.model), self._base_seed, device)
+        else:
+            init.materialize_full(self.model, self.fill(self.model), self._base_seed, device)
+
+    def configure_model(self) -> None:
+        """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
+        Lightning runs this hook inside deepspeed.zero.Init: the model is built again there, each parameter
+        partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
+        model is materialised here."""
+        strategy = self.trainer.strategy
+        if not init.has_meta(self.model) or getattr(strategy, "materializes_shards", False):
+            return
+        if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
+            model = AutoModelForCausalLM.from_config(self.config)
+            init.materialize_zero3(model, self.fill(model), self._base_seed)
+            self.model = self._prepare(model, compile=self._compile)
+        else:
+            self.materialize(torch.device("cpu"), sharded=False)
+
+    # ---- what strategies, callbacks and tools read ----
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The transformers model itself, also when a peft adapter wraps it."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def network(self) -> torch.nn.Module:
+        return self.model
+
+    def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+        layers = hf.decoder_layers(self.hf_model)
+        return [(layers, str(i), block) for i, block in enumerate(layers)]
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of a full seq_len sequence; the convention is in src/models/flops.py."""
+        return self.flop_count.per_token + self.flop_count.per_context * self.seq_len
+
+    def flops_of_batch(self, batch: dict) -> torch.Tensor:
+        """Read by the throughput callback for FLOP/s and MFU: the batch's real tokens only."""
+        return self.flop_count.of_batch(batch)
+
+    # ---- steps ----
+
+    summed_token_loss = staticmethod(summed_token_loss)  # what the pipeline schedule computes on its last stage
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
+        """The model's output; with `labels` (already shifted, see summed_token_loss) its `.loss` is their
+        token mean. Training normalises differently: by the whole optimizer step's targets."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        if labels is not None:
+            loss_sum, n_targets = summed_token_loss(out.logits, labels)
+            out.loss = loss_sum / n_targets
+        return out
+
+    def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the batch's token losses, number of targets)."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                            **self._cache_kwargs()).logits
+        return summed_token_loss(logits, batch["labels"])
+
+    def _cache_kwargs(self) -> dict[str, bool]:
+        """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
+        a copy of each layer's keys and values that nothing reads: 1-3% of a step's wall time on a 2-core CPU
+        (docs/performance.md). Without it transformers checks the position ids for packed sequences instead
+        (masking_utils.find_packed_sequence_indices): a host sync per forward on an accelerator, and under
+        torch.compile, which cannot read the check's result, a full attention mask. So there the cache stays."""
+        return {"use_cache": False} if self.device.type == "cpu" and not self._compile else {}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
+        self.log_train_loss(loss, batch_idx)
+        return self.loss_for_backward(loss)
+
+    def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"train/loss": loss, "train/ppl": torch.exp(loss)}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_metrics["loss"].update(*self._loss_and_count(batch))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.test_metrics["loss"].update(*self._loss_and_count(batch))
+
+    def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
+        loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]
+        self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=stage == "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val", self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test", self.test_metrics)

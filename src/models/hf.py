@@ -1,0 +1,140 @@
+"""Hugging Face decoder-only language models, any architecture `AutoModelForCausalLM` builds: their config
+from a model type or a pretrained dir, the checks that it is a causal LM, their repeated layers, and an
+initialisation that does not depend on how the model is laid out over ranks (src/models/init.py).
+
+Nothing here names an architecture: what differs between GPT-2, Llama, Qwen2 and Mistral is read from the
+model (its `_no_split_modules`, its norm and linear modules, its config). GPT-2's own choices (its init
+scale, Conv1D) are in src/models/gpt2.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+from src.models import init
+from src.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_decoder_only(config: PretrainedConfig, source: str) -> None:
+    """One sentence if `config` is not a decoder-only causal LM (BERT-like encoders have a causal-LM head in
+    transformers too, but are trained as masked LMs; T5-like models are encoder-decoders)."""
+    kind = config.model_type
+    if (kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            or getattr(config, "is_encoder_decoder", False)):
+        raise ConfigError(f"{source} is a {kind!r} model, not a decoder-only causal LM: use a GPT-2, Llama, Qwen2, "
+                          "Mistral or other AutoModelForCausalLM checkpoint.")
+
+
+def pretrained_config(name_or_path: str, attn_implementation: str = "sdpa") -> PretrainedConfig:
+    """The config of a pretrained dir or hub name (no weights read), checked to be a decoder-only LM."""
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
+                          "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
+    check_decoder_only(config, f"model.pretrained={name_or_path!r}")
+    return config
+
+
+def new_config(model_type: str, attn_implementation: str, **fields: Any) -> PretrainedConfig:
+    """A fresh config of `model_type` (gpt2, llama, qwen2, mistral, ...) with `fields` set."""
+    try:
+        config = AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **fields)
+    except ValueError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"model.model_type={model_type!r} is not a model type transformers knows ({first}).") from None
+    check_decoder_only(config, f"model.model_type={model_type!r}")
+    return config
+
+
+def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The whole pretrained model."""
+    pretrained_config(name_or_path, attn_implementation)  # one sentence if it is not a decoder-only LM
+    try:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"model.pretrained={name_or_path!r} has no weights that load ({first}): pass a dir that "
+                          "save_pretrained wrote (config.json + model.safetensors).") from e
+
+
+def build_on_meta(config: PretrainedConfig) -> PreTrainedModel:
+    """The model's modules and shapes on the meta device: no memory, no RNG draws."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def context_length(config: PretrainedConfig) -> int:
+    """The model's position table (GPT-2's n_positions) or RoPE's trained context."""
+    return int(config.max_position_embeddings)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of repeated decoder layers: the ModuleList of the class that transformers itself keeps
+    whole when it splits a model over devices (`_no_split_modules`: GPT2Block, LlamaDecoderLayer, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in names:
+            return module
+    raise ConfigError(f"{type(model).__name__} lists no decoder layers (its _no_split_modules is {sorted(names)}): "
+                      "it cannot be sharded or split; train it with trainer=default or trainer=ddp.")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm and RMSNorm classes, whatever their per-architecture names (transformers' own rule)."""
+    name = type(module).__name__
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name
+
+
+def standard_fill(model: nn.Module, std: float) -> init.Fill:
+    """transformers' default initialisation (PreTrainedModel._init_weights, which Llama, Qwen2 and Mistral use):
+    N(0, std) for linear and embedding weights, ones for norm gains, zeros for biases; drawn per parameter.
+    The parameter's kind is read from its module in `model`, so the rule holds for any architecture."""
+    norms = {f"{prefix}.{name}" if prefix else name
+             for prefix, module in model.named_modules() if is_norm(module)
+             for name, _ in module.named_parameters(recurse=False)}
+
+    def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if name.endswith(".bias"):
+            tensor.zero_()
+        elif name in norms:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+
+    return fill
+
+
+def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int) -> None:
+    """Embeddings (and an untied head) resized for tokens added to the tokenizer; the new rows are drawn from
+    base_seed, so every rank and every build path gets the same, and the global RNG is left alone."""
+    log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base_seed)
+        model.resize_token_embeddings(vocab_size)
+
+
+def lora_config(r: int, alpha: int, dropout: float, target_modules: Optional[list[str]], model: nn.Module):
+    """peft's LoraConfig; target_modules=None: peft's default for the architecture (GPT-2: c_attn; Llama, Qwen2,
+    Mistral: q_proj, v_proj). Names the model does not have are one sentence listing the ones it has."""
+    from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, (nn.Linear, Conv1D)) and name})
+    missing = [t for t in target_modules or [] if t not in linear]
+    if missing:
+        raise ConfigError(f"model.lora.target_modules={list(target_modules)} names {missing}, which "
+                          f"{type(model).__name__} does not have: pick from {linear}.")
+    fan_in_fan_out = any(isinstance(m, Conv1D) for m in model.modules())  # GPT-2 stores its weights transposed
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out,
+                      target_modules=list(target_modules) if target_modules else None)

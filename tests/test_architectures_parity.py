@@ -1,0 +1,53 @@
+"""Llama (grouped-query attention, untied head), Qwen2 (q/k/v biases, tied) and Mistral (a sliding window shorter
+than the sequence): N ranks == 1 process under every strategy that reaches them, losses at every step and final
+parameters within 1e-5 (fp32), through train.py as a real subprocess, as tests/test_parity.py does for GPT-2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from test_fsdp import last_ckpt, train_sharded
+from test_parity import assert_same_series, max_param_diff, train
+
+pytestmark = pytest.mark.slow
+
+SHAPE = ["model.config.hidden_size=32", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+         "model.config.num_key_value_heads=2", "model.config.intermediate_size=64"]
+RUN = ["data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), "data.seq_len=32",
+       "data.global_batch_size=8", "trainer.max_steps=6", "trainer.val_check_interval=6", "test=false",
+       "model.scheduler.num_warmup_steps=2",
+       "trainer.gradient_clip_val=0.05"]  # below the gradient norms: every step clips by the whole model's norm
+ARCHS = {"llama": ["model=llama", *SHAPE], "qwen2": ["model=qwen2", *SHAPE],
+         "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"]}
+STRATEGIES = {"ddp": ["trainer=ddp", "trainer.devices=2"], "fsdp": ["trainer=fsdp", "trainer.devices=2"],
+              "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]}
+CASES = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp")]
+
+
+@pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in CASES])
+def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
+    one = reference(ARCHS[arch] + RUN)
+    args = ARCHS[arch] + RUN + STRATEGIES[strategy]
+    if strategy == "ddp":
+        run = train(tmp_path, strategy, args)
+        params = run["params"]
+    else:  # a sharded checkpoint dir (DCP), read back whole
+        run = train_sharded(tmp_path, strategy, args)
+        params = load_checkpoint(last_ckpt(tmp_path, strategy))["state_dict"]
+    assert_same_series(one, run, "train/loss", 1e-5)
+    assert_same_series(one, run, "val/loss", 1e-5)
+    assert len(run["scalars"]["train/loss"]) == 6
+    assert max_param_diff(one["params"], params) <= 1e-5
+    if strategy == "tp":  # transformers' layout, so the export loads as it is, and gives the template's logits
+        from transformers import AutoModelForCausalLM
+
+        ckpt = last_ckpt(tmp_path, strategy)
+        hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
+        module, _ = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": one["params"]})
+        ids = torch.randint(0, 257, (2, 32))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)

@@ -25,7 +25,13 @@ ARCHS = {"llama": ["model=llama", *SHAPE], "qwen2": ["model=qwen2", *SHAPE],
          "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"]}
 STRATEGIES = {"ddp": ["trainer=ddp", "trainer.devices=2"], "fsdp": ["trainer=fsdp", "trainer.devices=2"],
               "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]}
-CASES = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp")]
+# 2 stages of 1 layer, 4 micro-batches; the pipeline clips in its own step, by the same norm
+PIPELINE = ["trainer=pipeline", "trainer.strategy.schedule=1F1B", "trainer.gradient_clip_val=null",
+            "trainer.strategy.gradient_clip_val=0.05"]
+STRATEGIES["pipeline"] = PIPELINE + ["trainer.devices=2"]
+STRATEGIES["pipeline_tp"] = PIPELINE + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+CASES = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp"),
+                                                                                   ("mistral", "pipeline")]
 
 
 @pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in CASES])

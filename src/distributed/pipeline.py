@@ -1,8 +1,9 @@
-"""Pipeline parallelism (torch.distributed.pipelining) applied to GPT-2 from outside it, in one place.
+"""Pipeline parallelism (torch.distributed.pipelining) applied to a decoder LM from outside it, in one place.
 
-Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF GPT-2
-into `pipeline_parallel_size x stages_per_rank` stages of equal block counts (stage 0 = wte + wpe +
-drop + its blocks; the last stage = its blocks + ln_f + lm_head), removes from this rank's copy every
+Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF model
+into `pipeline_parallel_size x stages_per_rank` stages of equal layer counts (stage 0 = the embeddings +
+its layers; the last stage = its layers + the final norm + the LM head; src/distributed/pipeline_stages.py
+reads them from transformers' pipeline plan, or GPT-2's adapter), removes from this rank's copy every
 module it does not hold (so its parameters, optimizer and checkpoint shard are its stages' only, under
 the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of a pipeline group holds
 stages r, r + P, r + 2P, ... (the order the interleaved schedule expects).
@@ -11,9 +12,11 @@ Exactness (each checked against one process in tests/test_pipeline.py):
 * loss: every micro-batch's loss is its *summed* token cross-entropy times 1/N, N = the target tokens of
   the whole global batch, with scale_grads=False: the gradients are those of the global token mean,
   also with -100 labels (a per-micro-batch mean would weight micro-batches wrongly);
-* tied weights: GPT-2's lm_head is wte; the first and last stages each hold a copy, so their gradients
-  are summed over those two ranks (else each copy would learn half and they drift apart);
-* attention: GPT-2 blocks called without a mask are causal only under SDPA, so eager gets the causal mask.
+* tied weights (GPT-2, Qwen2's small sizes: lm_head is the token embedding): the first and last stages each
+  hold a copy, so their gradients are summed over those two ranks (else each copy would learn half and they
+  drift apart); untied models (Llama) sum nothing;
+* attention: layers called without a mask are causal only under SDPA, so eager (and sliding windows) get
+  an explicit mask.
 
 With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
 (src/distributed/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
@@ -35,7 +38,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import ScheduleLoopedBFS
 from torch.distributed.tensor import DTensor
 
+from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
 from src.utils.config import ConfigError
+from src.utils.hf_config import architecture
 
 log = logging.getLogger(__name__)
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
@@ -57,22 +62,24 @@ def check_config(cfg: DictConfig) -> None:
     if schedule == "1F1B" and m < pp:
         raise ConfigError(f"trainer.strategy.n_microbatches={m} is fewer than the {pp} pipeline stages, which 1F1B "
                           f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%).")
-    if not str(OmegaConf.select(cfg, "model._target_", default="")).endswith("GPT2LitModule"):
-        raise ConfigError("trainer=pipeline splits GPT-2 models only (model=gpt2).")
-    n_layer = OmegaConf.select(cfg, "model.n_layer")
-    if not OmegaConf.select(cfg, "model.pretrained") and n_layer % (pp * v):
-        raise ConfigError(f"model.n_layer={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
-                          f"{v} = {pp * v} stages of equal size: pick n_layer as a multiple of {pp * v}.")
+    config = architecture(cfg.model)
+    if config is None:
+        raise ConfigError("trainer=pipeline splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or "
+                          "causal_lm), and this model is not one.")
+    stage_class(config)  # one sentence for a model without a pipeline plan
+    n_layer = config.num_hidden_layers
+    if n_layer % (pp * v):
+        key = "model.n_layer" if "n_layer" in cfg.model else "model.config.num_hidden_layers"
+        raise ConfigError(f"{key}={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
+                          f"{v} = {pp * v} stages of equal size: pick a layer count that is a multiple of {pp * v}.")
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
     if tp > 1:
-        from src.distributed.tensor_parallel import check_divisible
-        from src.utils.hf_config import architecture
+        from src.distributed.tensor_parallel import check_divisible, check_plan
 
-        config = architecture(cfg.model)
-        if config is not None:
-            check_divisible(config, tp)
+        check_plan(config)
+        check_divisible(config, tp)
     unsupported = [(key, value) for key, value in (
         ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
         ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
@@ -110,54 +117,10 @@ def squared_norm(grad: torch.Tensor) -> torch.Tensor:
     return squares.full_tensor() if isinstance(squares, DTensor) else squares
 
 
-class GPT2Stage(nn.Module):
-    """Blocks [lo, hi) of a GPT2LMHeadModel, led by the embeddings (first stage) or followed by ln_f + lm_head (last)."""
-
-    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
-        super().__init__()
-        t = hf.transformer
-        self.first, self.last = first, last
-        self.blocks = nn.ModuleList(t.h[lo:hi])
-        self.embed = nn.ModuleDict({"wte": t.wte, "wpe": t.wpe, "drop": t.drop}) if first else None
-        self.head = nn.ModuleDict({"ln_f": t.ln_f, "lm_head": hf.lm_head}) if last else None
-        self.eager = getattr(hf.config, "_attn_implementation", "sdpa") == "eager"  # HF's own field for the choice
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # as GPT2Model.forward: token + position embeddings, then dropout
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            x = self.embed["drop"](self.embed["wte"](x) + self.embed["wpe"](positions))
-        mask = None  # SDPA without a mask is causal (is_causal); eager adds this mask to its scores
-        if self.eager:
-            t = x.shape[1]
-            mask = torch.full((t, t), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)[None, None]
-        for block in self.blocks:
-            x = block(x, None, mask)
-        if self.last:
-            x = self.head["lm_head"](self.head["ln_f"](x))
-        return x
-
-
-def stage_ranges(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    per = n_layer // n_stages
-    return [(i * per, (i + 1) * per) for i in range(n_stages)]
-
-
-def _prune(hf: nn.Module, keep: set[int], first: bool, last: bool) -> None:
-    """Drop what this rank does not hold; the kept modules keep their names (model.transformer.h.3...)."""
-    t = hf.transformer
-    for i in range(len(t.h)):
-        if i not in keep:
-            t.h[i] = nn.Identity()
-    if not first:
-        t.wte, t.wpe = None, None
-    if not last:
-        t.ln_f, hf.lm_head = None, None
-
-
 class Pipeline:
     """This rank's stages and the schedules that run them, for training and for evaluation."""
 
-    def __init__(self, stages: list[GPT2Stage], indices: list[int], n_stages: int, mesh: DeviceMesh, schedule: str,
+    def __init__(self, stages: list[nn.Module], indices: list[int], n_stages: int, mesh: DeviceMesh, schedule: str,
                  n_microbatches: int, device: torch.device, token_loss) -> None:
         self.token_loss = token_loss  # (logits, labels) -> (sum of token losses, targets): the module's own
         self.modules, self.indices, self.n_stages = stages, indices, n_stages
@@ -170,6 +133,7 @@ class Pipeline:
         self.scale = 1.0  # 1 / target tokens of the global batch while training; 1 in evaluation
         self._schedules: dict[tuple, object] = {}
         self.tie_group = self._tie_group(mesh)
+        self.tied = bool(getattr(stages[0], "tied", False))
 
     @staticmethod
     def _tie_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
@@ -223,13 +187,10 @@ class Pipeline:
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
     def tied_parameters(self) -> list[nn.Parameter]:
-        """This rank's copy of the tied wte/lm_head weight (first or last stage), if it holds one."""
-        found = []
-        for mod in self.modules:
-            if mod.first:
-                found.append(mod.embed["wte"].weight)
-            if mod.last:
-                found.append(mod.head["lm_head"].weight)
+        """This rank's copy of the tied input/output embedding (first or last stage), if the model ties them."""
+        if not self.tied:
+            return []
+        found = [m.weight for mod in self.modules for m in (mod.input_embedding(), mod.output_embedding()) if m is not None]
         return list({id(p): p for p in found}.values())
 
     def sync_grads(self, params: list[nn.Parameter]) -> None:
@@ -250,7 +211,7 @@ class Pipeline:
     def clip_grads(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, as torch.nn.utils.clip_grad_norm_ on one process:
         squares summed over this pipeline group's stages, the tied weight counted once (on the first stage)."""
-        skip = {id(mod.head["lm_head"].weight) for mod in self.modules if mod.last and not self.has_first}
+        skip = {id(mod.output_embedding().weight) for mod in self.modules if mod.last and self.tied and not self.has_first}
         squares = sum((squared_norm(p.grad) for p in params if p.grad is not None and id(p) not in skip),
                       torch.zeros((), dtype=torch.float64, device=self.device))
         dist.all_reduce(squares, group=self.group)
@@ -265,25 +226,29 @@ class Pipeline:
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int,
                 device: torch.device) -> Pipeline:
-    """Split `module` (a GPT2LitModule) into this rank's stages, in place; return the Pipeline that runs them."""
+    """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank
-    n_layer = len(hf.transformer.h)
+    layers = module.blocks()[0][0]  # the model's decoder-layer list (the parent of every block)
+    n_layer = len(layers)
     if n_layer % n_stages:
-        raise ConfigError(f"model.n_layer={n_layer} does not divide into {n_stages} pipeline stages of equal size: "
-                          f"pick n_layer as a multiple of {n_stages}.")
+        raise ConfigError(f"The model's {n_layer} layers do not divide into {n_stages} pipeline stages of equal size: "
+                          f"pick a layer count that is a multiple of {n_stages}.")
     rank = pp.get_local_rank()
     indices = [rank + k * pp.size() for k in range(stages_per_rank)]
     ranges = stage_ranges(n_layer, n_stages)
-    stages = [GPT2Stage(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
+    make = stage_class(hf.config)
+    stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
+    for stage in stages:
+        stage.tied = bool(getattr(hf.config, "tie_word_embeddings", False))  # the first and last stage hold copies
     keep = {b for i in indices for b in range(*ranges[i])}
-    _prune(hf, keep, first=0 in indices, last=n_stages - 1 in indices)
+    prune(hf, layers, keep, first=0 in indices, last=n_stages - 1 in indices)
     tp = mesh["tensor_parallel"]
     if tp.size() > 1:  # then each stage's blocks split over the tensor-parallel ranks (as trainer=tp does)
         from src.distributed.tensor_parallel import parallelize as split_blocks
 
-        split_blocks(module, tp, blocks=[hf.transformer.h[b] for b in sorted(keep)])
+        split_blocks(module, tp, blocks=[layers[b] for b in sorted(keep)])
     log.info(f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
              f"{n_microbatches} micro-batches; this rank holds stages {indices}")
     return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.summed_token_loss)

@@ -30,14 +30,21 @@ PIPELINE = ["trainer=pipeline", "trainer.strategy.schedule=1F1B", "trainer.gradi
             "trainer.strategy.gradient_clip_val=0.05"]
 STRATEGIES["pipeline"] = PIPELINE + ["trainer.devices=2"]
 STRATEGIES["pipeline_tp"] = PIPELINE + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+# ZeRO-3 through the tests' CPU DeepSpeed strategy (tests/helpers/deepspeed_cpu.py)
+STRATEGIES["zero3"] = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+                       "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.stage=3"]
+# LoRA (peft's default projections for the architecture) under FSDP2, against LoRA in one process
+LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0"]
+STRATEGIES["fsdp_lora"] = ["trainer=fsdp", "trainer.devices=2"]
 CASES = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp"),
                                                                                    ("mistral", "pipeline")]
 
 
 @pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in CASES])
 def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
-    one = reference(ARCHS[arch] + RUN)
-    args = ARCHS[arch] + RUN + STRATEGIES[strategy]
+    lora = LORA if strategy.endswith("lora") else []
+    one = reference(ARCHS[arch] + RUN + lora)
+    args = ARCHS[arch] + RUN + lora + STRATEGIES[strategy]
     if strategy == "ddp":
         run = train(tmp_path, strategy, args)
         params = run["params"]
@@ -48,6 +55,8 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     assert_same_series(one, run, "val/loss", 1e-5)
     assert len(run["scalars"]["train/loss"]) == 6
     assert max_param_diff(one["params"], params) <= 1e-5
+    if lora:  # the adapter did train (its B starts at zero), the base did not move
+        assert any(t.abs().max() > 0 for name, t in params.items() if "lora_B" in name)
     if strategy == "tp":  # transformers' layout, so the export loads as it is, and gives the template's logits
         from transformers import AutoModelForCausalLM
 

@@ -5,6 +5,7 @@
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
+    python -m bench.throughput --model llama --ways template,raw,hf      # Llama (qwen2, mistral) of each shape
     python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
                                                       # as it comes (no biases) and with GPT-2's biases
 
@@ -40,6 +41,18 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer k
     "overhead": (1, 1, 16, 16, 2),  # next to no compute: the step time is the loop's own cost per step
 }
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
+MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
+
+
+def arch_fields(model: str, shape: str) -> dict:
+    """A SHAPES entry as the fields of `model`'s transformers config: for Llama-like models half as many key/value
+    heads as query heads (GQA) and a SwiGLU MLP of 11/4 the width, as conf/model/llama.yaml's tiny preset."""
+    layers, heads, width, ctx, batch = SHAPES[shape]
+    if model == "gpt2":
+        return {"n_layer": layers, "n_head": heads, "n_embd": width}
+    return {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": heads // 2 if heads % 2 == 0 else heads, "intermediate_size": 11 * width // 4,
+            "tie_word_embeddings": model == "qwen2"}
 
 
 def clock() -> float:
@@ -71,11 +84,11 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
 
 
 def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true",
-                   activation: str = "gelu_pytorch_tanh"):
-    """The token data and a freshly initialized GPT-2; attn "auto": the kernel train.py would pick;
-    activation: the template's (conf/model/gpt2.yaml), or GPT2Config's own default, gelu_new."""
+                   activation: str = "gelu_pytorch_tanh", model_type: str = "gpt2"):
+    """The token data and a freshly initialized model (GPT-2 unless `model_type`); attn "auto": the kernel
+    train.py would pick; activation (GPT-2): the template's (conf/model/gpt2.yaml), or GPT2Config's own, gelu_new."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from src.datamodules.text import TextDataModule
 
@@ -87,6 +100,12 @@ def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: st
     dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
     dm.setup()
     torch.manual_seed(0)
+    if model_type != "gpt2":
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            model_type, vocab_size=dm.vocab_size, max_position_embeddings=ctx, attn_implementation=attn,
+            **arch_fields(model_type, shape)))
+        model.loss_type = "ForCausalLM"
+        return dm, model
     model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
                                        n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        attn_implementation=attn, activation_function=activation))
@@ -109,12 +128,13 @@ def param_groups(model):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto") -> list[list[float]]:
+def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto",
+             model_type: str = "gpt2") -> list[list[float]]:
     """The minimal PyTorch loop; per step, the times at which it has its batch, ends forward, ends
     backward and ends the optimizer step, after a start time (bench.step_breakdown reads the phases)."""
     import torch
 
-    dm, model = data_and_model(shape, cache_dir, attn, precision)
+    dm, model = data_and_model(shape, cache_dir, attn, precision, model_type=model_type)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)  # as the template's default
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     batches, times = iter(dm.train_dataloader()), []
@@ -139,7 +159,7 @@ def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str =
 
 
 def run_raw(args) -> None:
-    times = raw_loop(args.shape, args.cache_dir, args.precision, args.steps)
+    times = raw_loop(args.shape, args.cache_dir, args.precision, args.steps, model_type=args.model)
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
@@ -162,7 +182,7 @@ def run_hf(args, defaults: bool = False) -> None:
 
     precision = "32-true" if defaults else args.precision
     dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision,
-                               activation=args.hf_activation)
+                               activation=args.hf_activation, model_type=args.model)
     times = []
 
     class Timer(TrainerCallback):
@@ -181,8 +201,9 @@ def run_hf(args, defaults: bool = False) -> None:
 
 def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
     layers, heads, width, ctx, batch = SHAPES[args.shape]
-    return [sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
-            f"data.seq_len={ctx}", f"data.global_batch_size={batch}", f"trainer.max_steps={args.steps}",
+    prefix = "model." if args.model == "gpt2" else "model.config."
+    shape = [f"model={args.model}", *(f"{prefix}{k}={v}" for k, v in arch_fields(args.model, args.shape).items())]
+    return [sys.executable, "train.py", *shape, f"data.seq_len={ctx}", f"data.global_batch_size={batch}", f"trainer.max_steps={args.steps}",
             f"trainer.precision={args.precision}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
             "trainer.enable_progress_bar=false", "test=false", "optimized_metric=null", "logger=none",
             "callbacks=none", "extras.print_config=false", "model.scheduler=null",
@@ -204,6 +225,7 @@ def main() -> None:
     ap.add_argument("--nanogpt", action="store_true",
                     help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
                          "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)")
+    ap.add_argument("--model", default="gpt2", choices=MODELS, help="the architecture every way trains")
     ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
     ap.add_argument("--hf-activation", default="gelu_new",
                     help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
@@ -237,12 +259,12 @@ def main() -> None:
                     cmd = [
                         sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
                         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
-                        f"--hf-activation={args.hf_activation}",
+                        f"--hf-activation={args.hf_activation}", f"--model={args.model}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}"]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
-    print(f"precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
+    print(f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
           f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}")
     print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():

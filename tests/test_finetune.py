@@ -13,6 +13,7 @@ from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import load_tokenizer
 from src.models.gpt2 import GPT2LitModule
+from src.utils.config import ConfigError
 
 
 def test_masking_is_exact_token_by_token():
@@ -166,7 +167,10 @@ def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
     assert dm.vocab_size == 50259
     ids = dm.tokenizer.encode_batch(["<|user|> hello"])[0].tolist()
     assert ids[0] == 50257 and len(ids) == 2  # one new id, not pieces of BPE
-    module = GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), **dm.model_kwargs)
+    with pytest.raises(ConfigError, match="tokenizer has 50259 tokens and .* embeddings 50257: set "
+                                          "model.resize_embeddings=true"):
+        GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), **dm.model_kwargs)
+    module = GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), resize_embeddings=True, **dm.model_kwargs)
     assert module.hf_model.get_input_embeddings().num_embeddings == 50259
     with pytest.raises(ValueError, match="byte tokenizer"):
         load_tokenizer("bytes", ["<|user|>"])

@@ -41,6 +41,7 @@ class CausalLMLitModule(LitModule):
         peft: Optional[Any] = None,
         compile: bool = False,
         attn_implementation: str = "sdpa",
+        resize_embeddings: bool = False,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -55,6 +56,7 @@ class CausalLMLitModule(LitModule):
         self._deferred = init.init_is_deferred() and peft is None and not use_lora
         self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
         self._pretrained, self._attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
+        self._resize_embeddings = resize_embeddings
         if pretrained:  # the checkpoint's shape wins over the config fields
             config = self.check_pretrained(hf.pretrained_config(pretrained, attn_implementation), seq_len)
             if self._deferred:  # rank 0 reads the weights when the strategy materialises the shards
@@ -108,6 +110,10 @@ class CausalLMLitModule(LitModule):
         if self._vocab_size < config.vocab_size:
             raise ConfigError(f"The tokenizer has {self._vocab_size} tokens but {self._pretrained} was trained with "
                               f"{config.vocab_size}: use its own tokenizer (data.tokenizer={self._pretrained}).")
+        if self._vocab_size > config.vocab_size and not self._resize_embeddings:
+            raise ConfigError(f"The tokenizer has {self._vocab_size} tokens and {self._pretrained}'s embeddings "
+                              f"{config.vocab_size}: set model.resize_embeddings=true to add rows for the new tokens, "
+                              f"or use the model's own tokenizer (data.tokenizer={self._pretrained}).")
         return config
 
     def fill(self, model: torch.nn.Module) -> init.Fill:

@@ -4,6 +4,7 @@ parameters within 1e-5 (fp32), through train.py as a real subprocess, as tests/t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,8 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     lora = LORA if strategy.endswith("lora") else []
     one = reference(ARCHS[arch] + RUN + lora)
     args = ARCHS[arch] + RUN + lora + STRATEGIES[strategy]
+    if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
+        args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
     if strategy == "ddp":
         run = train(tmp_path, strategy, args)
         params = run["params"]
@@ -57,6 +60,16 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     assert max_param_diff(one["params"], params) <= 1e-5
     if lora:  # the adapter did train (its B starts at zero), the base did not move
         assert any(t.abs().max() > 0 for name, t in params.items() if "lora_B" in name)
+    if strategy in ("tp", "pipeline"):  # src.tools.memory counts the fullest rank's parameters exactly
+        from src.tools.memory import config_rank_params
+
+        ckpt = last_ckpt(tmp_path, strategy)
+        config = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": one["params"]})[0].config
+        psi = config_rank_params(config, **{"tensor_parallel" if strategy == "tp" else "pipeline_parallel": 2})
+        measured = [json.loads((ckpt.parent.parent / f"state_bytes_rank{r}.json").read_text()) for r in (0, 1)]
+        assert psi < sum(t.numel() for t in one["params"].values())  # the split saves something
+        assert max(m["params"] for m in measured) == 4 * psi  # fp32
+        assert max(m["optimizer"] for m in measured) == 8 * psi  # Adam's m and v
     if strategy == "tp":  # transformers' layout, so the export loads as it is, and gives the template's logits
         from transformers import AutoModelForCausalLM
 

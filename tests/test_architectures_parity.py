@@ -79,12 +79,29 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
         assert psi < sum(t.numel() for t in one["params"].values())  # the split saves something
         assert max(m["params"] for m in measured) == 4 * psi  # fp32
         assert max(m["optimizer"] for m in measured) == 8 * psi  # Adam's m and v
-    if strategy == "tp":  # transformers' layout, so the export loads as it is, and gives the template's logits
-        from transformers import AutoModelForCausalLM
+    if strategy in ("tp", "pipeline", "pipeline_tp", "fsdp_lora"):  # HF's layout: the export loads as it is
+        assert_export_gives_the_templates_logits(tmp_path, last_ckpt(tmp_path, strategy), one["params"])
 
-        ckpt = last_ckpt(tmp_path, strategy)
-        hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf")).eval()
-        module, _ = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": one["params"]})
-        ids = torch.randint(0, 257, (2, 32))
+
+def assert_export_gives_the_templates_logits(tmp_path: Path, ckpt: Path, params: dict) -> None:
+    """export-hf of a sharded checkpoint loads with AutoModelForCausalLM in this process and gives the logits of the
+    template's module holding the 1-process run's weights; a LoRA adapter loads with PeftModel onto the base."""
+    from transformers import AutoModelForCausalLM
+
+    out = export_hf(ckpt, tmp_path / "hf")
+    module, _ = build_module({"config": load_checkpoint(ckpt)["config"], "state_dict": params})
+    ids = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        expected = module(ids).logits
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, expected,
+                                   atol=1e-5, rtol=1e-5)
+    if (out / "adapter").is_dir():
+        from peft import PeftModel
+
+        base = module.hf_model  # the adapter's base weights (frozen, equal to the start's), the adapter removed
+        base = AutoModelForCausalLM.from_config(base.config)
+        base.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                              for k, v in module.model.state_dict().items() if "lora_" not in k})
         with torch.no_grad():
-            torch.testing.assert_close(hf(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+            adapted = PeftModel.from_pretrained(base, out / "adapter").eval()(ids).logits
+        torch.testing.assert_close(adapted, expected, atol=1e-5, rtol=1e-5)

@@ -42,6 +42,7 @@ class CausalLMLitModule(LitModule):
         compile: bool = False,
         attn_implementation: str = "sdpa",
         resize_embeddings: bool = False,
+        tokenizer: Optional[str] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -56,7 +57,7 @@ class CausalLMLitModule(LitModule):
         self._deferred = init.init_is_deferred() and peft is None and not use_lora
         self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
         self._pretrained, self._attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
-        self._resize_embeddings = resize_embeddings
+        self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
         if pretrained:  # the checkpoint's shape wins over the config fields
             config = self.check_pretrained(hf.pretrained_config(pretrained, attn_implementation), seq_len)
             if self._deferred:  # rank 0 reads the weights when the strategy materialises the shards
@@ -150,7 +151,7 @@ class CausalLMLitModule(LitModule):
         """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
         model = hf.load_pretrained(self._pretrained, self._attn_implementation)
         if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
-            hf.resize_vocab(model, self._vocab_size, self._base_seed)
+            hf.resize_vocab(model, self._vocab_size, self._base_seed, self._tokenizer)
         return model
 
     def materialize(self, device: torch.device, sharded: bool) -> None:

@@ -114,13 +114,34 @@ def standard_fill(model: nn.Module, std: float) -> init.Fill:
     return fill
 
 
-def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int) -> None:
+def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int, tokenizer: Optional[str] = None) -> None:
     """Embeddings (and an untied head) resized for tokens added to the tokenizer; the new rows are drawn from
-    base_seed, so every rank and every build path gets the same, and the global RNG is left alone."""
-    log.info(f"Resizing the embeddings from {model.config.vocab_size} to {vocab_size} tokens")
+    base_seed, so every rank and every build path gets the same, and the global RNG is left alone. A tokenizer
+    extended by src.tools.vocab records the base tokens each new one replaces: its rows start as their mean."""
+    import json
+    from pathlib import Path
+
+    old = model.config.vocab_size
+    log.info(f"Resizing the embeddings from {old} to {vocab_size} tokens")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(base_seed)
         model.resize_token_embeddings(vocab_size)
+    record = Path(tokenizer or "") / "vocab_extension.json"
+    if not tokenizer or not record.is_file():
+        return
+    extension = json.loads(record.read_text(encoding="utf-8"))
+    if extension["base_vocab_size"] != old:
+        raise ConfigError(f"{tokenizer} extends a tokenizer of {extension['base_vocab_size']} tokens and the model has "
+                          f"{old} embeddings: extend the model's own tokenizer (src.tools.vocab extend --tokenizer).")
+    tables = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not tables[0]:
+        tables.append(head.weight)  # an untied head: its new rows likewise
+    with torch.no_grad():
+        for table in tables:
+            for new_id, base_ids in extension["pieces"].items():
+                table[int(new_id)] = table[base_ids].mean(dim=0)
+    log.info(f"{len(extension['pieces'])} new embedding rows start as the mean of the base tokens they replace")
 
 
 def lora_config(r: int, alpha: int, dropout: float, target_modules: Optional[list[str]], model: nn.Module):

@@ -189,3 +189,29 @@ def test_tensor_parallel_config_errors_name_the_architectures_numbers(tmp_path, 
     with pytest.raises(ConfigError) as error:
         check_values(cfg)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gradient_checkpointing_and_a_padded_batch_change_no_numbers(arch):
+    """Recomputing each layer in backward gives the same loss and gradients; a right-padded batch (instruction
+    data: attention_mask zeros, labels -100) gives each row the loss it has alone."""
+    ids = torch.randint(0, V, (2, T))
+    grads = []
+    for gc in (False, True):
+        torch.manual_seed(0)
+        module = build(arch, gradient_checkpointing=gc)
+        module.train()
+        loss = module(ids, ids).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in module.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)
+    module.eval()
+    short = ids[1, :20]
+    padded = torch.cat([short, torch.zeros(T - 20, dtype=torch.long)])[None]
+    labels = torch.cat([short[1:], torch.full((T - 19,), -100)])[None]
+    mask = (torch.arange(T) < 20).long()[None]
+    with torch.no_grad():
+        alone = module(short[None], labels[:, :20]).loss
+        torch.testing.assert_close(module(padded, labels, attention_mask=mask).loss, alone)

@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from src.callbacks.generate_text import GenerateText
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError
-from test_model import IdsTokenizer, greedy_by_full_forwards
+from test_model import assert_batched_generation_is_the_oracles
 
 V, T = 257, 32
 SHAPE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -121,11 +120,7 @@ def test_left_padded_prompts_complete_as_greedy_full_forwards(arch):
     with torch.no_grad():  # large random weights: the next token depends on every position
         for p in model.parameters():
             p.normal_(0.0, 0.5)
-    prompts, tok = ["def ", "import os\n", "x"], IdsTokenizer()
-    together = GenerateText(prompts=prompts, max_new_tokens=10).generate(model, tok)
-    model.eval()
-    oracle = [greedy_by_full_forwards(model, tok, prompt, 10) for prompt in prompts]
-    assert together == oracle and len({completion for _, completion in oracle}) >= 2, (together, oracle)
+    assert_batched_generation_is_the_oracles(model)
 
 
 def test_lora_defaults_to_the_architectures_projections_and_names_what_a_model_has():
@@ -195,19 +190,11 @@ def test_tensor_parallel_config_errors_name_the_architectures_numbers(tmp_path, 
 def test_gradient_checkpointing_and_a_padded_batch_change_no_numbers(arch):
     """Recomputing each layer in backward gives the same loss and gradients; a right-padded batch (instruction
     data: attention_mask zeros, labels -100) gives each row the loss it has alone."""
+    from test_finetune import assert_checkpointing_changes_no_numbers
+
+    assert_checkpointing_changes_no_numbers(lambda gc: build(arch, gradient_checkpointing=gc))
+    module = build(arch).eval()
     ids = torch.randint(0, V, (2, T))
-    grads = []
-    for gc in (False, True):
-        torch.manual_seed(0)
-        module = build(arch, gradient_checkpointing=gc)
-        module.train()
-        loss = module(ids, ids).loss
-        loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in module.parameters()]))
-    torch.testing.assert_close(grads[0][0], grads[1][0])
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b)
-    module.eval()
     short = ids[1, :20]
     padded = torch.cat([short, torch.zeros(T - 20, dtype=torch.long)])[None]
     labels = torch.cat([short[1:], torch.full((T - 19,), -100)])[None]

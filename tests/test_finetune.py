@@ -68,7 +68,9 @@ def test_pretrained_weights_load_and_give_the_same_logits():
     ids = torch.randint(0, 50257, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(module(ids).logits, reference(ids).logits)
-    bigger = GPT2LitModule(vocab_size=50260, seq_len=64, pretrained=path)  # 3 new special tokens
+    with pytest.raises(ValueError, match="50260 tokens .* 50257: set model.resize_embeddings=true"):
+        GPT2LitModule(vocab_size=50260, seq_len=64, pretrained=path)  # 3 new special tokens, no resize asked for
+    bigger = GPT2LitModule(vocab_size=50260, seq_len=64, pretrained=path, resize_embeddings=True)
     assert bigger.hf_model.get_input_embeddings().weight.shape[0] == 50260
     with pytest.raises(ValueError, match="exceeds"):
         GPT2LitModule(vocab_size=50257, seq_len=2048, pretrained=path)
@@ -176,12 +178,13 @@ def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
         load_tokenizer("bytes", ["<|user|>"])
 
 
-def test_gradient_checkpointing_changes_memory_not_math():
+def assert_checkpointing_changes_no_numbers(build) -> None:
+    """build(gradient_checkpointing) -> a module: the same loss and gradients with the layers recomputed."""
     ids = torch.randint(0, 257, (2, 32))
     grads = []
     for gc in (False, True):
         torch.manual_seed(0)
-        module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=32, gradient_checkpointing=gc)
+        module = build(gc)
         module.train()
         loss = module(ids, ids).loss
         loss.backward()
@@ -189,6 +192,11 @@ def test_gradient_checkpointing_changes_memory_not_math():
     torch.testing.assert_close(grads[0][0], grads[1][0])
     for a, b in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(a, b)
+
+
+def test_gradient_checkpointing_changes_memory_not_math():
+    assert_checkpointing_changes_no_numbers(lambda gc: GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2,
+                                                                     n_embd=32, gradient_checkpointing=gc))
 
 
 # ---- debug=overfit: data.overfit_batches, sharded like any run ----

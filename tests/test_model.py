@@ -89,6 +89,11 @@ def test_prompts_generated_together_under_a_peft_adapter_complete_as_greedy_full
     with torch.no_grad():  # large random weights, adapters too: the next token depends on every position
         for p in model.parameters():
             p.normal_(0.0, 0.5)
+    assert_batched_generation_is_the_oracles(model)
+
+
+def assert_batched_generation_is_the_oracles(model) -> None:
+    """GenerateText's one left-padded batch of prompts of different lengths == greedy_by_full_forwards of each."""
     prompts, tok = ["def ", "import os\n", "x"], IdsTokenizer()
     together = GenerateText(prompts=prompts, max_new_tokens=10).generate(model, tok)
     model.eval()

@@ -66,7 +66,7 @@ class GenerateText(L.Callback):
     def generate(self, model: torch.nn.Module, tokenizer, synced: bool = False) -> list[tuple[str, str]]:
         """(prompt, completion) pairs; each stops at EOS or the context length.
 
-        All prompts go through one `generate` call, left-padded with EOS under an attention mask (GPT-2's
+        All prompts go through one `generate` call, left-padded with EOS under an attention mask (the model's
         positions follow the mask, so each completion is what it would be alone): one forward per new token
         for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md). Under peft's prompt
         learning (prefix and prompt tuning) see `_prompt_learning_inputs`."""

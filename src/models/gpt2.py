@@ -33,7 +33,8 @@ def gpt2_fill(config: PretrainedConfig) -> init.Fill:
 
 
 class GPT2LitModule(CausalLMLitModule):
-    """`model.config` may set any other GPT2Config field; `model.model_type` stays gpt2."""
+    """`model.config` may set any other GPT2Config field; `model.model_type` stays gpt2. The signature repeats
+    CausalLMLitModule's on purpose: src/utils/config.py checks every `model.*` key against it (no **kwargs)."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@ save_distributed_checkpoint=false), a sharded DCP dir (FSDP2 or tensor parallel,
 ZeRO dir (converted with DeepSpeed's zero_to_fp32).
 
     python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # sharded dir -> one fp32 file
-    python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # GPT-2 -> Hugging Face format
+    python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # any causal LM -> Hugging Face format
 
 Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with the same strategy);
 the consolidated file holds the weights, step counters and config for eval and export, not the
@@ -140,7 +140,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
-        raise CheckpointError(f"{type(module).__name__} is not a Hugging Face model; only GPT-2 checkpoints export.")
+        raise CheckpointError(f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, qwen2, mistral, causal_lm) export.")
     out_dir = Path(out_dir)
     model = module.model
     if hasattr(model, "peft_config"):
@@ -164,7 +164,7 @@ def main() -> None:
     c = sub.add_parser("consolidate", help="sharded DCP dir -> one .ckpt file")
     c.add_argument("ckpt")
     c.add_argument("out", nargs="?")
-    e = sub.add_parser("export-hf", help="GPT-2 checkpoint -> Hugging Face dir")
+    e = sub.add_parser("export-hf", help="language-model checkpoint -> Hugging Face dir")
     e.add_argument("ckpt")
     e.add_argument("out_dir")
     args = parser.parse_args()

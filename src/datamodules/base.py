@@ -140,26 +140,27 @@ class ShardedDataModule(L.LightningDataModule):
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
 
-    def _loader(self, split: str) -> DataLoader:
-        dataset = self.splits[split]
-        if split == "train":
-            sampler, batch, drop_last = train_sampler(dataset, self.seed or 0), self.batch_size, True
-            sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
-            loader_class = ResumableLoader
-        else:
-            sampler, batch, drop_last = ShardSampler(len(dataset)), self.eval_batch_size or self.batch_size, False
-            loader_class = DataLoader
-            if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
-                dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
-        return loader_class(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last,
-                            collate_fn=self.collate_fn(), num_workers=self.num_workers,
-                            persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        dataset = self.splits["train"]
+        sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
+        sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
+        return ResumableLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True, collate_fn=self.collate_fn(),
+                               num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                               pin_memory=torch.cuda.is_available())
+
+    def eval_loader(self, split: str) -> DataLoader:
+        """Evaluation's loader of any split: each sample once over all ranks, every rank the same number of batches
+        (short shards get the padding item)."""
+        dataset = self.splits[split]
+        sampler = ShardSampler(len(dataset))
+        if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
+            dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
+        return DataLoader(dataset, batch_size=self.eval_batch_size or self.batch_size, sampler=sampler, drop_last=False,
+                          collate_fn=self.collate_fn(), num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
+        return self.eval_loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
+        return self.eval_loader("test")

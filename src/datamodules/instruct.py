@@ -36,11 +36,12 @@ ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a respo
 FIELDS = ("instruction", "input", "output")
 
 
-def read_records(path: str) -> list[dict]:
-    """A JSON array of records, or JSONL with one record per line; errors name the record (or line)."""
+def read_json_records(path: str, kind: str) -> list:
+    """A JSON array of records, or JSONL with one record per line; errors name the line. `kind` names the format
+    expected, for the error of a missing file."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise CorpusError(f"data.path={path!r} does not exist. Point it at an Alpaca-style .json or .jsonl file.")
+        raise CorpusError(f"data.path={path!r} does not exist. Point it at {kind} .json or .jsonl file.")
     if file.suffix == ".jsonl":
         records = []
         for lineno, line in enumerate(utf8_lines(file), start=1):
@@ -49,19 +50,24 @@ def read_records(path: str) -> list[dict]:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise CorpusError(f"{file}:{lineno}: malformed JSON ({e.msg}).") from e
-    else:
-        try:
-            records = json.loads(utf8_text(file))
-        except json.JSONDecodeError as e:
-            raise CorpusError(f"{file}:{e.lineno}: malformed JSON ({e.msg}).") from e
-        if not isinstance(records, list):
-            raise CorpusError(f"{file}: expected a JSON array of records, got {type(records).__name__}.")
+        return records
+    try:
+        records = json.loads(utf8_text(file))
+    except json.JSONDecodeError as e:
+        raise CorpusError(f"{file}:{e.lineno}: malformed JSON ({e.msg}).") from e
+    if not isinstance(records, list):
+        raise CorpusError(f"{file}: expected a JSON array of records, got {type(records).__name__}.")
+    return records
+
+
+def read_records(path: str) -> list[dict]:
+    """Alpaca records; errors name the record (or line)."""
+    records = read_json_records(path, "an Alpaca-style")
     for i, record in enumerate(records):
         bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
         if bad or not isinstance(record.get("input", ""), str):
-            raise CorpusError(f"{file}: record {i} needs string fields 'instruction' and 'output' "
-                              "(and optional "
-                              f"'input'); got {record!r:.200}")
+            raise CorpusError(f"{Path(path).expanduser()}: record {i} needs string fields 'instruction' and 'output' "
+                              f"(and optional 'input'); got {record!r:.200}")
     return records
 
 

@@ -39,8 +39,8 @@ def parallelize(
 ) -> nn.Module:
     """Shard each block, then the rest (embeddings, head, tied weights) as one root unit.
 
-    `module` is a LitModule: `blocks()` lists its repeated blocks, `network()` the module whose
-    forward the steps call (the root must be it, or its parameters would never be gathered).
+    `module` is a LitModule: `blocks()` lists its repeated blocks, `networks()` the modules whose
+    forward the steps call (each must be a root, or its parameters would never be gathered).
 
     reshard_after_forward=True frees gathered parameters after each block's forward (ZeRO-3-like,
     least memory); False keeps them until backward (ZeRO-2-like, one all-gather less per block).
@@ -61,7 +61,8 @@ def parallelize(
             block = checkpoint_wrapper(block)
             parent.register_module(name, block)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **policy)
-    fully_shard(module.network(), reshard_after_forward=reshard_after_forward, **policy)
+    for network in module.networks():  # the trained network; frozen ones (DPO's reference) are roots of their own
+        fully_shard(network, reshard_after_forward=reshard_after_forward, **policy)
     log.info(f"FSDP2: {len(blocks)} blocks + root sharded over {mesh.size()} rank(s); "
              f"reshard_after_forward={reshard_after_forward}, activation_checkpointing={activation_checkpointing}, "
              f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, cpu_offload={cpu_offload}")

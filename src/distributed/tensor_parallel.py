@@ -123,7 +123,8 @@ def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]]
     styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
     for block in blocks:
         parallelize_module(block, mesh, styles)
-    replicate_the_rest(module.network(), mesh)
+    for network in module.networks():
+        replicate_the_rest(network, mesh)
     heads, kv_heads, _ = head_counts(config)
     log.info(f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks ({heads // tp} query and {kv_heads // tp} "
              f"key/value heads per rank)")

@@ -54,6 +54,7 @@ class LitModule(L.LightningModule):
         self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self._loss_sum: Optional[torch.Tensor] = None
+        self._stat_sums: Optional[torch.Tensor] = None  # other per-step statistics' sums (DPO's rewards, ...)
         self._target_counts: Optional[tuple[Any, Any]] = None  # (train dataset, its target tokens per sample)
         self._step_totals: Optional[tuple[int, Any, int]] = None  # (epoch, target tokens per step, world size)
         # Divergence (src/callbacks/divergence.py): on the device, the first optimizer step (1-based) since
@@ -68,6 +69,11 @@ class LitModule(L.LightningModule):
     def network(self) -> torch.nn.Module:
         """The module whose forward every step (and generation) calls: FSDP's root unit."""
         return self
+
+    def networks(self) -> list[torch.nn.Module]:
+        """Every network a step runs: network(), then frozen ones that never train (DPO's reference policy).
+        Strategies shard each alike; blocks() lists the blocks of all of them."""
+        return [self.network()]
 
     def configure_model(self) -> None:
         """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook).
@@ -123,28 +129,35 @@ class LitModule(L.LightningModule):
             self._step_totals = (epoch, totals, sampler.num_replicas)  # numpy: 8 bytes a step
         return int(self._step_totals[1][batch_idx // accumulate])
 
-    def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int, sums: Optional[torch.Tensor] = None) -> None:
         """Log the step's loss: the sum over its micro-batches of `loss` / A, averaged over ranks.
 
         With `token_mean_loss` that is the mean over the step's target tokens on all ranks; with
         per-micro-batch means, the mean of those means. One all-reduce on logging steps only; other
         steps just add on the device (no host sync). Lightning's `self.log(..., sync_dist=True)` would
         all-reduce on every step, and logging without it shows rank 0's own loss, which is not the
-        loss of the global batch.
+        loss of the global batch. `sums` (a vector of sums with a count last) are added over the step's
+        micro-batches and ride along in the same all-reduce; train_metrics turns them into means.
         """
         trainer = self.trainer
         share = loss.detach() / trainer.accumulate_grad_batches  # what Lightning backpropagates
         self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
+        if sums is not None:
+            self._stat_sums = sums if self._stat_sums is None else self._stat_sums + sums
         if (batch_idx + 1) % trainer.accumulate_grad_batches:  # mid-accumulation: the step is not over
             return
         self._note_finite(self._loss_sum, trainer.global_step + 1)
         if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
             # the divergence flag rides along in the same all-reduce: its mean is > 0 iff a rank saw one
             flag = torch.isfinite(self.first_nonfinite).float().to(self._loss_sum.dtype)
-            mean, self.nonfinite_reduced = trainer.strategy.reduce(torch.stack([self._loss_sum, flag]),
-                                                                   reduce_op="mean").unbind()
-            self.log_dict(self.train_metrics(mean), prog_bar=True)
-        self._loss_sum = None
+            values = torch.stack([self._loss_sum, flag])
+            if self._stat_sums is not None:  # a mean of sums over a mean of counts: the ratio of the totals
+                values = torch.cat([values, self._stat_sums.to(values.dtype)])
+            reduced = trainer.strategy.reduce(values, reduce_op="mean")
+            mean, self.nonfinite_reduced = reduced[0], reduced[1]
+            extra = (reduced[2:],) if self._stat_sums is not None else ()
+            self.log_dict(self.train_metrics(mean, *extra), prog_bar=True)
+        self._loss_sum, self._stat_sums = None, None
 
     def _note_finite(self, step_loss: torch.Tensor, step: int) -> None:
         """Remember, on the device, the first step whose loss is not finite: no host sync. The divergence

@@ -8,14 +8,18 @@ The model knows nothing about ranks: strategies shard it from outside, over `blo
 
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.models import hf, init
 from src.models.base import LitModule
+from src.models.dpo import DPO, STATS, answer_logps, disable_dropout
 from src.models.flops import FlopCount, count_flops
 from src.models.loss import TokenMeanLoss, summed_token_loss
 from src.utils.config import ConfigError
@@ -43,8 +47,13 @@ class CausalLMLitModule(LitModule):
         attn_implementation: str = "sdpa",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
+        objective: str = "sft",
+        dpo: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
+        if objective not in ("sft", "dpo"):
+            raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
+        self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None
         lora = dict(lora or {})
         use_lora = bool(lora.pop("enabled", False))
         if use_lora and peft is not None:
@@ -72,6 +81,11 @@ class CausalLMLitModule(LitModule):
                 init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
         self.config: PretrainedConfig = model.config
         self.seq_len = seq_len
+        self.reference: Optional[PreTrainedModel] = None  # DPO's frozen copy of the starting policy
+        if self.dpo is not None and peft is None and not use_lora and not self.dpo.precompute:
+            self.reference = frozen(copy.deepcopy(model))  # (with an adapter, the reference is the model without it)
+            # Lightning warns of modules in eval mode at the start of fit: the reference's are, on purpose
+            warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile
         model = self._prepare(model, compile=compile and peft is None and not use_lora)
@@ -125,6 +139,8 @@ class CausalLMLitModule(LitModule):
 
     def _prepare(self, model: PreTrainedModel, compile: bool) -> PreTrainedModel:
         model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
+        if self.dpo is not None and self.dpo.disable_dropout:
+            disable_dropout(model)
         if self._gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
@@ -159,18 +175,19 @@ class CausalLMLitModule(LitModule):
         only its shards, one parameter at a time; pretrained weights are read by rank 0 alone and broadcast."""
         if not init.has_meta(self.model):
             return
-        if self._pretrained:
-            rank0 = not sharded or torch.distributed.get_rank() == 0
-            state = self._load_pretrained().state_dict() if rank0 else None
-            if sharded:
-                init.load_full_state_sharded(self.model, state, device)
+        state = None
+        if self._pretrained and (not sharded or torch.distributed.get_rank() == 0):
+            state = self._load_pretrained().state_dict()
+        for network in self.networks():  # the policy, and DPO's reference: the same starting values
+            if self._pretrained and sharded:
+                init.load_full_state_sharded(network, state, device)
+            elif self._pretrained:
+                init.allocate(network, device)
+                network.load_state_dict(state)
+            elif sharded:
+                init.materialize_sharded(network, self.fill(network), self._base_seed, device)
             else:
-                init.allocate(self.model, device)
-                self.model.load_state_dict(state)
-        elif sharded:
-            init.materialize_sharded(self.model, self.fill(self.model), self._base_seed, device)
-        else:
-            init.materialize_full(self.model, self.fill(self.model), self._base_seed, device)
+                init.materialize_full(network, self.fill(network), self._base_seed, device)
 
     def configure_model(self) -> None:
         """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
@@ -181,9 +198,10 @@ class CausalLMLitModule(LitModule):
         if not init.has_meta(self.model) or getattr(strategy, "materializes_shards", False):
             return
         if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
-            model = AutoModelForCausalLM.from_config(self.config)
-            init.materialize_zero3(model, self.fill(model), self._base_seed)
-            self.model = self._prepare(model, compile=self._compile)
+            for name in ("model", "reference") if self.reference is not None else ("model",):
+                model = AutoModelForCausalLM.from_config(self.config)  # DPO's reference: the same values, partitioned alike
+                init.materialize_zero3(model, self.fill(model), self._base_seed)
+                setattr(self, name, self._prepare(model, compile=self._compile) if name == "model" else frozen(model))
         else:
             self.materialize(torch.device("cpu"), sharded=False)
 
@@ -197,9 +215,18 @@ class CausalLMLitModule(LitModule):
     def network(self) -> torch.nn.Module:
         return self.model
 
+    def networks(self) -> list[torch.nn.Module]:
+        return [self.model] if self.reference is None else [self.model, self.reference]
+
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-        layers = hf.decoder_layers(self.hf_model)
-        return [(layers, str(i), block) for i, block in enumerate(layers)]
+        hf_models = [self.hf_model] + ([self.reference] if self.reference is not None else [])
+        return [(layers, str(i), block) for layers in map(hf.decoder_layers, hf_models) for i, block in enumerate(layers)]
+
+    def train(self, mode: bool = True) -> "CausalLMLitModule":
+        super().train(mode)
+        if self.reference is not None:  # the reference policy never trains: no dropout, ever
+            self.reference.eval()
+        return self
 
     @property
     def flops_per_token(self) -> int:
@@ -227,10 +254,10 @@ class CausalLMLitModule(LitModule):
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                            **self._cache_kwargs()).logits
+                            **self.cache_kwargs()).logits
         return summed_token_loss(logits, batch["labels"])
 
-    def _cache_kwargs(self) -> dict[str, bool]:
+    def cache_kwargs(self) -> dict[str, bool]:
         """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
         a copy of each layer's keys and values that nothing reads: 1-3% of a step's wall time on a 2-core CPU
         (docs/performance.md). Without it transformers checks the position ids for packed sequences instead
@@ -238,26 +265,73 @@ class CausalLMLitModule(LitModule):
         torch.compile, which cannot read the check's result, a full attention mask. So there the cache stays."""
         return {"use_cache": False} if self.device.type == "cpu" and not self._compile else {}
 
+    def _pair_sums(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO: the sums over the batch's pairs of each per-pair statistic (the loss first; see src/models/dpo.py)
+        and the number of pairs, evaluation's padding pairs (no targets) left out."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            **self.cache_kwargs()).logits
+        logps, counts = answer_logps(logits, batch["labels"])
+        stats = self.dpo.pair_stats(logps, counts, self.dpo.reference_logps(self, batch))
+        real = counts.chunk(2)[0] > 0
+        return (stats * real[:, None]).sum(dim=0), real.sum()
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
-        self.log_train_loss(loss, batch_idx)
+        if self.dpo is None:
+            loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
+            self.log_train_loss(loss, batch_idx)
+        else:  # the mean over the step's pairs; the other statistics ride along with the logged loss
+            sums, pairs = self._pair_sums(batch)
+            loss = self.token_mean_loss(sums[0], pairs, batch_idx)
+            self.log_train_loss(loss, batch_idx, torch.cat([sums[1:].detach(), pairs[None].to(sums.dtype)]))
         return self.loss_for_backward(loss)
 
-    def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"train/loss": loss, "train/ppl": torch.exp(loss)}
+    def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        if self.dpo is None:
+            return {"train/loss": loss, "train/ppl": torch.exp(loss)}
+        return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(STATS[1:], sums[:-1])}}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.val_metrics["loss"].update(*self._loss_and_count(batch))
+        if self.dpo is None:
+            self.val_metrics["loss"].update(*self._loss_and_count(batch))
+        else:
+            self.dpo.val_stats.update(*self._pair_sums(batch))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.test_metrics["loss"].update(*self._loss_and_count(batch))
+        if self.dpo is None:
+            self.test_metrics["loss"].update(*self._loss_and_count(batch))
+        else:
+            self.dpo.test_stats.update(*self._pair_sums(batch))
 
     def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
+        if self.dpo is not None:
+            stats = self.dpo.val_stats if stage == "val" else self.dpo.test_stats
+            self.log_dict({f"{stage}/{name}": value for name, value in stats.compute().items()}, prog_bar=stage == "val")
+            stats.reset()
+            return
         loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]
         self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=stage == "val")
+
+    def on_fit_start(self) -> None:
+        if self.dpo is not None and self.dpo.precompute:  # before the first step moves the policy
+            self.dpo.precompute_table(self, self.trainer.datamodule)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.dpo is not None and self.dpo.precompute:
+            checkpoint["dpo_reference"] = self.dpo.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.dpo is not None and "dpo_reference" in checkpoint:
+            self.dpo.load_state(checkpoint["dpo_reference"])
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val", self.val_metrics)
 
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test", self.test_metrics)
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in evaluation mode with every parameter frozen (DPO's reference policy)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -93,6 +93,7 @@ def check_values(cfg: DictConfig) -> None:
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
                               "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
+    _check_objective(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
         raise ConfigError(f"model.optimizer.lr={lr!r} is not valid: use a positive learning rate, e.g. 3e-4.")
@@ -111,6 +112,23 @@ def check_values(cfg: DictConfig) -> None:
                                   "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt.")
     for key in ("log_dir", "cache_dir", "output_dir"):
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
+
+
+def _check_objective(cfg: DictConfig) -> None:
+    """DPO trains on preference pairs and nothing else trains on them; the pipeline schedule runs one loss only."""
+    objective = OmegaConf.select(cfg, "model.objective", default="sft")
+    data = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
+    pairs = data == "PreferenceDataModule"
+    if objective == "dpo" and not pairs:
+        raise ConfigError(f"model.objective=dpo trains on preference pairs, but data is {data or 'not set'}: use "
+                          "data=preference (data.path=pairs.json), or model.objective=sft for this data.")
+    if pairs and objective != "dpo":
+        raise ConfigError(f"data=preference holds preference pairs, which model.objective={objective} does not train "
+                          "on: set model.objective=dpo (or use experiment=gpt2_dpo).")
+    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
+    if objective == "dpo" and strategy.endswith("PipelineStrategy"):
+        raise ConfigError("model.objective=dpo does not run under trainer=pipeline (its schedule computes the "
+                          "next-token loss only): use trainer=ddp, fsdp, tp or deepspeed.")
 
 
 def _check_global_batch(cfg: DictConfig) -> None:

@@ -1,0 +1,256 @@
+"""Preference tuning (model.objective=dpo, data=preference): the pairs, the losses against TRL's DPOTrainer and the
+papers' formulas, the one-sentence errors, and (slow) N ranks equal to one process under DDP, FSDP2, ZeRO and with
+the LoRA reference."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import shared
+from src.datamodules.corpus import CorpusError
+from src.datamodules.preference import PreferenceDataModule, pair_collate
+from src.models.dpo import DPO, answer_logps
+from src.models.gpt2 import GPT2LitModule
+from src.utils.config import ConfigError
+
+EN = "preference/dpo_en_demo.json"
+
+
+def setup(dm: PreferenceDataModule) -> PreferenceDataModule:
+    dm.setup("fit")
+    return dm
+
+
+def rows(dm: PreferenceDataModule, split: str = "train", n: int = 2) -> dict[str, torch.Tensor]:
+    return pair_collate(dm.tokenizer.eos_id)([dm.splits[split][i] for i in range(n)])
+
+
+# ---- the pairs ----
+
+def test_sharegpt_pairs_mask_the_prompt_and_score_each_answer_with_its_eos():
+    path = shared(*EN.split("/"))
+    records = json.loads(path.read_text())
+    dm = setup(PreferenceDataModule(str(path), seq_len=32768, max_prompt_len=16384, val_fraction=0.1, test_fraction=0.1))
+    assert sum(len(s) for s in dm.splits.values()) == 300 and dm.counts["prompt_cut"] == dm.counts["answer_cut"] == 0
+    multi = next(i for i, r in enumerate(records) if len(r["conversations"]) == 5)  # human, gpt, human, gpt, human
+    _, c_ids, c_labels, r_ids, r_labels = dm.splits["train"][multi]
+    prompt_len = int(np.argmax(c_labels != -100)) + 1  # the first target is the answer's first token
+    prompt = bytes(c_ids[:prompt_len].astype(np.uint8)).decode()
+    for turn in records[multi]["conversations"]:  # every earlier turn is in the prompt, named by its role
+        assert turn["value"] in prompt
+    assert prompt.count("\n\nassistant: ") == 2 and prompt.startswith("Below is an instruction")
+    chosen = records[multi]["chosen"]["value"].encode()
+    assert bytes(c_labels[prompt_len - 1: -1].astype(np.uint8)) == chosen and c_labels[-1] == dm.tokenizer.eos_id
+    assert bytes(r_labels[prompt_len - 1: -1].astype(np.uint8)) == records[multi]["rejected"]["value"].encode()
+    assert np.array_equal(c_ids[:prompt_len], r_ids[:prompt_len])  # one prompt, two answers
+    batch = rows(dm, n=3)  # 2B rows: the 3 chosen, then the 3 rejected; right-padded under a mask
+    assert batch["input_ids"].shape[0] == 6 and batch["pair_index"].tolist() == [0, 1, 2]
+    longest = max(len(dm.splits["train"][i][k]) for i in range(3) for k in (1, 3))
+    assert batch["input_ids"].shape[1] == longest and batch["attention_mask"].sum() == sum(
+        len(dm.splits["train"][i][k]) for k in (1, 3) for i in range(3))
+    assert torch.equal(batch["labels"][3, : len(r_labels if multi == 0 else dm.splits["train"][0][4])],
+                       torch.from_numpy(dm.splits["train"][0][4]))
+
+
+def test_plain_and_chat_records_and_the_tokenizers_chat_template(tmp_path):
+    records = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+               {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                "chosen": {"role": "assistant", "content": "Hello"}, "rejected": [{"role": "assistant", "content": "Go"}]}]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records * 10) + "\n")
+    dm = setup(PreferenceDataModule(str(data), seq_len=256, val_fraction=0.1, test_fraction=0.1))
+    item = dm.splits["train"][0]
+    assert bytes(item[1].astype(np.uint8)).decode() == "2+2=4"  # a plain prompt is used as it is
+    second = bytes(dm.splits["train"][1][1].astype(np.uint8)).decode()
+    assert second.endswith("system: Be brief.\n\nuser: Hi\n\n### Response:\nHello")  # no chat template: the instruct one
+    # a tokenizer with a chat template renders the conversation with it, the answer as the template closes it
+    tok = tmp_path / "tok"
+    shutil.copytree(shared("gpt2-tokenizer"), tok)
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"}))
+    dm = setup(PreferenceDataModule(str(data), tokenizer=str(tok), seq_len=256, val_fraction=0.1, test_fraction=0.1))
+    _, ids, labels, _, r_labels = dm.splits["train"][1]
+    hf = dm.tokenizer.hf
+    assert hf.decode(ids) == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>Hello<|end|>"
+    assert hf.decode(labels[labels != -100]) == "Hello<|end|><|endoftext|>"
+    assert hf.decode(r_labels[r_labels != -100]) == "Go<|end|><|endoftext|>"
+
+
+def test_long_pairs_lose_the_prompts_start_first_then_the_answers_end(tmp_path):
+    data = tmp_path / "pairs.json"
+    data.write_text(json.dumps([{"prompt": "P" * 30 + "Q" * 10, "chosen": "c" * 12, "rejected": "r" * 4},
+                                {"prompt": "p" * 30, "chosen": "C" * 40, "rejected": "R"}] * 5))
+    dm = setup(PreferenceDataModule(str(data), seq_len=31, max_prompt_len=8, val_fraction=0.2, test_fraction=0.2))
+    (_, c_ids, c_labels, r_ids, _), (_, long_ids, long_labels, _, _) = dm.splits["train"][0], dm.splits["train"][1]
+    text = bytes(c_ids.astype(np.uint8)).decode()
+    assert text == "P" * 9 + "Q" * 10 + "c" * 12 and len(c_ids) == 31  # prompt cut from the left only: answers whole
+    assert c_labels[-1] == 256 and bytes(r_ids.astype(np.uint8)).decode().endswith("Q" * 10 + "r" * 4)
+    long = bytes(long_ids.astype(np.uint8)).decode()
+    assert long == "p" * 8 + "C" * 23 and long_labels[-1] != 256  # prompt down to max_prompt_len, then the answer cut
+    assert dm.counts == {"pairs": 10, "prompt_cut": 10, "answer_cut": 5, "dropped": 0, "identical": 0}
+    dropped = setup(PreferenceDataModule(str(data), seq_len=56, overlong="drop", val_fraction=0.2, test_fraction=0.2))
+    assert dropped.counts["dropped"] == 5 and sum(len(s) for s in dropped.splits.values()) == 5
+
+
+def test_bad_records_are_one_sentence_each(tmp_path, caplog):
+    missing = tmp_path / "missing.json"
+    missing.write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]))
+    with pytest.raises(CorpusError, match=r"missing.json: record 1 has no 'rejected' answer"):
+        PreferenceDataModule(str(missing)).prepare_data()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": \n')
+    with pytest.raises(CorpusError, match=r"broken.jsonl:3: malformed JSON"):
+        PreferenceDataModule(str(broken)).prepare_data()
+    turn = tmp_path / "turn.json"
+    turn.write_text(json.dumps([{"conversations": [{"from": "robot", "value": "x"}], "chosen": "a", "rejected": "b"}]))
+    with pytest.raises(CorpusError, match=r"record 0: .*robot.* is not a turn"):
+        PreferenceDataModule(str(turn)).prepare_data()
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps([{"prompt": "q", "chosen": "a", "rejected": "a"}] + [{"prompt": "q", "chosen": "a",
+                                                                                     "rejected": "b"}] * 9))
+    with caplog.at_level(logging.WARNING):
+        dm = setup(PreferenceDataModule(str(same), val_fraction=0.1, test_fraction=0.1))
+    assert dm.counts["identical"] == 1 and "1 pair(s) have the same chosen and rejected answer" in caplog.text
+    with pytest.raises(ConfigError, match="max_prompt_len=64 leaves no room"):
+        PreferenceDataModule(str(same), seq_len=64, max_prompt_len=64)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model.objective=dpo"], r"model.objective=dpo trains on preference pairs, but data is TextDataModule"),
+    (["data=instruct", "model.objective=dpo"], "but data is InstructDataModule: use data=preference"),
+    (["data=preference"], "model.objective=sft does not train on: set model.objective=dpo"),
+    (["data=preference", "model.objective=dpo", "trainer=pipeline"], "does not run under trainer=pipeline"),
+])
+def test_objective_and_data_must_agree(overrides, words):
+    from test_configs import compose_cfg
+
+    from src.utils.checks import check_values
+
+    with pytest.raises(ConfigError, match=words):
+        check_values(compose_cfg(overrides))
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"beta": 0}, r"model.dpo.beta=0 is not valid"), ({"beta": -0.1}, r"beta=-0.1 is not valid"),
+    ({"loss_type": "kto"}, "use one of sigmoid, hinge, ipo"),
+    ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type=sigmoid only"),
+    ({"label_smoothing": 0.5}, r"label_smoothing=0.5: use a probability in \[0, 0.5\)"),
+])
+def test_dpo_settings_are_checked(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        DPO(**kwargs)
+
+
+# ---- the loss: TRL's DPOTrainer, and the papers' formulas, as oracles ----
+
+def tiny_pairs(tokenizer, n: int = 4) -> list[dict[str, list[int]]]:
+    """n pairs of the English demo's prompts and answers as GPT-2 token ids (prompt cut to 24, answers to 12 + EOS)."""
+    records = json.loads(shared(*EN.split("/")).read_text())[:n]
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return [{"prompt_ids": ids(r["conversations"][-1]["value"])[-24:],
+             "chosen_ids": ids(r["chosen"]["value"])[:12] + [tokenizer.eos_token_id],
+             "rejected_ids": ids(r["rejected"]["value"])[: 5 + 2 * i] + [tokenizer.eos_token_id]}
+            for i, r in enumerate(records)]
+
+
+def our_batch(pairs: list[dict]) -> dict[str, torch.Tensor]:
+    from src.datamodules.preference import sequence
+
+    items = [(i, *sequence(np.array(p["prompt_ids"]), np.array(p["chosen_ids"])),
+              *sequence(np.array(p["prompt_ids"]), np.array(p["rejected_ids"]))) for i, p in enumerate(pairs)]
+    return pair_collate(50256)(items)
+
+
+def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
+    """The tiny pretrained GPT-2 as policy, its reference the pretrained weights; the policy's weights then moved,
+    so the log-ratios (and so each loss type's shape) are far from zero."""
+    module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=str(shared("tiny-gpt2")), objective="dpo", dpo=dpo)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+    return module.train()
+
+
+def mean_loss_and_grads(module: GPT2LitModule, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    sums, pairs = module._pair_sums(batch)
+    loss = sums[0] / pairs
+    module.model.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    tokenizer = AutoTokenizer.from_pretrained(shared("tiny-gpt2"))
+    pairs = tiny_pairs(tokenizer)
+    beta = 0.5 if loss_type == "ipo" else 0.1
+    ours = perturbed_policy(beta=beta, loss_type=loss_type)
+    loss, grads = mean_loss_and_grads(ours, our_batch(pairs))
+
+    policy = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
+    policy.load_state_dict(ours.model.state_dict())
+    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
+    args = DPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=len(pairs))
+    texts = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # DPOTrainer wants one; unused
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=texts, processing_class=tokenizer)
+    trainer.model.train()
+    inputs = DataCollatorForPreference(pad_token_id=tokenizer.eos_token_id)(pairs)
+    theirs = trainer.compute_loss(trainer.model, inputs)
+    theirs.backward()
+    torch.testing.assert_close(loss, theirs.detach(), atol=1e-5, rtol=1e-5)
+    assert abs(loss.item() - {"sigmoid": np.log(2), "ipo": 1.0, "hinge": 1.0}[loss_type]) > 1e-2  # h is far from 0
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_conservative_dpo_and_rpo_follow_their_formulas():
+    """cDPO (label_smoothing ε) and RPO (sft_weight α) against the papers' formulas, computed here from
+    transformers' own logits: -(1-ε) log σ(βh) - ε log σ(-βh) - α log π(c)/|c|, averaged over pairs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")))
+    batch = our_batch(pairs)
+    beta, eps, alpha = 0.2, 0.1, 0.7
+    ours = perturbed_policy(seed=1, beta=beta, label_smoothing=eps, sft_weight=alpha)
+    loss, _ = mean_loss_and_grads(ours, batch)
+    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2")).eval()
+
+    def logps(model) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        lp = torch.log_softmax(logits.double(), -1)
+        mask = batch["labels"] != -100
+        picked = lp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0] * mask
+        return picked.sum(1), mask.sum(1)
+
+    with torch.no_grad():
+        (pi, n), (ref, _) = logps(ours.model.eval()), logps(reference)
+    B = len(pairs)
+    h = (pi[:B] - ref[:B]) - (pi[B:] - ref[B:])
+    expected = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h) - alpha * pi[:B] / n[:B]
+    torch.testing.assert_close(loss.double(), expected.mean(), atol=1e-5, rtol=1e-5)
+    assert answer_logps(torch.zeros(1, 3, 5), torch.tensor([[-100, 1, 2]]))[1].item() == 2
+
+
+def test_precomputed_reference_log_probs_refuse_other_pairs():
+    """A table from a checkpoint belongs to the pairs it was computed on: other pairs are one sentence."""
+    dm = setup(PreferenceDataModule(str(shared(*EN.split("/"))), seq_len=64, max_prompt_len=32))
+    dpo = DPO(precompute_reference=True)
+    dpo.load_state({"table": torch.zeros(300, 2), "fingerprint": "not these pairs"})
+    with pytest.raises(ConfigError, match="computed on other preference pairs than this run reads"):
+        dpo.precompute_table(None, dm)

@@ -254,3 +254,59 @@ def test_precomputed_reference_log_probs_refuse_other_pairs():
     dpo.load_state({"table": torch.zeros(300, 2), "fingerprint": "not these pairs"})
     with pytest.raises(ConfigError, match="computed on other preference pairs than this run reads"):
         dpo.precompute_table(None, dm)
+
+
+# ---- N ranks == 1 process (slow): losses at every step, every statistic, final weights within 1e-5 (fp32) ----
+
+def dpo_run_args() -> list[str]:
+    return ["data=preference", "model.objective=dpo", f"data.path={shared(*EN.split('/'))}", "data.seq_len=48",
+            "data.max_prompt_len=24", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+            "data.global_batch_size=8", "trainer.max_steps=5", "trainer.val_check_interval=5", "test=false",
+            "model.scheduler.num_warmup_steps=2", "model.optimizer.lr=3e-3"]
+
+
+CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+          "trainer.accelerator=cpu", "trainer.devices=2"]
+LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
+CASES = {  # name: (args, whether the run holds the LoRA adapter, whether its checkpoint is a sharded dir)
+    "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False, False),
+    # val_check_interval counts micro-batches: 10 of them are the 5 steps
+    "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=10"], False, False),
+    "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], False, True),
+    "zero2_2": (CPU_DS + ["trainer.strategy.stage=2"], False, True),
+    "zero3_2": (CPU_DS + ["trainer.strategy.stage=3"], False, True),
+    "lora_reference_ddp_2x4": (LORA + ["trainer=ddp", "trainer.devices=2"], True, False),
+    "precomputed_reference_ddp_2x4": (["model.dpo.precompute_reference=true", "trainer=ddp", "trainer.devices=2"],
+                                      False, False),
+}
+STATS_LOGGED = ["train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
+                "train/rewards/accuracies", "train/logps/chosen", "train/logps/rejected", "val/loss",
+                "val/rewards/margins", "val/rewards/accuracies", "val/logps/chosen"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_n_ranks_match_one_process(tmp_path, reference, case):
+    """The 1 x 8 run (a frozen copy of the starting weights as reference; with LoRA, the model without its adapter)
+    against 2 x 4 under DDP, FSDP2, ZeRO-2/3 (the reference sharded like the policy), 1 x 4 x accumulation 2, and
+    the table precomputed on 2 ranks. Validation: 15 pairs over 2 ranks, one rank padded."""
+    from src.tools.checkpoints import load_checkpoint
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import assert_same_series, max_param_diff, train
+
+    args, lora, sharded = CASES[case]
+    one = reference(dpo_run_args() + (LORA if lora else []))
+    run = (train_sharded if sharded else train)(tmp_path, case, dpo_run_args() + args)
+    params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
+    for tag in STATS_LOGGED:  # log-probs are sums of ~40 tokens' (about -130): 1e-4 is 1e-6 of them, one fp32 ulp
+        assert_same_series(one, run, tag, 1e-4 if "logps" in tag else 1e-5)
+    assert len(run["scalars"]["train/loss"]) == 5
+    reference_weights = {k for k in one["params"] if k.startswith("reference.")}
+    if "precomputed" in case or lora:  # one model only: no copy of it in the checkpoint
+        assert not {k for k in params if k.startswith("reference.")}
+        one_params = {k: v for k, v in one["params"].items() if k not in reference_weights}
+    else:
+        assert reference_weights and all(torch.equal(one["params"][k], params[k]) for k in reference_weights)
+        one_params = one["params"]
+    assert max_param_diff(one_params, params) <= 1e-5
+    assert one["scalars"]["train/rewards/margins"][-1][1] != 0  # the policy moved away from its reference

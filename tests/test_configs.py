@@ -57,7 +57,7 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     extra = PARTNER.get((group, option), [])
     if (group, option) == ("experiment", "gpt2_small"):  # its tokenizer is the hub's gpt2: use the local files
         extra = [f"data.tokenizer={shared('gpt2-tokenizer')}"]
-    if group == "model/peft" or (group, option) == ("model", "causal_lm") or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora"):
+    if group == "model/peft" or (group, option) == ("model", "causal_lm") or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo"):
         # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
         extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]
     cfg = compose_cfg([f"{group}={option}"] + extra, tmp=tmp_path)

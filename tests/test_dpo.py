@@ -310,3 +310,61 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
         one_params = one["params"]
     assert max_param_diff(one_params, params) <= 1e-5
     assert one["scalars"]["train/rewards/margins"][-1][1] != 0  # the policy moved away from its reference
+
+
+# ---- SFT -> DPO: model.pretrained takes a checkpoint of this template, in any of its forms ----
+
+@pytest.mark.slow
+def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_path):
+    """Instruction tuning under FSDP2 (a DCP dir) and ZeRO-2 (a ZeRO dir), 2 steps each; then DPO with
+    model.pretrained=<that checkpoint>, and =<its consolidated .ckpt file>: the policy and its reference start
+    from the checkpoint's weights (not its optimizer or step), and the first step's rewards are 0."""
+    from conftest import path_overrides, read_events, run_script
+    from hydra.utils import instantiate
+    from test_configs import compose_cfg
+    from test_fsdp import last_ckpt
+    from test_parity import QUIET
+
+    from src.tools.checkpoints import consolidate, is_dcp, is_deepspeed, load_checkpoint
+    from src.utils.run import prepare
+
+    shape = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
+    sft = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "trainer.max_steps=2",
+           "data.seq_len=384", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "test=false", *shape]
+    for name, strategy in (("fsdp", ["trainer=fsdp", "trainer.devices=2"]),
+                           ("zero2", CPU_DS + ["trainer.strategy.stage=2"])):
+        run_script("train.py", QUIET + path_overrides({"log_dir": tmp_path / name, "cache_dir": tmp_path / "cache"})
+                   + sft + strategy)
+    dcp, zero = last_ckpt(tmp_path, "fsdp"), last_ckpt(tmp_path, "zero2")
+    assert is_dcp(dcp) and is_deepspeed(zero)
+    dpo = dpo_run_args()[:4] + shape + ["data.seq_len=48", "data.max_prompt_len=24", "trainer.max_steps=3",
+                                        "trainer.val_check_interval=3", "test=false", "model.optimizer.lr=3e-3",
+                                        "model.scheduler.num_warmup_steps=1"]
+
+    run_script("train.py", QUIET + path_overrides({"log_dir": tmp_path / "dpo", "cache_dir": tmp_path / "cache"})
+               + dpo + [f"model.pretrained={dcp}"])
+    sft_weights = load_checkpoint(dcp)["state_dict"]
+    ours = load_checkpoint(last_ckpt(tmp_path, "dpo"))
+    for key, value in sft_weights.items():  # the reference is the SFT policy, unchanged
+        torch.testing.assert_close(ours["state_dict"][key.replace("model.", "reference.", 1)], value, rtol=0, atol=0)
+    assert ours["global_step"] == 3  # counted from 0, not from the SFT run's step
+    (events,) = (tmp_path / "dpo" / "train" / "runs").iterdir()
+    logged = read_events(events / "tensorboard")
+    rewards = logged.Scalars("train/rewards/margins")
+    assert rewards[0].value == 0 and rewards[-1].value != 0  # step 1: policy == reference; then it moves
+    # eval.py on 2 ranks reports the preference metrics of the checkpoint; its val/loss is the run's own
+    from test_eval import evaluate
+
+    metrics, _ = evaluate(tmp_path, last_ckpt(tmp_path, "dpo"), ["trainer=ddp", "trainer.devices=2"])
+    assert {"val/rewards/accuracies", "test/rewards/margins", "test/logps/rejected"} <= metrics.keys()
+    assert abs(metrics["val/loss"] - logged.Scalars("val/loss")[-1].value) <= 1e-5
+
+    for source in (consolidate(dcp, tmp_path / "sft.ckpt"), zero):  # the file form and the ZeRO dir
+        cfg = compose_cfg(dpo + [f"model.pretrained={source}", f"paths.cache_dir={tmp_path / 'cache'}"], tmp=tmp_path)
+        prepare(cfg)
+        assert cfg.data.tokenizer == "bytes"  # the checkpoint's own tokenizer, not the export dir
+        datamodule = instantiate(cfg.data)
+        module = instantiate(cfg.model, **datamodule.model_kwargs)
+        expected = load_checkpoint(source)["state_dict"]
+        for name, value in module.model.state_dict().items():
+            torch.testing.assert_close(value, expected[f"model.{name}"], rtol=0, atol=0, msg=name)

@@ -158,6 +158,39 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """A train.py checkpoint in any form (file, DCP dir, ZeRO dir), as opposed to a Hugging Face dir."""
+    return Path(path).is_file() or is_sharded(path)
+
+
+def as_pretrained(path: str | Path, cache_dir: str | Path) -> Path:
+    """A Hugging Face dir with the weights of the train.py checkpoint `path` (model.pretrained=CKPT: SFT -> DPO),
+    exported once per version of the checkpoint into cache_dir/pretrained/<key>/. One process exports under a
+    file lock while the others wait; the dir appears whole (renamed into place) or not at all."""
+    import hashlib
+    import shutil
+
+    from filelock import FileLock
+
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    stamp = "\n".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    out = Path(cache_dir) / "pretrained" / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            try:
+                export_hf(path, tmp)
+                if not (tmp / "config.json").is_file():
+                    raise CheckpointError(f"{path} holds a prompt-learning adapter, which does not merge into the "
+                                          "weights: it cannot be model.pretrained; start from its base model instead.")
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

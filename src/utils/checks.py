@@ -99,17 +99,20 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"model.optimizer.lr={lr!r} is not valid: use a positive learning rate, e.g. 3e-4.")
     pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
     is_path = isinstance(pretrained, str) and pretrained.startswith(("/", ".", "~"))  # not a hub name
-    if is_path and not Path(pretrained).expanduser().is_dir():
-        raise PathNotFound(f"model.pretrained={pretrained!r} is not an existing dir: pass a dir with config.json + "
-                            "model.safetensors (save_pretrained's output), or a hub name such as gpt2 when online.")
-    ckpt = cfg.get("ckpt_path")
-    if ckpt:
-        from src.distributed.checkpointing import problem
+    if is_path and not Path(pretrained).expanduser().exists():
+        raise PathNotFound(f"model.pretrained={pretrained!r} does not exist: pass a dir with config.json + "
+                           "model.safetensors (save_pretrained's output), a checkpoint of this template (its weights), "
+                           "or a hub name such as gpt2 when online.")
+    from src.distributed.checkpointing import problem
 
-        why = problem(ckpt)
+    ckpt = cfg.get("ckpt_path")
+    for key, path in (("ckpt_path", ckpt), ("model.pretrained", pretrained if is_path else None)):
+        why = problem(path) if path and (key == "ckpt_path" or not (Path(path).expanduser() / "config.json").exists()) \
+            else None
         if why is not None:
-            raise CheckpointError(f"ckpt_path={ckpt!r} cannot be used: {why}. Point it at a checkpoint written by "
-                                  "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt.")
+            raise CheckpointError(f"{key}={path!r} cannot be used: {why}. Point it at a checkpoint written by "
+                                  "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt"
+                                  + (", or a Hugging Face dir." if key == "model.pretrained" else "."))
     for key in ("log_dir", "cache_dir", "output_dir"):
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
 

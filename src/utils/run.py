@@ -51,6 +51,7 @@ def prepare(cfg: DictConfig) -> None:
     check_values(cfg)
     check_machine(cfg.trainer)
     absolute_paths(cfg)
+    weights_from_checkpoint(cfg)
     if cfg.trainer.get("use_distributed_sampler", True):
         raise ConfigError("trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
                           "(Lightning's sampler would pad val/test with repeated samples and shard twice).")
@@ -62,6 +63,24 @@ def prepare(cfg: DictConfig) -> None:
     save_resolved_config(cfg, Path(cfg.paths.output_dir))
     if cfg.extras.print_config:
         print_config_tree(cfg)
+
+
+def weights_from_checkpoint(cfg: DictConfig) -> None:
+    """model.pretrained may name a checkpoint of this template (file, FSDP2 DCP dir, ZeRO dir): its weights, not its
+    optimizer or step, become the start (SFT -> DPO). It is exported once to a Hugging Face dir under
+    paths.cache_dir (src.tools.checkpoints.as_pretrained), which model.pretrained then names; data.tokenizer, unless
+    set, becomes the checkpoint's own."""
+    from src.tools.checkpoints import as_pretrained, is_checkpoint, read_config
+
+    pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
+    if not isinstance(pretrained, str) or not Path(pretrained).exists() or not is_checkpoint(pretrained):
+        return
+    stored = read_config(pretrained) or {}
+    tokenizer = stored.get("data", {}).get("tokenizer")
+    if tokenizer is not None and "tokenizer" in cfg.data and OmegaConf.is_interpolation(cfg.data, "tokenizer"):
+        cfg.data.tokenizer = tokenizer
+    cfg.model.pretrained = str(as_pretrained(pretrained, cfg.paths.cache_dir))
+    log.info(f"model.pretrained: the weights of {pretrained}, exported to {cfg.model.pretrained}")
 
 
 @rank_zero_only

@@ -258,18 +258,23 @@ def test_precomputed_reference_log_probs_refuse_other_pairs():
 
 # ---- N ranks == 1 process (slow): losses at every step, every statistic, final weights within 1e-5 (fp32) ----
 
-def dpo_run_args() -> list[str]:
+GPT2_SHAPE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
+
+
+def dpo_run_args(shape: list[str] = GPT2_SHAPE) -> list[str]:
     return ["data=preference", "model.objective=dpo", f"data.path={shared(*EN.split('/'))}", "data.seq_len=48",
-            "data.max_prompt_len=24", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-            "data.global_batch_size=8", "trainer.max_steps=5", "trainer.val_check_interval=5", "test=false",
+            "data.max_prompt_len=24", *shape, "data.global_batch_size=8", "trainer.max_steps=5", "trainer.val_check_interval=5", "test=false",
             "model.scheduler.num_warmup_steps=2", "model.optimizer.lr=3e-3"]
 
 
 CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
           "trainer.accelerator=cpu", "trainer.devices=2"]
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
+LLAMA = ["model=llama", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
+         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.intermediate_size=64"]
 CASES = {  # name: (args, whether the run holds the LoRA adapter, whether its checkpoint is a sharded dir)
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False, False),
+    "llama_fsdp_2": (["trainer=fsdp", "trainer.devices=2"], False, True),  # GQA, untied head, RoPE
     # val_check_interval counts micro-batches: 10 of them are the 5 steps
     "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=10"], False, False),
     "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], False, True),
@@ -295,8 +300,9 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     from test_parity import assert_same_series, max_param_diff, train
 
     args, lora, sharded = CASES[case]
-    one = reference(dpo_run_args() + (LORA if lora else []))
-    run = (train_sharded if sharded else train)(tmp_path, case, dpo_run_args() + args)
+    shape = LLAMA if "llama" in case else GPT2_SHAPE
+    one = reference(dpo_run_args(shape) + (LORA if lora else []))
+    run = (train_sharded if sharded else train)(tmp_path, case, dpo_run_args(shape) + args)
     params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
     for tag in STATS_LOGGED:  # log-probs are sums of ~40 tokens' (about -130): 1e-4 is 1e-6 of them, one fp32 ulp
         assert_same_series(one, run, tag, 1e-4 if "logps" in tag else 1e-5)
@@ -310,6 +316,14 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
         one_params = one["params"]
     assert max_param_diff(one_params, params) <= 1e-5
     assert one["scalars"]["train/rewards/margins"][-1][1] != 0  # the policy moved away from its reference
+    if "llama" in case:  # the policy exports like any checkpoint (the reference stays behind)
+        from transformers import AutoModelForCausalLM
+
+        from src.tools.checkpoints import export_hf
+
+        exported = AutoModelForCausalLM.from_pretrained(export_hf(last_ckpt(tmp_path, case), tmp_path / "hf"))
+        for name, value in exported.state_dict().items():
+            torch.testing.assert_close(value, params[f"model.{name}"], rtol=0, atol=0)
 
 
 # ---- SFT -> DPO: model.pretrained takes a checkpoint of this template, in any of its forms ----
@@ -328,7 +342,7 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     from src.tools.checkpoints import consolidate, is_dcp, is_deepspeed, load_checkpoint
     from src.utils.run import prepare
 
-    shape = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
+    shape = GPT2_SHAPE
     sft = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "trainer.max_steps=2",
            "data.seq_len=384", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "test=false", *shape]
     for name, strategy in (("fsdp", ["trainer=fsdp", "trainer.devices=2"]),
@@ -337,7 +351,7 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
                    + sft + strategy)
     dcp, zero = last_ckpt(tmp_path, "fsdp"), last_ckpt(tmp_path, "zero2")
     assert is_dcp(dcp) and is_deepspeed(zero)
-    dpo = dpo_run_args()[:4] + shape + ["data.seq_len=48", "data.max_prompt_len=24", "trainer.max_steps=3",
+    dpo = dpo_run_args()[:3] + shape + ["data.seq_len=48", "data.max_prompt_len=24", "trainer.max_steps=3",
                                         "trainer.val_check_interval=3", "test=false", "model.optimizer.lr=3e-3",
                                         "model.scheduler.num_warmup_steps=1"]
 

@@ -56,6 +56,7 @@ def bad(tmp_path_factory) -> Path:
     (d / "nofield.jsonl").write_text('{"text": "fine"}\n{"body": "x"}\n')
     (d / "tiny.txt").write_text("hi")
     (d / "records.json").write_text(json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "c"}]))
+    (d / "pairs.json").write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]))
     (d / "not_a.ckpt").write_text("hello, I am not a checkpoint\n")
     (d / "a_file").write_text("")
     return d
@@ -81,6 +82,11 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "missing_field": (["data.path={bad}/nofield.jsonl"], ["nofield.jsonl:2", "data.text_field"]),
     "too_small": (["data.path={bad}/tiny.txt"], ["too few", "data.seq_len"]),
     "bad_record": (["data=instruct", "data.path={bad}/records.json"], ["records.json: record 1", "'output'"]),
+    "dpo_on_text": (["model.objective=dpo"], ["model.objective=dpo", "data=preference"]),
+    "pair_without_rejected": (["data=preference", "model.objective=dpo", "data.path={bad}/pairs.json"],
+                              ["pairs.json: record 1", "'rejected'"]),
+    "dpo_beta_0": (["data=preference", "model.objective=dpo", "model.dpo.beta=0", "data.path={bad}/pairs.json"],
+                   ["model.dpo.beta=0"]),
     "missing_tokenizer": (["data.tokenizer={bad}/no_tokenizer"], ["data.tokenizer=", "no_tokenizer"]),
     "missing_pretrained": (["model.pretrained={bad}/no_model"], ["no_model", "model.pretrained"]),
     "cache_dir_unwritable": (["paths.cache_dir={bad}/a_file/cache"], ["a_file", "paths.cache_dir"]),

@@ -18,6 +18,14 @@ from conftest import ROOT, python
 from test_launchers import RUN, free_port, slurm_env
 from test_parity import GPT2, QUIET
 
+README = ROOT / "README.md"
+SCRIPT = ROOT / "scripts" / "train.sbatch"
+
+
+def test_readme_shows_the_sbatch_script_that_the_cluster_tests_run():
+    assert f"```bash\n{SCRIPT.read_text()}```" in README.read_text()
+
+
 def test_a_resumed_run_appends_to_the_csv_logger_history(tmp_path):
     """Lightning's CSVLogger deleted the first attempt's metrics.csv when a run resumed in its dir; this one
     appends, and a metric the first attempt never logged rewrites the file with every earlier row kept."""

@@ -117,10 +117,11 @@ up() {
 
 stop() {  # stop NAME: SIGTERM the pid in its pid file, wait for it to go
     local pid
-    pid="$(running "$1")" || return 0
-    kill -TERM "$pid"
-    for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-    [ -d "/proc/$pid" ] && echo "$1 ($pid) still running 10 s after SIGTERM" >&2
+    if pid="$(running "$1")"; then
+        kill -TERM "$pid"
+        for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
+        if [ -d "/proc/$pid" ]; then echo "$1 ($pid) still running 10 s after SIGTERM" >&2; fi
+    fi
     sed -i "/^$1\$/d" "$D/started" 2>/dev/null
 }
 
@@ -141,8 +142,9 @@ case "${1:-}" in
         else
             export SLURM_CONF="$CONF" TEST_SLURM_CONF="$CONF"  # the tests submit to this cluster only
         fi
-        "$@"; status=$?
-        [ ${#STARTED_NOW[@]} -eq 0 ] || down "${STARTED_NOW[@]}"
-        exit $status;;
+        trap '[ ${#STARTED_NOW[@]} -eq 0 ] || down "${STARTED_NOW[@]}"' EXIT  # also after Ctrl+C
+        trap 'exit 130' INT TERM
+        "$@"
+        exit $?;;
     *) echo "usage: $0 up|down|run COMMAND..." >&2; exit 2;;
 esac

@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup train test test-fast test-latest lock flake-check clean
+.PHONY: setup train test test-fast test-cluster test-latest lock flake-check clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -33,6 +33,12 @@ test: setup
 
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# The tests marked `cluster` against a real one-node SLURM cluster (README "Clusters"): installs slurm-wlm and munge
+# with apt-get if missing (needs root), starts munged, slurmctld and slurmd with their files in /tmp/slurm-test-<id>,
+# waits for the node, runs the tests, then stops the daemons it started. Without root or apt the tests skip, saying why.
+test-cluster: setup
+	tests/helpers/slurm_cluster.sh run $(PY) -m pytest -m cluster -rsP --durations=0 $(ARGS)
 
 # The newest releases pyproject.toml allows, in a venv of their own made anew each time, against the fast tests:
 # run it before `make lock` to see what a new release breaks before a user installing without the lock does.

@@ -6,6 +6,10 @@ from `conf/`, fit, test the best checkpoint, return the metric a sweeper optimiz
 
 from typing import Optional
 
+from src.distributed.launcher_env import catch_preemption_signal_early
+
+catch_preemption_signal_early()  # before the imports below, which take seconds: SLURM's SIGUSR2 would end the job
+
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -50,7 +54,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 def main(cfg: DictConfig) -> Optional[float]:
     # DDP ranks join this job, in this job's dir, also inside a sweep; a failed collective is one line, not a hang;
     # a bad key, value, file or checkpoint is one line and exit 2
-    with ddp_job(), user_errors(cfg), distributed_errors():
+    with ddp_job(cfg.trainer.get("devices")), user_errors(cfg), distributed_errors():
         return train(cfg)
 
 

@@ -29,11 +29,12 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 
-from src.distributed import launcher_env
+from src.distributed import launcher_env, timeouts
 
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS",
                    "TORCHELASTIC_USE_AGENT_STORE")
@@ -81,8 +82,9 @@ def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
     return command, get_original_cwd()
 
 
-def prepare_slurm() -> None:
-    """Log how SLURM lays the ranks out; with one task per node, let Lightning start the ranks per node.
+def prepare_slurm(devices: Any = None) -> None:
+    """Log how SLURM lays the ranks out; with one task per node, let Lightning start the ranks per node
+    (`devices`: trainer.devices, the ranks it starts on each node).
 
     Lightning's SLURM environment takes every SLURM task as one rank and never starts ranks itself, so
     `--ntasks-per-node=1 --gpus-per-node=8` would train on 1 GPU per node (or fail devices=8 vs
@@ -107,23 +109,30 @@ def prepare_slurm() -> None:
     env.setdefault("MASTER_PORT", str(15000 + int(job.replace("_", "")[-4:])))  # Lightning's choice for SLURM
     env["NODE_RANK"] = env.get("SLURM_NODEID", "0")
     env.pop("SLURM_NTASKS", None)
-    log.info(f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts trainer.devices ranks "
-             f"on each node (default {device_count()}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    ranks = launcher_env.count_devices(devices) if devices is not None else device_count()
+    if nodes * ranks == 1:
+        log.info(f"SLURM job {job}: one task, one process (trainer.devices={devices})")
+    else:
+        log.info(f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts {ranks} rank(s) on each node "
+                 f"(trainer.devices={devices}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
 
 
 @contextmanager
-def ddp_job() -> Iterator[None]:
-    """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next."""
+def ddp_job(devices: Any = None) -> Iterator[None]:
+    """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next.
+    A job stopped by SIGTERM (exit 143, src/distributed/timeouts.py) ends the process as soon as its ranks
+    are reaped: Python's own shutdown took 2-6 s more (garbage collection), past a short SLURM KillWait."""
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
-    prepare_slurm()
+    prepare_slurm(devices)
     launcher_env.fresh_store_after_elastic_restart()
     original = subprocess_script._hydra_subprocess_cmd
     subprocess_script._hydra_subprocess_cmd = job_subprocess_cmd
-    failed = False
+    failed = terminated = False
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         failed = True  # e.g. a collective timed out here: the other ranks are stuck or already failing
+        terminated = isinstance(e, SystemExit) and e.code == timeouts.SIGTERM_EXIT
         raise
     finally:
         subprocess_script._hydra_subprocess_cmd = original
@@ -135,3 +144,5 @@ def ddp_job() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        if terminated:
+            timeouts.exit_now(timeouts.SIGTERM_EXIT)

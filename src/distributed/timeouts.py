@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 KEY = "trainer.strategy.timeout"
+SIGTERM_EXIT = 128 + signal.SIGTERM  # a job stopped by SIGTERM: 143, as a shell reports it
 log = logging.getLogger(__name__)
 
 TIMED_OUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
@@ -113,8 +114,8 @@ def distributed_errors() -> Iterator[None]:
     try:
         yield
     except SIGTERMException:
-        log.error(f"Rank {_rank()}: stopped by SIGTERM; exiting with status 143.")
-        raise SystemExit(128 + signal.SIGTERM) from None
+        log.error(f"Rank {_rank()}: stopped by SIGTERM; exiting with status {SIGTERM_EXIT}.")
+        raise SystemExit(SIGTERM_EXIT) from None
     except Exception as exc:
         message = describe(exc)
         if message is None:
@@ -126,3 +127,12 @@ def distributed_errors() -> Iterator[None]:
             raise CollectiveError(message) from None
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+def exit_now(code: int) -> None:
+    """End this process with `code` at once, its logs and output flushed, skipping Python's shutdown (no
+    atexit handlers, no final garbage collection): for a run already torn down that was told to stop."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

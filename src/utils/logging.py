@@ -1,9 +1,16 @@
-"""Console and file log lines that name their rank: with N processes, "which one said that?" matters."""
+"""Console and file log lines that name their rank (with N processes, "which one said that?" matters), and a
+CSV logger that keeps a resumed run's history."""
 
 from __future__ import annotations
 
+import csv
 import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
 
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 
@@ -13,3 +20,37 @@ class RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = getattr(rank_zero_only, "rank", 0)
         return True
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Lightning's CSVLogger, except that a run resumed in its run dir (resume=auto after a requeue or a crash)
+    appends to csv/metrics.csv instead of deleting it.
+
+    Lightning's writer deletes the metrics.csv it finds ("Previous log files in this directory will be deleted"),
+    so a requeued job kept only the steps after its requeue. Here the file is moved aside while the writer
+    starts and put back, and the writer is told its header (its public `metrics_keys`), so the next rows are
+    appended under it (a new column rewrites the file with every row). After a crash rather than a requeue, the
+    steps trained again since the last checkpoint appear twice, the later rows being the ones the run kept.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._history_kept = False
+
+    @property
+    def experiment(self) -> Any:
+        if self._history_kept or rank_zero_only.rank != 0:  # the other ranks get Lightning's no-op writer
+            return super().experiment
+        path = Path(self.log_dir) / "metrics.csv"
+        aside = path.with_name("metrics.csv.resuming")  # also where an attempt killed just here left it
+        if path.is_file():
+            os.replace(path, aside)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+            writer = super().experiment
+        if aside.is_file():
+            os.replace(aside, path)
+            with path.open(newline="") as f:
+                writer.metrics_keys = next(csv.reader(f), [])
+        self._history_kept = True
+        return writer

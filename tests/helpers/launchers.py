@@ -35,19 +35,42 @@ class SignalAtStep(L.Callback):
 
 
 SCONTROL = """#!{python}
-# stand-in for SLURM's scontrol: record the call, then end the job like `scontrol requeue` does
+# stand-in for SLURM's scontrol: record the call, then (end_job) end the job like `scontrol requeue` does
 import os, signal, sys
 with open({record!r}, "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
-if sys.argv[1:2] == ["requeue"]:
+if sys.argv[1:2] == ["requeue"] and {end_job}:
     os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
 """
 
 
-def stand_in_scontrol(bin_dir: Path, record: Path, python: str) -> Path:
-    """An executable `scontrol` in `bin_dir` (put it first on PATH)."""
+def stand_in_scontrol(bin_dir: Path, record: Path, python: str, end_job: bool = True) -> Path:
+    """An executable `scontrol` in `bin_dir` (put it first on PATH); end_job=False only records the call."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / "scontrol"
-    path.write_text(SCONTROL.format(python=python, record=str(record)))
+    path.write_text(SCONTROL.format(python=python, record=str(record), end_job=end_job))
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path
+
+
+class SlowSteps(L.Callback):
+    """Sleep `seconds` before every training step in a SLURM job's first `attempts` attempts (SLURM_RESTART_COUNT),
+    so that a signal lands mid-training; rank 0 appends "<attempt> <step> <time>" to <run dir>/progress.txt
+    after each step."""
+
+    def __init__(self, seconds: float, attempts: int = 100) -> None:
+        self.seconds, self.attempts = seconds, attempts
+        self.attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        import time
+
+        if self.attempt < self.attempts:
+            time.sleep(self.seconds)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        import time
+
+        if trainer.is_global_zero:
+            with open(os.path.join(trainer.default_root_dir, "progress.txt"), "a") as f:
+                f.write(f"{self.attempt} {trainer.global_step} {time.time():.3f}\n")

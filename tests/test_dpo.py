@@ -182,7 +182,7 @@ def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
 
 
 def mean_loss_and_grads(module: GPT2LitModule, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    sums, pairs = module._pair_sums(batch)
+    sums, pairs = module.dpo.pair_sums(module, batch)
     loss = sums[0] / pairs
     module.model.zero_grad()
     loss.backward()

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.models import hf, init
 from src.models.base import LitModule
-from src.models.dpo import DPO, STATS, answer_logps, disable_dropout
+from src.models.dpo import DPO, STATS, disable_dropout, frozen
 from src.models.flops import FlopCount, count_flops
 from src.models.loss import TokenMeanLoss, summed_token_loss
 from src.utils.config import ConfigError
@@ -265,22 +265,12 @@ class CausalLMLitModule(LitModule):
         torch.compile, which cannot read the check's result, a full attention mask. So there the cache stays."""
         return {"use_cache": False} if self.device.type == "cpu" and not self._compile else {}
 
-    def _pair_sums(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """DPO: the sums over the batch's pairs of each per-pair statistic (the loss first; see src/models/dpo.py)
-        and the number of pairs, evaluation's padding pairs (no targets) left out."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            **self.cache_kwargs()).logits
-        logps, counts = answer_logps(logits, batch["labels"])
-        stats = self.dpo.pair_stats(logps, counts, self.dpo.reference_logps(self, batch))
-        real = counts.chunk(2)[0] > 0
-        return (stats * real[:, None]).sum(dim=0), real.sum()
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.dpo is None:
             loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
             self.log_train_loss(loss, batch_idx)
         else:  # the mean over the step's pairs; the other statistics ride along with the logged loss
-            sums, pairs = self._pair_sums(batch)
+            sums, pairs = self.dpo.pair_sums(self, batch)
             loss = self.token_mean_loss(sums[0], pairs, batch_idx)
             self.log_train_loss(loss, batch_idx, torch.cat([sums[1:].detach(), pairs[None].to(sums.dtype)]))
         return self.loss_for_backward(loss)
@@ -294,13 +284,13 @@ class CausalLMLitModule(LitModule):
         if self.dpo is None:
             self.val_metrics["loss"].update(*self._loss_and_count(batch))
         else:
-            self.dpo.val_stats.update(*self._pair_sums(batch))
+            self.dpo.val_stats.update(*self.dpo.pair_sums(self, batch))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.dpo is None:
             self.test_metrics["loss"].update(*self._loss_and_count(batch))
         else:
-            self.dpo.test_stats.update(*self._pair_sums(batch))
+            self.dpo.test_stats.update(*self.dpo.pair_sums(self, batch))
 
     def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
         if self.dpo is not None:
@@ -329,9 +319,3 @@ class CausalLMLitModule(LitModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test", self.test_metrics)
 
-
-def frozen(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` in evaluation mode with every parameter frozen (DPO's reference policy)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()

@@ -118,6 +118,16 @@ class DPO(nn.Module):
         return torch.stack([loss, rewards[0], rewards[1], (margin > 0).to(loss.dtype), margin, chosen.detach(),
                             rejected.detach()], dim=1)
 
+    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
+        pairs; evaluation's padding pairs (no targets) left out. `module` is the CausalLMLitModule."""
+        logits = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              **module.cache_kwargs()).logits
+        logps, counts = answer_logps(logits, batch["labels"])
+        stats = self.pair_stats(logps, counts, self.reference_logps(module, batch))
+        real = counts.chunk(2)[0] > 0
+        return (stats * real[:, None]).sum(dim=0), real.sum()
+
     # ---- the reference policy ----
 
     def reference_logps(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,3 +203,10 @@ def disable_dropout(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    """`model` in evaluation mode with every parameter frozen (the reference policy)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -225,3 +225,18 @@ def test_dependency_floors_hold_and_each_names_its_reason():
     for line in block.splitlines()[1:]:
         if line.strip().startswith('"'):
             assert "#" in line, f"pyproject.toml: {line.strip()} has no comment naming what sets its floor"
+
+
+@pytest.mark.parametrize("model,size,vocab,expected", [
+    ("llama", "smollm2_135m", 49152, 134_515_008), ("llama", "llama3_1b", 128256, 1_235_814_400),
+    ("llama", "llama2_7b", 32000, 6_738_415_616), ("qwen2", "qwen2_05b", 151936, 494_032_768),
+    ("qwen2", "qwen2_15b", 151936, 1_543_714_304), ("mistral", "mistral_7b", 32000, 7_241_732_096)])
+def test_size_presets_of_llama_qwen2_mistral_are_the_published_shapes(model, size, vocab, expected, tmp_path):
+    """Parameter counts of SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, Qwen2.5-0.5B/1.5B and Mistral-7B-v0.1 with
+    their own vocabularies (built on the meta device: shapes only)."""
+    cfg = compose_cfg([f"model={model}", f"model/size={size}"], tmp=tmp_path)
+    with torch.device("meta"):
+        module = instantiate(cfg.model, vocab_size=vocab)
+    assert module.n_params == expected
+    tiny = compose_cfg([f"model={model}"], tmp=tmp_path)  # without a size preset: the CPU-sized default
+    assert tiny.model.config.hidden_size == 128

@@ -16,8 +16,10 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.profiler import record_function
 
 from src.distributed.samplers import train_sampler
+from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +143,9 @@ class LitModule(L.LightningModule):
         if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
             # the divergence flag rides along in the same all-reduce: its mean is > 0 iff a rank saw one
             flag = torch.isfinite(self.first_nonfinite).float().to(self._loss_sum.dtype)
-            mean, self.nonfinite_reduced = trainer.strategy.reduce(torch.stack([self._loss_sum, flag]),
-                                                                   reduce_op="mean").unbind()
+            with record_function(TRAIN_LOSS_REDUCE):
+                mean, self.nonfinite_reduced = trainer.strategy.reduce(torch.stack([self._loss_sum, flag]),
+                                                                       reduce_op="mean").unbind()
             self.log_dict(self.train_metrics(mean), prog_bar=True)
         self._loss_sum = None
 

@@ -18,7 +18,7 @@ from conftest import ROOT, python, read_events
 from test_distributed import run_ranks
 
 from bench import comm
-from src.callbacks.comm import collectives
+from src.callbacks.comm import collectives, trace
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 # a 2-layer GPT-2 of width 32 on the tests' corpus: start-up dominates, the volumes are Ψ's
@@ -45,7 +45,7 @@ def traced(rank: int, world: int) -> list[dict]:
             dist.send(torch.ones(3), 1)
         else:
             dist.recv(torch.empty(3), 0)
-    return collectives(prof.events(), world)
+    return collectives(trace(prof), world)
 
 
 def test_collectives_read_from_a_real_profile_with_phases_sizes_and_ring_bytes():

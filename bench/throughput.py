@@ -79,7 +79,7 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     median = statistics.median(steps)
     with open(out, "w") as f:
-        json.dump({"step_s": median, "tokens_per_s": tokens_per_step / median,
+        json.dump({"step_s": median, "tokens_per_s": tokens_per_step / median, "steps_s": steps,
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 
 

@@ -52,6 +52,10 @@ def test_user_json_file_is_read_and_checked(tmp_path):
     good = tmp_path / "ds.json"
     good.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
     assert DeepSpeedStrategy(stage=2, config=str(good)).user_config["zero_optimization"]["reduce_bucket_size"] == 1000
+    from omegaconf import OmegaConf  # inline: trainer.strategy.config='{zero_optimization: {reduce_bucket_size: 1000}}'
+
+    inline = DeepSpeedStrategy(stage=2, config=OmegaConf.create({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    assert derive_config(inline.user_config, **BASE)["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2}
     bad = tmp_path / "bad.json"
     bad.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}')
     with pytest.raises(ConfigError, match=rf"{bad}:4: not valid JSON"):

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
+from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.checkpointing import save_sharded
 from src.distributed.sync_batchnorm import apply_layer_sync
@@ -67,6 +68,8 @@ class DeepSpeedStrategy(LightningDeepSpeed):
             raise ConfigError(f"trainer.strategy.stage={stage}: DeepSpeed ZeRO has stages 1, 2 and 3.")
         if offload_parameters and stage != 3:
             raise ConfigError("trainer.strategy.offload_parameters needs stage=3 (only sharded parameters offload).")
+        if isinstance(config, DictConfig):  # given inline: trainer.strategy.config='{zero_optimization: {...}}'
+            config = OmegaConf.to_container(config, resolve=True)
         if isinstance(config, (str, Path)):
             path = Path(config).expanduser()
             if not path.is_file():

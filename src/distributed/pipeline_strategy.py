@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.profiler import record_function
 
 from src.distributed import mesh as meshes
 from src.distributed.checkpointing import save_sharded
 from src.distributed.pipeline import Pipeline, check_config, parallelize
+from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
 METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
@@ -97,7 +99,8 @@ class PipelineStrategy(ModelParallelStrategy):
         optimizer.zero_grad()
         with self.precision_plugin.train_step_context():
             loss = pipe.run(batch["input_ids"], batch["labels"], training=True, scale=1.0 / max(n_targets, 1))
-        dist.all_reduce(loss)  # last-stage ranks hold their shard's share; all others 0
+        with record_function(TRAIN_LOSS_REDUCE):
+            dist.all_reduce(loss)  # last-stage ranks hold their shard's share; all others 0
         pipe.sync_grads(params)
         pipe.clip_grads(params, self.gradient_clip_val)
         optimizer.step()

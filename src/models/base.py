@@ -16,8 +16,10 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.profiler import record_function
 
 from src.distributed.samplers import train_sampler
+from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,8 @@ class LitModule(L.LightningModule):
             values = torch.stack([self._loss_sum, flag])
             if self._stat_sums is not None:  # a mean of sums over a mean of counts: the ratio of the totals
                 values = torch.cat([values, self._stat_sums.to(values.dtype)])
-            reduced = trainer.strategy.reduce(values, reduce_op="mean")
+            with record_function(TRAIN_LOSS_REDUCE):
+                reduced = trainer.strategy.reduce(values, reduce_op="mean")
             mean, self.nonfinite_reduced = reduced[0], reduced[1]
             extra = (reduced[2:],) if self._stat_sums is not None else ()
             self.log_dict(self.train_metrics(mean, *extra), prog_bar=True)

@@ -13,6 +13,10 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+# The torch.profiler range around the train-loss all-reduce of logging steps: callbacks.comm files the
+# collectives inside it under "logging" (src/models/base.py, src/distributed/pipeline_strategy.py open it).
+TRAIN_LOSS_REDUCE = "train/loss all-reduce"
+
 
 class RankFilter(logging.Filter):
     """Adds `%(rank)s` to every record: the global rank (Lightning sets it once the process group exists)."""

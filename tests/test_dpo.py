@@ -382,3 +382,19 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
         expected = load_checkpoint(source)["state_dict"]
         for name, value in module.model.state_dict().items():
             torch.testing.assert_close(value, expected[f"model.{name}"], rtol=0, atol=0, msg=name)
+
+
+def test_precomputed_reference_with_no_validation_split(tmp_path):
+    """data.val_fraction=0 and test_fraction=0: the table covers the training pairs (an empty split is skipped)."""
+    import functools
+
+    import lightning as L
+
+    dm = PreferenceDataModule(str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, val_fraction=0,
+                              test_fraction=0)
+    module = GPT2LitModule(vocab_size=257, seq_len=48, n_layer=1, n_head=2, n_embd=16, objective="dpo",
+                           dpo={"precompute_reference": True}, optimizer=functools.partial(torch.optim.SGD, lr=0.0))
+    L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, accelerator="cpu", limit_val_batches=0,
+              enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+              default_root_dir=tmp_path).fit(module, datamodule=dm)
+    assert module.dpo.table.shape == (300, 2) and (module.dpo.table < 0).all()  # every pair's log-probs, once

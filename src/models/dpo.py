@@ -164,7 +164,7 @@ class DPO(nn.Module):
         table = torch.zeros(sum(len(s) for s in splits.values()), 2)
         was_training = module.training
         module.eval()
-        for split in splits:
+        for split in (name for name, pairs in splits.items() if len(pairs)):  # data.val_fraction=0: no val split
             for batch in datamodule.eval_loader(split):
                 batch = module.transfer_batch_to_device(batch, module.device, 0)
                 logps, counts = answer_logps(module.model(input_ids=batch["input_ids"],

@@ -266,9 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         if min(args.ranks) < 2 or args.steps < 1:
             raise Refused("--ranks takes numbers of processes >= 2 (one process communicates nothing) and --steps >= 1.")
         if unknown:
-            raise Refused(f"unknown argument {unknown[0]}: bench.comm takes --ranks, --steps, --each and train.py's "
-                          "key=value overrides.")
-        check_request(overrides, args.ranks)
+            raise Refused(f"unknown argument {unknown[0]}: bench.comm takes --ranks, --steps, --each, --overhead "
+                          "and train.py's key=value overrides.")
+        trainer = check_request(overrides, args.ranks)
+        if not any(o.startswith("trainer=") for o in overrides):  # train.py's own default runs one process
+            overrides = [f"trainer={trainer}", *overrides]
         for n in args.ranks:
             if args.overhead:
                 overhead(overrides, n, args.overhead)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +161,8 @@ class DPO(nn.Module):
                                   "the splits changed); resume with the same data, or start a new run.")
             return
         splits = datamodule.splits
-        table = torch.zeros(sum(len(s) for s in splits.values()), 2)
+        # indexed by the pair's number among the file's pairs (a Subset's pairs keep their numbers)
+        table = torch.zeros(1 + max((item[0] for split in splits.values() for item in pairs_of(split)), default=-1), 2)
         was_training = module.training
         module.eval()
         for split in (name for name, pairs in splits.items() if len(pairs)):  # data.val_fraction=0: no val split
@@ -191,10 +192,16 @@ def data_fingerprint(datamodule: Any) -> str:
     digest = hashlib.sha256()
     for name, split in sorted(datamodule.splits.items()):
         digest.update(f"{name}:{len(split)}".encode())
-        for item in split.items:
+        for item in pairs_of(split):
             for array in item[1:]:
                 digest.update(array.tobytes())
     return digest.hexdigest()[:16]
+
+
+def pairs_of(split: Any) -> Iterator[tuple]:
+    """A split's items, (pair index, chosen ids, chosen labels, rejected ids, rejected labels), also where the
+    split is a Subset of them (data.overfit_batches)."""
+    return (split[i] for i in range(len(split)))
 
 
 def disable_dropout(model: nn.Module) -> None:

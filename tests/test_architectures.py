@@ -111,7 +111,7 @@ def test_flop_count_is_within_2_percent_of_flop_counter(arch, adapter):
     assert abs(ours - counted) <= 0.02 * counted, (ours, counted)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_left_padded_prompts_complete_as_greedy_full_forwards(arch):
     """One left-padded batch for all prompts: rotary positions follow the mask, so each completion is what
     decoding that prompt alone by full forwards gives."""
@@ -146,9 +146,10 @@ def test_bad_models_are_one_sentence(tmp_path):
     llama, _ = saved(tmp_path, "llama")
     with pytest.raises(ConfigError, match="is a 'llama' model and model=gpt2 builds GPT-2: use model=causal_lm"):
         GPT2LitModule(vocab_size=V, seq_len=T, pretrained=str(llama))
-    (llama / "model.safetensors").unlink()  # a config without weights
-    with pytest.raises(ConfigError, match="has no weights that load"):
-        CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(llama))
+    (llama / "model.safetensors").unlink()  # a config without weights: eager, and deferred (FSDP2, ZeRO-3), where
+    for deferred in (False, True):        # the weights are read only once the ranks run
+        with init.deferred_init(deferred), pytest.raises(ConfigError, match="holds a config but no weights"):
+            CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(llama))
     with pytest.raises(ConfigError, match="model.model_type='lama' is not a model type transformers knows"):
         CausalLMLitModule(vocab_size=V, seq_len=T, model_type="lama")
     with pytest.raises(ConfigError, match="model.model_type is not set"):

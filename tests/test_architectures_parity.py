@@ -38,13 +38,15 @@ STRATEGIES["zero3"] = ["trainer=deepspeed", "trainer.strategy._target_=tests.hel
 # LoRA (peft's default projections for the architecture) under FSDP2, against LoRA in one process
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0"]
 STRATEGIES["fsdp_lora"] = ["trainer=fsdp", "trainer.devices=2"]
+# 1 process x 4 samples x accumulation 2 (val_check_interval counts micro-batches: 12 are the 6 steps)
+STRATEGIES["accumulate"] = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]
 MATRIX = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp"),
                                                                                     ("mistral", "pipeline")]
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
-# kind of split; tied embeddings across pipeline stages; q/k/v biases under ZeRO-3 and LoRA; a sliding window in
-# a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (16 cases against 5 one-process runs).
+# kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (18 cases against 5 one-process runs).
 CORE = [("llama", "ddp"), ("llama", "fsdp"), ("llama", "tp"), ("llama", "pipeline_tp"), ("qwen2", "pipeline"),
-        ("qwen2", "zero3"), ("qwen2", "fsdp_lora"), ("mistral", "pipeline")]
+        ("qwen2", "zero3"), ("qwen2", "fsdp_lora"), ("qwen2", "accumulate"), ("mistral", "ddp"), ("mistral", "pipeline")]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 CASES = [pytest.param(a, s, marks=[] if ALL or (a, s) in CORE else pytest.mark.skip(
     reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")) for a, s in MATRIX]
@@ -57,7 +59,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     args = ARCHS[arch] + RUN + lora + STRATEGIES[strategy]
     if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
         args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
-    if strategy == "ddp":
+    if strategy in ("ddp", "accumulate"):  # a checkpoint file
         run = train(tmp_path, strategy, args)
         params = run["params"]
     else:  # a sharded checkpoint dir (DCP), read back whole
@@ -79,7 +81,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
         assert psi < sum(t.numel() for t in one["params"].values())  # the split saves something
         assert max(m["params"] for m in measured) == 4 * psi  # fp32
         assert max(m["optimizer"] for m in measured) == 8 * psi  # Adam's m and v
-    if strategy in ("tp", "pipeline", "pipeline_tp", "fsdp_lora"):  # HF's layout: the export loads as it is
+    if strategy in ("ddp", "tp", "pipeline", "pipeline_tp", "fsdp_lora"):  # HF's layout: the export loads as it is
         assert_export_gives_the_templates_logits(tmp_path, last_ckpt(tmp_path, strategy), one["params"])
 
 

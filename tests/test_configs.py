@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
@@ -15,6 +17,7 @@ from omegaconf import open_dict
 
 from conftest import ROOT, shared
 from src.utils.config import ConfigError, check_targets, instantiate_group
+from src.utils.errors import translate
 from src.utils.run import check_machine
 
 CONF = ROOT / "conf"
@@ -41,6 +44,10 @@ def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = No
 VISION = ["data=digits", "model=convnet", "callbacks.generate_text=null"]
 PARTNER = {("data", "digits"): VISION, ("data", "mnist"): ["model=convnet", "callbacks.generate_text=null"],
            ("model", "convnet"): VISION}
+for preset in (CONF / "model" / "size").glob("*.yaml"):  # a Llama/Qwen2/Mistral shape goes with its model= only
+    size_for = yaml.safe_load(preset.read_text()).get("size_for")
+    if size_for:
+        PARTNER[("model/size", preset.stem)] = [f"model={size_for}"]
 
 ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
 
@@ -225,6 +232,16 @@ def test_dependency_floors_hold_and_each_names_its_reason():
     for line in block.splitlines()[1:]:
         if line.strip().startswith('"'):
             assert "#" in line, f"pyproject.toml: {line.strip()} has no comment naming what sets its floor"
+
+
+@pytest.mark.parametrize("model,size", [("gpt2", "llama3_1b"), ("qwen2", "mistral_7b"), ("llama", "qwen2_05b")])
+def test_a_size_preset_of_another_architecture_is_one_sentence(model, size, tmp_path):
+    """GPT2Config reads hidden_size as n_embd and Qwen2Config ignores a sliding window: without the check these
+    built a 909M-parameter GPT-2, or a Qwen2 that is not Mistral-7B's shape, without a word."""
+    cfg = compose_cfg([f"model={model}", f"model/size={size}"], tmp=tmp_path)
+    with torch.device("meta"), pytest.raises(Exception) as raised:
+        instantiate(cfg.model, vocab_size=32000)
+    assert re.search(rf"preset is a \w+ shape and this is model={model}: use model=", translate(raised.value))
 
 
 @pytest.mark.parametrize("model,size,vocab,expected", [

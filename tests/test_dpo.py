@@ -327,6 +327,28 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
             torch.testing.assert_close(value, params[f"model.{name}"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
+def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
+    """experiment=gpt2_dpo as the README runs it offline, overfitting 2 batches of 8 pairs: the policy starts as its
+    reference (margin 0), then every pair's chosen answer gets the higher reward, and the samples callback still
+    samples the policy."""
+    from conftest import path_overrides, read_events, run_script
+    from test_parity import QUIET
+
+    quiet = [a for a in QUIET if not a.startswith("callbacks.generate_text")]
+    run_script("train.py", quiet + path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path / "cache"}) + [
+        "experiment=gpt2_dpo", f"model.pretrained={shared('tiny-gpt2')}", f"data.path={shared(*EN.split('/'))}",
+        "data.seq_len=128", "data.overfit_batches=2", "model.optimizer.lr=1e-2", "model.scheduler.num_warmup_steps=2",
+        "trainer.max_steps=12", "trainer.val_check_interval=12", "test=false", "callbacks.generate_text.max_new_tokens=4"])
+    (run,) = (tmp_path / "train" / "runs").iterdir()
+    events = read_events(run / "tensorboard")
+    margins = [e.value for e in events.Scalars("train/rewards/margins")]
+    assert margins[0] == 0 and margins[-1] > 0.3 and margins[-1] > margins[len(margins) // 2] > 0  # 0.49 here
+    assert events.Scalars("train/rewards/accuracies")[-1].value == 1.0
+    assert events.Scalars("val/rewards/accuracies")[-1].value == 1.0  # the same 16 pairs (data.overfit_batches)
+    assert any(tag.startswith("samples/") for tag in events.Tags()["tensors"])
+
+
 # ---- SFT -> DPO: model.pretrained takes a checkpoint of this template, in any of its forms ----
 
 @pytest.mark.slow

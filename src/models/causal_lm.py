@@ -49,8 +49,12 @@ class CausalLMLitModule(LitModule):
         tokenizer: Optional[str] = None,
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
+        size_for: Optional[str] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
+        if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
+            raise ConfigError(f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
+                              f"model={size_for} with it, or a {model_type} size (conf/model/size/).")
         if objective not in ("sft", "dpo"):
             raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
         self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None

@@ -62,6 +62,7 @@ class GPT2LitModule(CausalLMLitModule):
         tokenizer: Optional[str] = None,
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
+        size_for: Optional[str] = None,
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -78,7 +79,7 @@ class GPT2LitModule(CausalLMLitModule):
                   **(config or {})}
         super().__init__(vocab_size, seq_len, "gpt2", config, optimizer, scheduler, weight_decay, lr_scaling,
                          base_batch_size, pretrained, gradient_checkpointing, lora, peft, compile, attn_implementation,
-                         resize_embeddings, tokenizer, objective, dpo)
+                         resize_embeddings, tokenizer, objective, dpo, size_for)
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
         if config.model_type != "gpt2":

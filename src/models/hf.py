@@ -10,6 +10,7 @@ scale, Conv1D) are in src/models/gpt2.py.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,6 +34,9 @@ def check_decoder_only(config: PretrainedConfig, source: str) -> None:
                           "Mistral or other AutoModelForCausalLM checkpoint.")
 
 
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
 def pretrained_config(name_or_path: str, attn_implementation: str = "sdpa") -> PretrainedConfig:
     """The config of a pretrained dir or hub name (no weights read), checked to be a decoder-only LM."""
     try:
@@ -42,6 +46,12 @@ def pretrained_config(name_or_path: str, attn_implementation: str = "sdpa") -> P
         raise ConfigError(f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
                           "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
     check_decoder_only(config, f"model.pretrained={name_or_path!r}")
+    local = Path(name_or_path)
+    if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
+        # checked here, when the module is built: under FSDP2/ZeRO-3 the weights are read only after the ranks start
+        raise ConfigError(f"model.pretrained={name_or_path!r} holds a config but no weights (no *.safetensors or "
+                          "pytorch_model*.bin): pass the dir that save_pretrained or `python -m src.tools.checkpoints "
+                          "export-hf` wrote.")
     return config
 
 

@@ -3,7 +3,8 @@
     python -m src.tools.memory --size small --world-size 8 --strategy zero2 --precision bf16-mixed
     python -m src.tools.memory --model llama --world-size 8 --strategy zero3   # LlamaConfig's defaults (7B)
     python -m src.tools.memory --model qwen2 --config num_hidden_layers=24 hidden_size=896 intermediate_size=4864 \
-        num_attention_heads=14 num_key_value_heads=2 --tensor-parallel 2        # any config field (Qwen2-0.5B)
+        num_attention_heads=14 num_key_value_heads=2 tie_word_embeddings=true vocab_size=151936 \
+        --world-size 2 --tensor-parallel 2                                     # any config field (Qwen2-0.5B: 494M)
     python -m src.tools.memory --model path/to/checkpoint_dir --world-size 4 --strategy zero3
     python -m src.tools.memory --size xl --world-size 4 --strategy zero3 --offload-optimizer --offload-param
     python -m src.tools.memory --size medium --world-size 8 --tensor-parallel 4          # trainer=tp: 2 x 4

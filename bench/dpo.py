@@ -157,7 +157,7 @@ def main() -> None:
           f"{args.rounds} interleaved rounds, {os.cpu_count()} CPU cores")
     print(f"{'way':<22}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for way, runs in results.items():
-        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        m = {k: statistics.median(r[k] for r in runs) for k in ('step_s', 'tokens_per_s', 'peak_rss_mib')}
         print(f"{way:<22}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
     for label, (a, b) in {"template/trl": ("template", "trl"),
                           "template_lora/template": ("template_lora", "template"),

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: 2.13.0 is a local CPU wheel on the CI machines. On a GPU machine
 # use the CUDA build: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
-# The tested versions of every package (pip constraints, README "Reproducible installs"). LOCK= installs the newest
+# The tested versions of every package (pip constraints, docs/install.md). LOCK= installs the newest
 # releases that pyproject.toml allows instead.
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
@@ -34,7 +34,7 @@ test: setup
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
-# The tests marked `cluster` against a real one-node SLURM cluster (README "Clusters"): installs slurm-wlm and munge
+# The tests marked `cluster` against a real one-node SLURM cluster (docs/clusters.md): installs slurm-wlm and munge
 # with apt-get if missing (needs root), starts munged, slurmctld and slurmd with their files in /tmp/slurm-test-<id>,
 # waits for the node, runs the tests, then stops the daemons it started. Without root or apt the tests skip, saying why.
 test-cluster: setup

@@ -1,4 +1,4 @@
-"""Against a real one-node SLURM cluster (munged, slurmctld, slurmd from Debian's packages): the README's sbatch
+"""Against a real one-node SLURM cluster (munged, slurmctld, slurmd from Debian's packages): docs/clusters.md's sbatch
 script (scripts/train.sbatch) exactly as users submit it, submitit's SLURM launcher, preemption by `scancel
 --signal=USR2` and by a time limit with real `scontrol requeue`s, and a task that dies. `make test-cluster` starts
 the cluster (tests/helpers/slurm_cluster.sh); elsewhere these tests skip.
@@ -52,7 +52,7 @@ def slurm(env: dict, *cmd: str) -> str:
 
 
 def sbatch(env: dict, tmp: Path, options: list[str], overrides: list[str]) -> str:
-    """The README's script, submitted from the project root, its run dirs under `tmp`: the job id."""
+    """The documented script (docs/clusters.md), submitted from the project root, its run dirs under `tmp`: the job id."""
     paths = [f"paths.log_dir={tmp / 'logs'}", f"paths.cache_dir={tmp / 'cache'}"]
     return slurm(env, "sbatch", "--parsable", f"--output={tmp}/slurm-%j.out", *options, str(SCRIPT), *overrides,
                  *paths).strip()
@@ -127,7 +127,7 @@ def assert_same_history(a: dict, b: dict, tol: float) -> None:
 
 @pytest.fixture(scope="module")
 def straight(env, tmp_path_factory) -> dict:
-    """The README's script with 2 tasks, never interrupted: what every preempted job must end like."""
+    """The documented script with 2 tasks, never interrupted: what every preempted job must end like."""
     tmp = tmp_path_factory.mktemp("straight")
     job_id = sbatch(env, tmp, TWO_TASKS, ARGS)
     try:
@@ -235,7 +235,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(env, submit, straigh
 
 def test_a_killed_task_fails_the_job_and_leaves_no_process(env, submit, tmp_path):
     """Rank 1 SIGKILLed at step 3: srun --kill-on-bad-exit=1 ends rank 0 too; the job is FAILED with a non-zero
-    exit code within 15 s of the kill (README: seconds, not trainer.strategy.timeout), and no process of it is
+    exit code within 15 s of the kill (docs/clusters.md: seconds, not trainer.strategy.timeout), and no process of it is
     left on the node."""
     job_id = submit(tmp_path, TWO_TASKS, ARGS + [SLOW, "+callbacks.slow.seconds=0",
                                                  "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep",

@@ -329,7 +329,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
 
 @pytest.mark.slow
 def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
-    """experiment=gpt2_dpo as the README runs it offline, overfitting 2 batches of 8 pairs: the policy starts as its
+    """experiment=gpt2_dpo as docs/fine-tuning.md runs it offline, overfitting 2 batches of 8 pairs: the policy starts as its
     reference (margin 0), then every pair's chosen answer gets the higher reward, and the samples callback still
     samples the policy."""
     from conftest import path_overrides, read_events, run_script

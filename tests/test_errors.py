@@ -30,6 +30,7 @@ def run_as_user(args: list[str], timeout: int = 300) -> tuple[int, str, float]:
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
     proc = subprocess.run([python(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert "[ERROR]" not in proc.stdout, f"an error on stdout, not stderr:\n{proc.stdout[-3000:]}"
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
@@ -90,6 +91,7 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "missing_tokenizer": (["data.tokenizer={bad}/no_tokenizer"], ["data.tokenizer=", "no_tokenizer"]),
     "missing_pretrained": (["model.pretrained={bad}/no_model"], ["no_model", "model.pretrained"]),
     "cache_dir_unwritable": (["paths.cache_dir={bad}/a_file/cache"], ["a_file", "paths.cache_dir"]),
+    "log_dir_in_a_file": (["paths.log_dir={bad}/a_file/logs"], ["a_file", "paths.log_dir", "not a directory"]),
     "ckpt_missing": (["ckpt_path={bad}/missing.ckpt"], ["ckpt_path=", "missing.ckpt", "does not exist"]),
     "ckpt_not_a_checkpoint": (["ckpt_path={bad}/not_a.ckpt"], ["not_a.ckpt", "not a checkpoint"]),
     "fp16_on_cpu": (["trainer.precision=16-mixed"], ["trainer.precision=16-mixed"]),

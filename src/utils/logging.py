@@ -26,6 +26,13 @@ class RankFilter(logging.Filter):
         return True
 
 
+class BelowError(logging.Filter):
+    """Lets through records below ERROR: the console handler's filter, so that errors go to stderr only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 class ResumableCSVLogger(CSVLogger):
     """Lightning's CSVLogger, except that a run resumed in its run dir (resume=auto after a requeue or a crash)
     appends to csv/metrics.csv instead of deleting it.

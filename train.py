@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
-from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank
+from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.timeouts import distributed_errors
 from src.models.init import deferred_init
@@ -30,7 +30,8 @@ def train(cfg: DictConfig) -> Optional[float]:
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)
-    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg)]
+    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg),
+                                                                 StepsInProgressBar()]
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it

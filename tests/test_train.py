@@ -36,6 +36,20 @@ def test_default_experiment_trains_and_writes_a_run_dir(trained):
     assert "val/loss = " in trained["proc"].stdout + trained["proc"].stderr  # the optimized metric is reported
 
 
+def test_the_console_shows_steps_and_no_library_noise(tmp_path):
+    """The progress bar counts steps of max_steps (it read "Epoch 0/-2"), and four lines of Lightning/torch noise are
+    gone: the litlogger tip, the `limit_*_batches=1.0` notices, bf16's model-summary warning, pytree's deprecation."""
+    dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
+    proc = run_script("train.py", path_overrides(dirs) + [
+        "extras.print_config=false", "trainer.max_steps=3", "trainer.val_check_interval=3", "test=false",
+        "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=2", "model.n_layer=1", "data.seq_len=32",
+        "trainer.precision=bf16-mixed", "callbacks.generate_text=null"])
+    out = proc.stdout + proc.stderr
+    assert "Step 3/3" in proc.stdout and "/-2" not in out, proc.stdout[-2000:]
+    for noise in ("litlogger", "was configured so", "not supported by the model summary", "LeafSpec"):
+        assert noise not in out, noise
+
+
 def test_tensorboard_has_what_a_user_looks_for(trained):
     ea = read_events(trained["run"] / "tensorboard")
     scalars = set(ea.Tags()["scalars"])

@@ -35,6 +35,28 @@ class CpuThreadsPerRank(L.Callback):
                  f"({available_cores()} cores / {local_ranks} local rank(s))")
 
 
+class StepsInProgressBar(L.Callback):
+    """A run bounded by `trainer.max_steps` (max_epochs=-1) read "Epoch 0/-2" in Lightning's rich progress bar: its
+    training bar reads "Step s/max_steps" instead. Through RichProgressBar's public `progress` and
+    `train_progress_bar_id`; other bars, or a run bounded by epochs, are left as they are."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.describe(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.describe(trainer)
+
+    @staticmethod
+    def describe(trainer: L.Trainer) -> None:
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        bar = trainer.progress_bar_callback
+        if trainer.max_steps <= 0 or (trainer.max_epochs or -1) > 0 or not isinstance(bar, RichProgressBar):
+            return
+        if bar.progress is not None and bar.train_progress_bar_id is not None:
+            bar.progress.update(bar.train_progress_bar_id, description=f"Step {trainer.global_step}/{trainer.max_steps}")
+
+
 class ConfigInCheckpoint(L.Callback):
     """Store the model and data config in every checkpoint, so eval.py rebuilds exactly what was trained."""
 

@@ -26,6 +26,22 @@ class RankFilter(logging.Filter):
         return True
 
 
+class DropTips(logging.Filter):
+    """Drops Lightning's advertisement for its cloud logger (a rank_zero_info line in every run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+def quiet_console() -> None:
+    """What does not belong in `python train.py`'s output: Lightning's litlogger tip, its model-summary warning that
+    bf16 sizes are estimated in 32 bits, and its use of a torch pytree API that torch 2.13 deprecates."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(DropTips())
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 class BelowError(logging.Filter):
     """Lets through records below ERROR: the console handler's filter, so that errors go to stderr only."""
 

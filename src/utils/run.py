@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.distributed import launcher_env
 from src.utils.checks import check_machine, check_top_level_keys, check_values
 from src.utils.config import ConfigError, check_targets
+from src.utils.logging import quiet_console
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def prepare(cfg: DictConfig) -> None:
     """Checks before any expensive work, then seed and config tree."""
     import lightning as L
 
+    quiet_console()
     check_top_level_keys(cfg)
     check_targets(cfg)
     check_values(cfg)

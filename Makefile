@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup train test test-fast test-cluster test-latest lock flake-check clean
+.PHONY: setup train test test-fast test-cluster test-latest lock flake-check lint clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -30,6 +30,11 @@ train: setup
 TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+
+# ruff's lint and format checks (pyproject.toml [tool.ruff]); `ruff check --fix . && ruff format .` repairs most
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)

@@ -30,8 +30,10 @@ def trained_config(cfg: DictConfig) -> DictConfig:
     """The checkpoint's model/data config with this command line's model.* / data.* overrides on top."""
     path = Path(cfg.ckpt_path)
     if not (path.is_file() or is_sharded(path)):
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "
-                          "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt")
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "
+            "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt"
+        )
     stored = read_config(path)  # without loading (or, for shards, gathering) the weights
     if stored is None:  # not written by train.py: trust the composed config
         return OmegaConf.masked_copy(cfg, ["model", "data"])

@@ -30,8 +30,11 @@ def train(cfg: DictConfig) -> Optional[float]:
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)
-    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [CpuThreadsPerRank(), ConfigInCheckpoint(cfg),
-                                                                 StepsInProgressBar()]
+    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [
+        CpuThreadsPerRank(),
+        ConfigInCheckpoint(cfg),
+        StepsInProgressBar(),
+    ]
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it

@@ -42,7 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK_GIB = 0.6  # resident memory of one CPU rank of a small config (torch, Lightning, the data): measured 0.46-0.5
 PHASES = ("forward", "backward", "optimizer", "logging", "other")
 SIZES = {"fp64": 8, "int64": 8, "fp32": 4, "int32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "bool": 1}  # bytes an element
-CPU_DEEPSPEED = ["trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy", "trainer.precision=32-true"]
+CPU_DEEPSPEED = [
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.precision=32-true",
+]
 
 
 class Refused(Exception):
@@ -66,24 +69,47 @@ def check_request(overrides: list[str], ranks: list[int]) -> str:
         free = int(re.search(r"MemAvailable:\s+(\d+)", meminfo.read_text()).group(1)) / 2**20
         most = int(free // RANK_GIB)
         if max(ranks) > most:
-            raise Refused(f"--ranks {max(ranks)} needs about {max(ranks) * RANK_GIB:.0f} GiB ({RANK_GIB} GiB a CPU rank) and "
-                          f"{free:.0f} GiB is available here: use --ranks {max(2, most)} or fewer (the volumes follow "
-                          "(N-1)/N, so 2, 3 and 4 ranks already show how they grow).")
+            raise Refused(
+                f"--ranks {max(ranks)} needs about {max(ranks) * RANK_GIB:.0f} GiB ({RANK_GIB} GiB a CPU rank) and "
+                f"{free:.0f} GiB is available here: use --ranks {max(2, most)} or fewer (the volumes follow "
+                "(N-1)/N, so 2, 3 and 4 ranks already show how they grow)."
+            )
     return trainer
 
 
 def train(overrides: list[str], n: int, steps: int, tmp: str, comm: str, python: str, more: tuple = ()) -> None:
     """train.py on n CPU ranks for `steps` steps, no validation, test or checkpoints, logs under `tmp`."""
-    first = ["extras.print_config=false", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-             f"data.global_batch_size={4 * n}", "callbacks.generate_text=null"]
-    last = [f"trainer.devices={n}", "trainer.accelerator=cpu", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
-            "trainer.num_sanity_val_steps=0", "test=false", "++callbacks.model_checkpoint=null",
-            "++callbacks.last_checkpoint=null", "++callbacks.validate_at_end=null", f"++callbacks.comm={comm}",
-            f"paths.log_dir={tmp}/logs", *more]
+    first = [
+        "extras.print_config=false",
+        "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        f"data.global_batch_size={4 * n}",
+        "callbacks.generate_text=null",
+    ]
+    last = [
+        f"trainer.devices={n}",
+        "trainer.accelerator=cpu",
+        f"trainer.max_steps={steps}",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+        "++callbacks.model_checkpoint=null",
+        "++callbacks.last_checkpoint=null",
+        "++callbacks.validate_at_end=null",
+        f"++callbacks.comm={comm}",
+        f"paths.log_dir={tmp}/logs",
+        *more,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))  # DeepSpeed's CPU Adam
-    proc = subprocess.run([python, "train.py", *first, *overrides, *last], cwd=ROOT, env=env, capture_output=True,
-                          text=True, errors="replace")
+    proc = subprocess.run(
+        [python, "train.py", *first, *overrides, *last],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        errors="replace",
+    )
     if proc.returncode:
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
         if proc.returncode == 2 and errors:
@@ -99,14 +125,23 @@ def overhead(overrides: list[str], n: int, rounds: int, python: str = sys.execut
     extra = CPU_DEEPSPEED if trainer.startswith("deepspeed") and not torch.cuda.is_available() else []
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp:
         timer = f"++callbacks.timer={{_target_:bench.throughput.StepTimer,warmup:1,out:{tmp}/times.json}}"
-        train(overrides + extra, n, 2 + 2 * rounds, tmp, "{_target_:src.callbacks.comm.CommVolume,every_n_steps:2}",
-              python, (timer,))
+        train(
+            overrides + extra,
+            n,
+            2 + 2 * rounds,
+            tmp,
+            "{_target_:src.callbacks.comm.CommVolume,every_n_steps:2}",
+            python,
+            (timer,),
+        )
         steps = json.loads(Path(tmp, "times.json").read_text())["steps_s"]  # steps 2, 3, ...: even ones profiled
     profiled, plain = statistics.median(steps[0::2]), statistics.median(steps[1::2])
     extra_s = profiled - plain
-    print(f"trainer={trainer} on {n} ranks, median of {rounds}: a step {plain:.3f} s, a profiled step {profiled:.3f} s "
-          f"(+{extra_s:.3f} s); callbacks.comm.every_n_steps=10: +{100 * extra_s / (10 * plain):.1f}% of training time, "
-          f"=100: +{100 * extra_s / (100 * plain):.2f}%")
+    print(
+        f"trainer={trainer} on {n} ranks, median of {rounds}: a step {plain:.3f} s, a profiled step {profiled:.3f} s "
+        f"(+{extra_s:.3f} s); callbacks.comm.every_n_steps=10: +{100 * extra_s / (10 * plain):.1f}% of training time, "
+        f"=100: +{100 * extra_s / (100 * plain):.2f}%"
+    )
 
 
 def run(overrides: list[str], n: int, steps: int, python: str = sys.executable, log_dir: Path | None = None) -> dict:
@@ -118,10 +153,19 @@ def run(overrides: list[str], n: int, steps: int, python: str = sys.executable, 
     extra = CPU_DEEPSPEED if trainer.startswith("deepspeed") and not torch.cuda.is_available() else []
     tmp = tempfile.mkdtemp(prefix="bench-comm-", dir=log_dir)
     try:
-        train(overrides + extra, n, 1 + steps, tmp, f"{{_target_:src.callbacks.comm.CommVolume,every_n_steps:1,"
-              f"save_dir:{tmp}/comm}}", python)
-        records = [json.loads(line) for path in sorted(Path(tmp, "comm").glob("rank*.jsonl"))
-                   for line in path.read_text().splitlines()]
+        train(
+            overrides + extra,
+            n,
+            1 + steps,
+            tmp,
+            f"{{_target_:src.callbacks.comm.CommVolume,every_n_steps:1,save_dir:{tmp}/comm}}",
+            python,
+        )
+        records = [
+            json.loads(line)
+            for path in sorted(Path(tmp, "comm").glob("rank*.jsonl"))
+            for line in path.read_text().splitlines()
+        ]
         (config,) = Path(tmp, "logs").rglob("config_resolved.yaml")
         return {"trainer": trainer, "n": n, "records": records, "config": yaml.safe_load(config.read_text())}
     finally:
@@ -133,44 +177,71 @@ def strategy(cfg: dict) -> dict:
     """What the formulas need from the resolved config."""
     s = cfg["trainer"]["strategy"]
     target = s.get("_target_", "") if isinstance(s, dict) else str(s)
-    kind = {"DDPStrategy": "ddp", "FSDP2Strategy": "fsdp", "TensorParallelStrategy": "tp", "PipelineStrategy": "pipeline"}
+    kind = {
+        "DDPStrategy": "ddp",
+        "FSDP2Strategy": "fsdp",
+        "TensorParallelStrategy": "tp",
+        "PipelineStrategy": "pipeline",
+    }
     name = next((v for k, v in kind.items() if target.endswith(k)), "zero" if "DeepSpeed" in target else target)
     info = {"name": name, "seq": cfg["data"]["seq_len"], "batch": cfg["data"]["global_batch_size"]}
     if name == "fsdp" and not s.get("reshard_after_forward", True):
         info["name"] = "fsdp_no_reshard"
     if name == "zero":
         info["name"] = f"zero{s['stage']}"
-    info.update(t=s.get("tensor_parallel_size", 1), k=s.get("pipeline_parallel_size", 1),
-                m=s.get("n_microbatches", 1), v=s.get("stages_per_rank", 1))
+    info.update(
+        t=s.get("tensor_parallel_size", 1),
+        k=s.get("pipeline_parallel_size", 1),
+        m=s.get("n_microbatches", 1),
+        v=s.get("stages_per_rank", 1),
+    )
     return info
 
 
-DATA_PARALLEL = {"ddp": [("DDP 2(N-1)/N·Ψ", 2)], "fsdp": [("FSDP/ZeRO-3 3(N-1)/N·Ψ", 3)],
-                 "fsdp_no_reshard": [("ZeRO-2-like 2(N-1)/N·Ψ", 2)],
-                 "zero1": [("paper 2(N-1)/N·Ψ", 2), ("notes 3(N-1)/N·Ψ", 3)],
-                 "zero2": [("paper and notes 2(N-1)/N·Ψ", 2)],
-                 "zero3": [("paper and notes 3(N-1)/N·Ψ", 3)]}
+DATA_PARALLEL = {
+    "ddp": [("DDP 2(N-1)/N·Ψ", 2)],
+    "fsdp": [("FSDP/ZeRO-3 3(N-1)/N·Ψ", 3)],
+    "fsdp_no_reshard": [("ZeRO-2-like 2(N-1)/N·Ψ", 2)],
+    "zero1": [("paper 2(N-1)/N·Ψ", 2), ("notes 3(N-1)/N·Ψ", 3)],
+    "zero2": [("paper and notes 2(N-1)/N·Ψ", 2)],
+    "zero3": [("paper and notes 3(N-1)/N·Ψ", 3)],
+}
 
 
 def expected(info: dict, record: dict, element_bytes: float) -> list[tuple[str, float, int, int]]:
     """(label, bytes, count, elements of each) per formula for one rank's step; count 0 where only bytes are compared."""
     n = record["world"]
     if info["name"] in DATA_PARALLEL:
-        return [(label, k * (n - 1) / n * record["params"] * element_bytes, 0, 0) for label, k in DATA_PARALLEL[info["name"]]]
+        return [
+            (label, k * (n - 1) / n * record["params"] * element_bytes, 0, 0)
+            for label, k in DATA_PARALLEL[info["name"]]
+        ]
     h, layers, s = record["hidden_size"], record["layers"], info["seq"]
     if info["name"] == "tp":
         t = info["t"]
         elements = info["batch"] // (n // t) * s * h  # the batch of one tensor-parallel group
-        return [("Megatron 4 all-reduces of b·s·h a block", 4 * layers * 2 * (t - 1) / t * elements * element_bytes,
-                 4 * layers, elements)]
+        return [
+            (
+                "Megatron 4 all-reduces of b·s·h a block",
+                4 * layers * 2 * (t - 1) / t * elements * element_bytes,
+                4 * layers,
+                elements,
+            )
+        ]
     if info["name"] == "pipeline":
         k, v, m, t = info["k"], info["v"], info["m"], info["t"]
         elements = info["batch"] // (n // (k * t)) // m * s * h  # one micro-batch's activations
         position = (record["rank"] // t) % k
         stages = [position + i * k for i in range(v)]
         boundaries = sum((st < k * v - 1) + (st > 0) for st in stages)  # outgoing sends: forward and backward
-        return [("one send of (b/M)·s·h a micro-batch and boundary", boundaries * m * elements * element_bytes,
-                 boundaries * m, elements)]
+        return [
+            (
+                "one send of (b/M)·s·h a micro-batch and boundary",
+                boundaries * m * elements * element_bytes,
+                boundaries * m,
+                elements,
+            )
+        ]
     return []
 
 
@@ -187,16 +258,31 @@ def summarize(result: dict) -> list[dict]:
         # B: the step's bytes per element on the wire, so that fp32 and bf16 collectives (FSDP2's param_dtype) mix
         ring_elements = sum(c["bytes"] / SIZES.get(c["dtype"], 4) for c in coll)
         element_bytes = total / ring_elements if ring_elements else 4
-        row = {"rank": rec["rank"], "step": rec["step"], "params": rec["params"], "total": total, "phases": dict(by_phase),
-               "element_bytes": element_bytes, "formulas": []}
+        row = {
+            "rank": rec["rank"],
+            "step": rec["step"],
+            "params": rec["params"],
+            "total": total,
+            "phases": dict(by_phase),
+            "element_bytes": element_bytes,
+            "formulas": [],
+        }
         for label, value, count, elements in expected(info, rec, element_bytes):
             if count:  # tensor and pipeline parallel: the activation messages, counted
                 op = "all_reduce" if info["name"] == "tp" else "send"
                 hits = [c for c in coll if c["op"] == op and c["elements"] == elements and c["phase"] != "logging"]
                 measured = sum(c["bytes"] for c in hits)
                 value = value / element_bytes * (SIZES.get(hits[0]["dtype"], 4) if hits else element_bytes)  # their B
-                row["formulas"].append({"label": label, "bytes": value, "count": count, "measured_count": len(hits),
-                                        "measured": measured, "ratio": measured / value if value else float("nan")})
+                row["formulas"].append(
+                    {
+                        "label": label,
+                        "bytes": value,
+                        "count": count,
+                        "measured_count": len(hits),
+                        "measured": measured,
+                        "ratio": measured / value if value else float("nan"),
+                    }
+                )
             else:
                 row["formulas"].append({"label": label, "bytes": value, "measured": total, "ratio": total / value})
         rows.append(row)
@@ -215,14 +301,19 @@ def collective_lines(rec: dict, each: bool) -> list[str]:
         groups[key][0] += 1
         groups[key][1] += c["elements"]
         groups[key][2] += c["bytes"]
-    return [f"{PHASES[key[0]]:<9} {key[1]:<14} {key[2]:<5} {key[3]:>2} {count:>5} {elements:>12,} {mib(size):>9}"
-            for key, (count, elements, size) in sorted(groups.items())]
+    return [
+        f"{PHASES[key[0]]:<9} {key[1]:<14} {key[2]:<5} {key[3]:>2} {count:>5} {elements:>12,} {mib(size):>9}"
+        for key, (count, elements, size) in sorted(groups.items())
+    ]
 
 
 def summary_lines(row: dict) -> list[str]:
     phases = ", ".join(f"{p} {mib(row['phases'][p])}" for p in PHASES if row["phases"].get(p))
-    cols = [f"{f['label']} = {mib(f['bytes'])}: x{f['ratio']:.4f}"
-            + (f" ({f['measured_count']} of {f['count']} messages)" if "count" in f else "") for f in row["formulas"]]
+    cols = [
+        f"{f['label']} = {mib(f['bytes'])}: x{f['ratio']:.4f}"
+        + (f" ({f['measured_count']} of {f['count']} messages)" if "count" in f else "")
+        for f in row["formulas"]
+    ]
     return [f"{mib(row['total']):>9}  {'; '.join(cols)}", f"{'':>9}  by phase: {phases}"]
 
 
@@ -234,8 +325,11 @@ def print_by_rank(lines: dict[tuple[int, int], list[str]]) -> None:
             if s == step:
                 same[tuple(text)].append(rank)
         for text, ranks in same.items():
-            label = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 \
+            label = (
+                f"{ranks[0]}-{ranks[-1]}"
+                if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1
                 else ",".join(map(str, ranks))
+            )
             for line in text:
                 print(f"{label:>5} {step:>4} {line}")
 
@@ -243,10 +337,14 @@ def print_by_rank(lines: dict[tuple[int, int], list[str]]) -> None:
 def report(result: dict, each: bool = False) -> None:
     info, n, records = strategy(result["config"]), result["n"], result["records"]
     held = "" if info["name"] != "pipeline" else " (rank 0's stages)"
-    print(f"\n== trainer={result['trainer']} ({info['name']}) on {n} gloo ranks, Ψ = {records[0]['params']:,} trainable "
-          f"parameters{held}; MiB: what a rank sends, by the ring algorithm")
-    print(f"{'ranks':>5} {'step':>4} {'phase':<9} {'collective':<14} {'dtype':<5} {'n':>2} {'count':>5} "
-          f"{'elements':>12} {'MiB':>9}")
+    print(
+        f"\n== trainer={result['trainer']} ({info['name']}) on {n} gloo ranks, Ψ = {records[0]['params']:,} trainable "
+        f"parameters{held}; MiB: what a rank sends, by the ring algorithm"
+    )
+    print(
+        f"{'ranks':>5} {'step':>4} {'phase':<9} {'collective':<14} {'dtype':<5} {'n':>2} {'count':>5} "
+        f"{'elements':>12} {'MiB':>9}"
+    )
     print_by_rank({(r["step"], r["rank"]): collective_lines(r, each) for r in records})
     print(f"{'ranks':>5} {'step':>4} {'MiB':>9}  formula = MiB: measured / formula")
     print_by_rank({(row["step"], row["rank"]): summary_lines(row) for row in summarize(result)})
@@ -257,17 +355,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2], help="numbers of gloo ranks to run (each a run)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps profiled, after one unprofiled warm-up step")
     p.add_argument("--each", action="store_true", help="list every collective, not one line per kind and phase")
-    p.add_argument("--overhead", type=int, metavar="ROUNDS", help="instead: time callbacks.comm's profiled steps "
-                   "against plain ones (every_n_steps=2, ROUNDS of each)")
+    p.add_argument(
+        "--overhead",
+        type=int,
+        metavar="ROUNDS",
+        help="instead: time callbacks.comm's profiled steps against plain ones (every_n_steps=2, ROUNDS of each)",
+    )
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # train.py's, anywhere on the line
     args, unknown = p.parse_known_args([a for a in argv if a not in overrides])
     try:
         if min(args.ranks) < 2 or args.steps < 1:
-            raise Refused("--ranks takes numbers of processes >= 2 (one process communicates nothing) and --steps >= 1.")
+            raise Refused(
+                "--ranks takes numbers of processes >= 2 (one process communicates nothing) and --steps >= 1."
+            )
         if unknown:
-            raise Refused(f"unknown argument {unknown[0]}: bench.comm takes --ranks, --steps, --each, --overhead "
-                          "and train.py's key=value overrides.")
+            raise Refused(
+                f"unknown argument {unknown[0]}: bench.comm takes --ranks, --steps, --each, --overhead "
+                "and train.py's key=value overrides."
+            )
         trainer = check_request(overrides, args.ranks)
         if not any(o.startswith("trainer=") for o in overrides):  # train.py's own default runs one process
             overrides = [f"trainer={trainer}", *overrides]

@@ -28,19 +28,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-TINY_MODEL = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2", "data.seq_len=128", "data.global_batch_size=8",
-              "data.tokenizer=bytes", "test=false", "optimized_metric=null", "trainer.num_sanity_val_steps=0",
-              "trainer.limit_val_batches=0",  # stopping after step 1 would otherwise run a whole validation
-              "extras.print_config=false", "trainer.enable_progress_bar=false", "logger=none", "callbacks=none",
-              "trainer.precision=32-true", "+callbacks.first._target_=bench.startup.FirstStep"]
+TINY_MODEL = [
+    "model.n_layer=1",
+    "model.n_embd=64",
+    "model.n_head=2",
+    "data.seq_len=128",
+    "data.global_batch_size=8",
+    "data.tokenizer=bytes",
+    "test=false",
+    "optimized_metric=null",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",  # stopping after step 1 would otherwise run a whole validation
+    "extras.print_config=false",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+    "callbacks=none",
+    "trainer.precision=32-true",
+    "+callbacks.first._target_=bench.startup.FirstStep",
+]
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """(seconds to the FIRST_STEP_AT marker or to exit, peak RSS in MB of the process, stdout)."""
     t0 = time.time()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         end = time.time()
         out.seek(0)
@@ -114,10 +128,14 @@ def main() -> None:
         big = tmp / "big.jsonl"
         n_docs = make_corpus(big, args.size_mb)
         mb = big.stat().st_size / 1e6
-        print(f"corpus: {big.stat().st_size / 1e9:.2f} GB, {n_docs:,} documents "
-              f"(CPU: {os.cpu_count()} cores)", flush=True)
+        print(
+            f"corpus: {big.stat().st_size / 1e9:.2f} GB, {n_docs:,} documents (CPU: {os.cpu_count()} cores)", flush=True
+        )
         train = [sys.executable, "train.py", *TINY_MODEL, f"paths.log_dir={tmp / 'logs'}"]
-        big_args, small_args = [f"data.path={big}", f"paths.cache_dir={tmp / 'cache'}"], [f"paths.cache_dir={tmp / 'cache'}"]
+        big_args, small_args = (
+            [f"data.path={big}", f"paths.cache_dir={tmp / 'cache'}"],
+            [f"paths.cache_dir={tmp / 'cache'}"],
+        )
 
         s, rss, _ = run_measured(train + big_args)
         print(f"cold start, big corpus (build + first step): {s:7.1f} s  peak RSS {rss:7.0f} MB", flush=True)
@@ -129,8 +147,11 @@ def main() -> None:
                 warm[name][0].append(s)
                 warm[name][1].append(rss)
         for name, (secs, rss) in warm.items():
-            print(f"warm start, {name:<7} corpus: median {statistics.median(secs):5.2f} s (runs "
-                  f"{', '.join(f'{v:.2f}' for v in secs)})  peak RSS {max(rss):6.0f} MB", flush=True)
+            print(
+                f"warm start, {name:<7} corpus: median {statistics.median(secs):5.2f} s (runs "
+                f"{', '.join(f'{v:.2f}' for v in secs)})  peak RSS {max(rss):6.0f} MB",
+                flush=True,
+            )
         ratio = statistics.median(warm["big"][0]) / statistics.median(warm["default"][0])
         print(f"warm-start ratio big/default: {ratio:.2f}x (goal <= 1.5x)", flush=True)
 
@@ -138,8 +159,11 @@ def main() -> None:
             cache = tmp / f"cache-{Path(tok).name}"
             s, rss, out = run_measured([sys.executable, "-c", BUILD, str(big), tok, str(cache)])
             secs, n = out.split("BUILD")[1].split()[:2]
-            print(f"token cache build, {Path(tok).name:<14}: {float(secs):6.1f} s  {mb / float(secs):6.1f} MB/s  "
-                  f"{int(n):,} tokens  peak RSS {rss:6.0f} MB", flush=True)
+            print(
+                f"token cache build, {Path(tok).name:<14}: {float(secs):6.1f} s  {mb / float(secs):6.1f} MB/s  "
+                f"{int(n):,} tokens  peak RSS {rss:6.0f} MB",
+                flush=True,
+            )
             for f in cache.glob("*.bin"):
                 f.unlink()
         if not args.skip_nanogpt and not args.skip_bpe:
@@ -147,9 +171,12 @@ def main() -> None:
             nano.mkdir()
             s, rss, out = run_measured([sys.executable, "-c", NANOGPT, str(big), gpt2, str(nano), str(args.num_proc)])
             secs, load, n = out.split("NANOGPT")[1].split()[:3]
-            print(f"nanoGPT way (map num_proc={args.num_proc} + memmap), gpt2-tokenizer: {float(secs):6.1f} s  "
-                  f"{mb / float(secs):6.1f} MB/s  {int(n):,} tokens (+ {float(load):.1f} s json -> arrow)  "
-                  f"peak RSS (largest process) {rss:6.0f} MB", flush=True)
+            print(
+                f"nanoGPT way (map num_proc={args.num_proc} + memmap), gpt2-tokenizer: {float(secs):6.1f} s  "
+                f"{mb / float(secs):6.1f} MB/s  {int(n):,} tokens (+ {float(load):.1f} s json -> arrow)  "
+                f"peak RSS (largest process) {rss:6.0f} MB",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ def full_window_pairs(seq_len: int, out: Path) -> int:
     source = out.with_suffix(".src.json")
     source.write_text(json.dumps(records))
     for _ in range(5):
-        dm = PreferenceDataModule(str(source), tokenizer=str(TOKENIZER), seq_len=seq_len, val_fraction=0,
-                                  test_fraction=0)
+        dm = PreferenceDataModule(
+            str(source), tokenizer=str(TOKENIZER), seq_len=seq_len, val_fraction=0, test_fraction=0
+        )
         dm.setup("fit")
         items = dm.splits["train"].items
         full = [i for i, item in enumerate(items) if len(item[1]) == len(item[3]) == seq_len]
@@ -51,9 +52,13 @@ def full_window_pairs(seq_len: int, out: Path) -> int:
         for i in full:
             _, c_ids, c_labels, r_ids, r_labels = items[i]
             start = int((c_labels != -100).argmax())  # the first target: the prompt's length - 1
-            records.append({"prompt": decode(c_ids[: start + 1].tolist()),
-                            "chosen": decode(c_ids[start + 1:].tolist() + [int(c_labels[-1])]),
-                            "rejected": decode(r_ids[start + 1:].tolist() + [int(r_labels[-1])])})
+            records.append(
+                {
+                    "prompt": decode(c_ids[: start + 1].tolist()),
+                    "chosen": decode(c_ids[start + 1 :].tolist() + [int(c_labels[-1])]),
+                    "rejected": decode(r_ids[start + 1 :].tolist() + [int(r_labels[-1])]),
+                }
+            )
         source.write_text(json.dumps(records))
     os.replace(source, out)
     return len(full)
@@ -65,16 +70,40 @@ def shape_args(shape: str) -> list[str]:
 
 
 def template_cmd(args, out: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "train.py", "data=preference", "model.objective=dpo", f"data.path={args.pairs}",
-            f"data.tokenizer={TOKENIZER}", f"data.seq_len={args.seq_len}", "data.val_fraction=0",
-            "data.test_fraction=0", f"data.global_batch_size={args.batch}", *shape_args(args.shape),
-            f"model.optimizer.lr={LR}", "model.scheduler=null", "model.weight_decay=0.0",
-            f"trainer.max_steps={args.steps}", f"trainer.precision={args.precision}", "trainer.gradient_clip_val=1.0",
-            "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-            "test=false", "train=true", "optimized_metric=null", "logger=none", "callbacks=none",
-            "extras.print_config=false", f"paths.cache_dir={args.work}/cache", f"paths.log_dir={args.work}/logs",
-            "+callbacks.timer._target_=bench.throughput.StepTimer", f"+callbacks.timer.warmup={args.warmup}",
-            f"+callbacks.timer.out={out}", *extra]
+    return [
+        sys.executable,
+        "train.py",
+        "data=preference",
+        "model.objective=dpo",
+        f"data.path={args.pairs}",
+        f"data.tokenizer={TOKENIZER}",
+        f"data.seq_len={args.seq_len}",
+        "data.val_fraction=0",
+        "data.test_fraction=0",
+        f"data.global_batch_size={args.batch}",
+        *shape_args(args.shape),
+        f"model.optimizer.lr={LR}",
+        "model.scheduler=null",
+        "model.weight_decay=0.0",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.precision={args.precision}",
+        "trainer.gradient_clip_val=1.0",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.enable_progress_bar=false",
+        "test=false",
+        "train=true",
+        "optimized_metric=null",
+        "logger=none",
+        "callbacks=none",
+        "extras.print_config=false",
+        f"paths.cache_dir={args.work}/cache",
+        f"paths.log_dir={args.work}/logs",
+        "+callbacks.timer._target_=bench.throughput.StepTimer",
+        f"+callbacks.timer.warmup={args.warmup}",
+        f"+callbacks.timer.out={out}",
+        *extra,
+    ]
 
 
 def run_trl(args) -> None:
@@ -92,23 +121,56 @@ def run_trl(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len + 1, n_layer=layers,
-                                       n_head=heads, n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       activation_function="gelu", attn_implementation="sdpa"))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=args.seq_len + 1,
+            n_layer=layers,
+            n_head=heads,
+            n_embd=width,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            activation_function="gelu",
+            attn_implementation="sdpa",
+        )
+    )
     times = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, *a, **k):
             times.append(clock())
 
-    config = DPOConfig(output_dir=f"{args.work}/trl", per_device_train_batch_size=args.batch, max_steps=args.steps,
-                       learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
-                       lr_scheduler_type="constant", logging_steps=10_000, save_strategy="no", report_to=[],
-                       use_cpu=True, bf16=args.precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True,
-                       gradient_checkpointing=False, max_length=args.seq_len + 1, pad_token="<|endoftext|>", seed=0)
+    config = DPOConfig(
+        output_dir=f"{args.work}/trl",
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        learning_rate=LR,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        lr_scheduler_type="constant",
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=args.precision == "bf16-mixed",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        max_length=args.seq_len + 1,
+        pad_token="<|endoftext|>",
+        seed=0,
+    )
     pairs = Dataset.from_list(json.loads(Path(args.pairs).read_text()))
-    DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=config, train_dataset=pairs,
-               processing_class=tokenizer, callbacks=[Timer()]).train()
+    DPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=config,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    ).train()
     report(times, args.warmup, 2 * args.batch * args.seq_len, args.out)
 
 
@@ -137,12 +199,22 @@ def main() -> None:
     ways, results = args.ways.split(","), {}
     extra = {"template": [], "template_lora": LORA, "template_precompute": ["model.dpo.precompute_reference=true"]}
     for r in range(args.rounds):
-        for way in ways[r % len(ways):] + ways[: r % len(ways)]:  # rotate who goes first
+        for way in ways[r % len(ways) :] + ways[: r % len(ways)]:  # rotate who goes first
             out = os.path.join(args.work, f"{way}_{r}.json")
             if way == "trl":
-                cmd = [sys.executable, "-m", "bench.dpo", "--child", "trl", f"--pairs={args.pairs}", f"--out={out}",
-                       *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                         ("steps", "warmup", "seq_len", "batch", "shape", "precision", "work"))]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.dpo",
+                    "--child",
+                    "trl",
+                    f"--pairs={args.pairs}",
+                    f"--out={out}",
+                    *(
+                        f"--{k.replace('_', '-')}={getattr(args, k)}"
+                        for k in ("steps", "warmup", "seq_len", "batch", "shape", "precision", "work")
+                    ),
+                ]
             else:
                 cmd = template_cmd(args, out, extra[way])
             subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
@@ -152,26 +224,36 @@ def main() -> None:
                 result["tokens_per_s"] *= 2
             results.setdefault(way, []).append(result)
     layers, heads, width = map(int, args.shape.split(","))
-    print(f"GPT-2 {layers} layers x {width} ({heads} heads), GPT-2 tokenizer, {n} pairs cut to fill {args.seq_len} "
-          f"tokens, {args.batch} pairs a step, {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of "
-          f"{args.rounds} interleaved rounds, {os.cpu_count()} CPU cores")
+    print(
+        f"GPT-2 {layers} layers x {width} ({heads} heads), GPT-2 tokenizer, {n} pairs cut to fill {args.seq_len} "
+        f"tokens, {args.batch} pairs a step, {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of "
+        f"{args.rounds} interleaved rounds, {os.cpu_count()} CPU cores"
+    )
     print(f"{'way':<22}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for way, runs in results.items():
-        m = {k: statistics.median(r[k] for r in runs) for k in ('step_s', 'tokens_per_s', 'peak_rss_mib')}
+        m = {k: statistics.median(r[k] for r in runs) for k in ("step_s", "tokens_per_s", "peak_rss_mib")}
         print(f"{way:<22}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
-    for label, (a, b) in {"template/trl": ("template", "trl"),
-                          "template_lora/template": ("template_lora", "template"),
-                          "template_precompute/template": ("template_precompute", "template")}.items():
+    for label, (a, b) in {
+        "template/trl": ("template", "trl"),
+        "template_lora/template": ("template_lora", "template"),
+        "template_precompute/template": ("template_precompute", "template"),
+    }.items():
         if a in results and b in results:
             low, mid, high = paired_ratio(results[a], results[b])
             print(f"{label:<30} tokens/s = {mid:.3f}  [{low:.3f}-{high:.3f}]")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with __import__("torch").device("meta"):
-        params = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=args.seq_len,
-                                                                   n_layer=layers, n_head=heads, n_embd=width)).parameters())
-    print(f"a frozen copy of the weights: {params:,} parameters, {params * 4 / 2**20:.1f} MiB in fp32 (what the "
-          "LoRA and precomputed references do not hold)")
+        params = sum(
+            p.numel()
+            for p in GPT2LMHeadModel(
+                GPT2Config(vocab_size=50257, n_positions=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
+            ).parameters()
+        )
+    print(
+        f"a frozen copy of the weights: {params:,} parameters, {params * 4 / 2**20:.1f} MiB in fp32 (what the "
+        "LoRA and precomputed references do not hold)"
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,14 @@ def one_step(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    module = GPT2LitModule(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                           n_embd=args.width, gradient_checkpointing=args.gc)
+    module = GPT2LitModule(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
+        gradient_checkpointing=args.gc,
+    )
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     module(ids[:1, :8], ids[:1, :8]).loss.backward()  # warm-up allocations, then drop its grads
@@ -58,20 +64,27 @@ def main() -> None:
         return
     results = {False: [], True: []}
     base = [sys.executable, "-m", "bench.gradient_checkpointing", "--child"] + [
-        f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "seq", "batch", "vocab", "threads")]
+        f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "seq", "batch", "vocab", "threads")
+    ]
     for _ in range(args.repeats):
         for gc in (False, True):  # interleaved, so machine noise hits both alike
             out = subprocess.run(base + (["--gc"] if gc else []), capture_output=True, text=True, check=True)
             results[gc].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"GPT-2 {args.layers}L x {args.width}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, "
-          f"{args.threads} threads, "
-          f"median of {args.repeats}:")
+    print(
+        f"GPT-2 {args.layers}L x {args.width}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, "
+        f"{args.threads} threads, "
+        f"median of {args.repeats}:"
+    )
     med = {gc: {k: statistics.median(r[k] for r in results[gc]) for k in ("peak_mib", "seconds")} for gc in results}
     for gc in (False, True):
-        print(f"  gradient_checkpointing={str(gc).lower():<5}  peak +{med[gc]['peak_mib']:7.0f} MiB  "
-              f"step {med[gc]['seconds']:.2f} s")
-    print(f"  ratio (with / without): memory {med[True]['peak_mib'] / med[False]['peak_mib']:.2f}, "
-          f"time {med[True]['seconds'] / med[False]['seconds']:.2f}")
+        print(
+            f"  gradient_checkpointing={str(gc).lower():<5}  peak +{med[gc]['peak_mib']:7.0f} MiB  "
+            f"step {med[gc]['seconds']:.2f} s"
+        )
+    print(
+        f"  ratio (with / without): memory {med[True]['peak_mib'] / med[False]['peak_mib']:.2f}, "
+        f"time {med[True]['seconds'] / med[False]['seconds']:.2f}"
+    )
 
 
 if __name__ == "__main__":

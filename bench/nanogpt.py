@@ -13,6 +13,7 @@ memory-mapped token file. Used by `python -m bench.throughput` as the way `nanog
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 from torch import nn
@@ -61,13 +62,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd),
-            h=nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(n_embd, bias=bias)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                h=nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd, bias=bias),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -101,23 +107,34 @@ def lr_at(it: int, lr: float, warmup: int = 100, decay_iters: int = 5000, min_lr
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def train(tokens: np.ndarray, vocab_size: int, shape: tuple[int, int, int, int, int], steps: int,
-          lr: float, betas: tuple[float, float], weight_decay: float, clip: float, clock,
-          bias: bool = False) -> list[float]:
+def train(
+    tokens: np.ndarray,
+    vocab_size: int,
+    shape: tuple[int, int, int, int, int],
+    steps: int,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    clip: float,
+    clock,
+    bias: bool = False,
+) -> list[float]:
     """nanoGPT's loop (gradient_accumulation_steps=1, fp32); the time at the end of each optimizer step.
     bias=True: nanoGPT's `--bias=True`, GPT-2's own architecture (biases in every Linear and LayerNorm)."""
     layers, heads, width, ctx, batch = shape
     torch.manual_seed(1337)
     model = GPT(vocab_size, ctx, layers, heads, width, bias=bias)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas)  # fused only on CUDA in nanoGPT
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(tokens) - ctx - 1, (batch,))
-        x = torch.stack([torch.from_numpy(tokens[i:i + ctx].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(tokens[i + 1:i + 1 + ctx].astype(np.int64)) for i in ix])
+        x = torch.stack([torch.from_numpy(tokens[i : i + ctx].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + ctx].astype(np.int64)) for i in ix])
         return x, y
 
     model.train()

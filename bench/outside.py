@@ -43,13 +43,26 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 LAYERS, HEADS, WIDTH, CTX, BATCH = 4, 4, 128, 128, 16  # the issue's shape (nanoGPT's shakespeare_char, smaller)
-SHAPE = [f"model.n_layer={LAYERS}", f"model.n_head={HEADS}", f"model.n_embd={WIDTH}", f"data.seq_len={CTX}",
-         f"data.global_batch_size={BATCH}"]
+SHAPE = [
+    f"model.n_layer={LAYERS}",
+    f"model.n_head={HEADS}",
+    f"model.n_embd={WIDTH}",
+    f"data.seq_len={CTX}",
+    f"data.global_batch_size={BATCH}",
+]
 
 
 def template_cmd(work: Path, name: str, steps: int, corpus: Path, extra: list[str]) -> tuple[list[str], Path]:
-    return [sys.executable, "train.py", f"data.path={corpus}", *SHAPE, f"trainer.max_steps={steps}",
-            f"hydra.run.dir={work}/runs/{name}_{steps}", f"paths.cache_dir={work}/cache", *extra], ROOT
+    return [
+        sys.executable,
+        "train.py",
+        f"data.path={corpus}",
+        *SHAPE,
+        f"trainer.max_steps={steps}",
+        f"hydra.run.dir={work}/runs/{name}_{steps}",
+        f"paths.cache_dir={work}/cache",
+        *extra,
+    ], ROOT
 
 
 def template_val_batches(corpus: Path) -> int:
@@ -68,20 +81,41 @@ def nanogpt_eval_iters(corpus: Path) -> int:
     return math.ceil(template_val_batches(corpus) / 2)
 
 
-def nanogpt_cmd(work: Path, steps: int, nanogpt_dir: Path | None, eval_every: int = 0,
-                eval_iters: int = 20) -> tuple[list[str], Path]:
+def nanogpt_cmd(
+    work: Path, steps: int, nanogpt_dir: Path | None, eval_every: int = 0, eval_iters: int = 20
+) -> tuple[list[str], Path]:
     """eval_every 0: nanoGPT's default eval_interval (2000: only at step 0 here)."""
     if nanogpt_dir is None:
         return [sys.executable, "-m", "bench.outside", "--child-nanogpt", str(steps), "--work", str(work)], ROOT
     # nanoGPT reads configurator.py and data/<dataset>/ from its working directory, so it runs from `work`.
     for f in ("train.py", "model.py", "configurator.py"):
         shutil.copy(nanogpt_dir / f, work / f)
-    return [sys.executable, "train.py", "--dataset=bytes", "--device=cpu", "--compile=False", "--dtype=float32",
-            f"--n_layer={LAYERS}", f"--n_head={HEADS}", f"--n_embd={WIDTH}", f"--block_size={CTX}",
-            f"--batch_size={BATCH}", "--gradient_accumulation_steps=1", "--dropout=0.0", f"--max_iters={steps}",
-            f"--lr_decay_iters={steps}", "--warmup_iters=50", "--learning_rate=1e-3", "--min_lr=1e-4",
-            "--weight_decay=0.1", "--beta2=0.95", "--grad_clip=1.0", f"--eval_iters={eval_iters}",
-            *([f"--eval_interval={eval_every}"] if eval_every else []), f"--out_dir={work}/nanogpt_out"], work
+    return [
+        sys.executable,
+        "train.py",
+        "--dataset=bytes",
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        f"--n_layer={LAYERS}",
+        f"--n_head={HEADS}",
+        f"--n_embd={WIDTH}",
+        f"--block_size={CTX}",
+        f"--batch_size={BATCH}",
+        "--gradient_accumulation_steps=1",
+        "--dropout=0.0",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        "--warmup_iters=50",
+        "--learning_rate=1e-3",
+        "--min_lr=1e-4",
+        "--weight_decay=0.1",
+        "--beta2=0.95",
+        "--grad_clip=1.0",
+        f"--eval_iters={eval_iters}",
+        *([f"--eval_interval={eval_every}"] if eval_every else []),
+        f"--out_dir={work}/nanogpt_out",
+    ], work
 
 
 def byte_data(work: Path, corpus: Path) -> None:
@@ -104,7 +138,9 @@ def child_nanogpt(steps: int, work: Path) -> None:
 
     torch.manual_seed(1337)
     tokens = np.memmap(work / "data" / "bytes" / "train.bin", dtype=np.uint16, mode="r")
-    nanogpt.train(tokens, 257, (LAYERS, HEADS, WIDTH, CTX, BATCH), steps, 1e-3, (0.9, 0.95), 0.1, 1.0, time.perf_counter)
+    nanogpt.train(
+        tokens, 257, (LAYERS, HEADS, WIDTH, CTX, BATCH), steps, 1e-3, (0.9, 0.95), 0.1, 1.0, time.perf_counter
+    )
 
 
 def main() -> None:
@@ -148,15 +184,21 @@ def main() -> None:
                 if proc.returncode != 0:
                     sys.exit(f"{way} ({steps} steps) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
                 print(f"round {r} {way:<14} {steps:>4} steps {walls[way][steps][-1]:7.1f} s", flush=True)
-    per_step = {w: [(lo - sh) / (args.long - args.short) for sh, lo in zip(t[args.short], t[args.long])]
-                for w, t in walls.items()}
+    per_step = {
+        w: [(lo - sh) / (args.long - args.short) for sh, lo in zip(t[args.short], t[args.long])]
+        for w, t in walls.items()
+    }
     label = "nanogpt" if args.nanogpt_dir else "nanogpt_style"
-    print(f"\n{args.rounds} rounds, {os.cpu_count()} CPU cores; ms/step = (wall {args.long} - wall {args.short}) / "
-          f"{args.long - args.short}; nanogpt = {label}; nanogpt_val evaluates every 100 steps on {eval_iters} "
-          f"batches of each split ({2 * eval_iters} in all, the template {template_val_batches(args.corpus)})")
+    print(
+        f"\n{args.rounds} rounds, {os.cpu_count()} CPU cores; ms/step = (wall {args.long} - wall {args.short}) / "
+        f"{args.long - args.short}; nanogpt = {label}; nanogpt_val evaluates every 100 steps on {eval_iters} "
+        f"batches of each split ({2 * eval_iters} in all, the template {template_val_batches(args.corpus)})"
+    )
     bases = [b for b in ("nanogpt", "nanogpt_val") if b in per_step]
-    print(f"{'way':<16}{'ms/step (rounds)':<24}{'tokens/s':>10}" + "".join(
-        f"  vs {b}: median [lowest-highest]" for b in bases))
+    print(
+        f"{'way':<16}{'ms/step (rounds)':<24}{'tokens/s':>10}"
+        + "".join(f"  vs {b}: median [lowest-highest]" for b in bases)
+    )
     for way, steps in per_step.items():
         rounds = ", ".join(f"{s * 1e3:.1f}" for s in steps)
         line = f"{way:<16}{rounds:<24}{BATCH * CTX / statistics.median(steps):10.0f}"

@@ -67,8 +67,9 @@ class SleepStage(torch.nn.Module):
 
 
 def compute_stage(layers: int, width: int) -> torch.nn.Module:
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                 for _ in range(layers)])
+    return torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(layers)]
+    )
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,11 @@ def worker(rank: int, k: int, init: str, args) -> None:
                     mean_ideal = sum(float(t) for t in ideals) / k  # the ranks' own work (equal by design)
                     if rank == 0:
                         bubble = 1 - mean_ideal / step
-                        print(f"{mode:7s} K={k} M={m:<3d} {name:12s} step {step * 1000:8.1f} ms  "
-                              f"measured {bubble:.3f}  formula {formula(name, k, m):.3f}", flush=True)
+                        print(
+                            f"{mode:7s} K={k} M={m:<3d} {name:12s} step {step * 1000:8.1f} ms  "
+                            f"measured {bubble:.3f}  formula {formula(name, k, m):.3f}",
+                            flush=True,
+                        )
     finally:
         dist.destroy_process_group()
     # Leave without the interpreter's finalization. After the pipelining schedules have run, torch 2.13's
@@ -169,8 +173,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args(argv)
-    print("bubble = 1 - M x (one rank's fwd+bwd of a micro-batch) / step time; "
-          f"formula (K-1)/(M+K-1), interleaved (K-1)/({V}M+K-1)", flush=True)
+    print(
+        "bubble = 1 - M x (one rank's fwd+bwd of a micro-batch) / step time; "
+        f"formula (K-1)/(M+K-1), interleaved (K-1)/({V}M+K-1)",
+        flush=True,
+    )
     for k in args.k:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(worker, args=(k, f"file://{os.path.join(tmp, 'store')}", args), nprocs=k, join=True)

@@ -37,8 +37,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as logs:
-        train = [sys.executable, "train.py", f"paths.log_dir={logs}", "+callbacks.first._target_=bench.startup.FirstStep",
-                 "test=false", "optimized_metric=null", "trainer.num_sanity_val_steps=0"]
+        train = [
+            sys.executable,
+            "train.py",
+            f"paths.log_dir={logs}",
+            "+callbacks.first._target_=bench.startup.FirstStep",
+            "test=false",
+            "optimized_metric=null",
+            "trainer.num_sanity_val_steps=0",
+        ]
         subprocess.run(train, capture_output=True, check=True)  # warms the token cache and the page cache
         runs = {"train.py to first step": [], "imports only": []}
         imports = [sys.executable, "-c", "import torch, lightning, transformers, torchmetrics, hydra"]

@@ -40,8 +40,10 @@ def main() -> None:
         for attn in args.attn.split(","):
             parts = breakdown(shape, args.precision, args.steps, args.warmup, args.cache_dir, attn)
             total = sum(parts.values())
-            print(f"{shape:<8}{attn:<6}{total * 1e3:8.1f} ms/step  "
-                  + "  ".join(f"{p} {s * 1e3:.1f} ms ({s / total:.1%})" for p, s in parts.items()))
+            print(
+                f"{shape:<8}{attn:<6}{total * 1e3:8.1f} ms/step  "
+                + "  ".join(f"{p} {s * 1e3:.1f} ms ({s / total:.1%})" for p, s in parts.items())
+            )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -49,8 +50,11 @@ def nanogpt_own_model(nanogpt_dir: Path, shape: str, vocab_size: int) -> torch.n
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     layers, heads, width, ctx, _ = SHAPES[shape]
-    return module.GPT(module.GPTConfig(block_size=ctx, vocab_size=vocab_size, n_layer=layers, n_head=heads,
-                                       n_embd=width, dropout=0.0, bias=False))
+    return module.GPT(
+        module.GPTConfig(
+            block_size=ctx, vocab_size=vocab_size, n_layer=layers, n_head=heads, n_embd=width, dropout=0.0, bias=False
+        )
+    )
 
 
 def nanogpt_step(shape, vocab_size, batch, bias=False, model=None):
@@ -64,6 +68,7 @@ def nanogpt_step(shape, vocab_size, batch, bias=False, model=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -83,9 +88,11 @@ def gelu_kernels(shape: str, rounds: int) -> None:
                     torch.nn.functional.gelu(x, approximate=mode).backward(grad)
                 times[mode].append((time.perf_counter() - start) / 10)
         exact, tanh = statistics.median(times["none"]), statistics.median(times["tanh"])
-        print(f"GELU fwd+bwd {tuple(x.shape)}, {threads} thread(s), wall: exact {exact * 1e3:.2f} ms, tanh "
-              f"{tanh * 1e3:.2f} ms, tanh/exact {tanh / exact:.2f}; x {layers} layers: {layers * (tanh - exact) * 1e3:.1f} "
-              "ms a step")
+        print(
+            f"GELU fwd+bwd {tuple(x.shape)}, {threads} thread(s), wall: exact {exact * 1e3:.2f} ms, tanh "
+            f"{tanh * 1e3:.2f} ms, tanh/exact {tanh / exact:.2f}; x {layers} layers: {layers * (tanh - exact) * 1e3:.1f} "
+            "ms a step"
+        )
 
 
 def main() -> None:
@@ -96,10 +103,17 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4, help="steps per variant per round (the median is kept)")
     ap.add_argument("--cache-dir", default=".cache/bench/tokens")
     ap.add_argument("--gelu-kernels", action="store_true", help="only time the GELU kernels, exact against tanh")
-    ap.add_argument("--nanogpt-dir", type=Path, help="a checkout of github.com/karpathy/nanoGPT: also time its own "
-                                                    "model.py, against bench/nanogpt.py's GPT")
-    ap.add_argument("--wall", action="store_true", help="torch's default threads and the wall clock, not 1 thread's "
-                                                        "CPU time (some costs, e.g. copies, show only there)")
+    ap.add_argument(
+        "--nanogpt-dir",
+        type=Path,
+        help="a checkout of github.com/karpathy/nanoGPT: also time its own model.py, against bench/nanogpt.py's GPT",
+    )
+    ap.add_argument(
+        "--wall",
+        action="store_true",
+        help="torch's default threads and the wall clock, not 1 thread's "
+        "CPU time (some costs, e.g. copies, show only there)",
+    )
     args = ap.parse_args()
     if args.gelu_kernels:
         return gelu_kernels(args.shape, rounds=15)
@@ -112,13 +126,16 @@ def main() -> None:
     steps = {}
     for attn in ("sdpa", "eager"):
         steps[f"{attn} gelu_new"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu_new")
-        steps[f"{attn} gelu_new use_cache=False"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
-                                                            "gelu_new", use_cache=False)
-        steps[f"{attn} gelu_pytorch_tanh"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn,
-                                                     "gelu_pytorch_tanh")
+        steps[f"{attn} gelu_new use_cache=False"] = hf_step(
+            args.shape, args.cache_dir, args.precision, batch, attn, "gelu_new", use_cache=False
+        )
+        steps[f"{attn} gelu_pytorch_tanh"] = hf_step(
+            args.shape, args.cache_dir, args.precision, batch, attn, "gelu_pytorch_tanh"
+        )
         steps[f"{attn} gelu"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu")
-        steps[f"{attn} gelu use_cache=False"] = hf_step(args.shape, args.cache_dir, args.precision, batch, attn, "gelu",
-                                                        use_cache=False)
+        steps[f"{attn} gelu use_cache=False"] = hf_step(
+            args.shape, args.cache_dir, args.precision, batch, attn, "gelu", use_cache=False
+        )
     steps["nanogpt (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch)
     steps["nanogpt bias=True (fp32)"] = nanogpt_step(args.shape, dm.vocab_size, batch, bias=True)
     if args.nanogpt_dir:
@@ -138,8 +155,10 @@ def main() -> None:
             times[name].append(statistics.median(block))
     base = statistics.median(times["nanogpt (fp32)"])
     how = f"{torch.get_num_threads()} threads, wall" if args.wall else "1 thread, thread CPU"
-    print(f"{args.shape}, {args.precision}, {how} ms per step: median of {args.rounds} rounds "
-          f"[lowest-highest]; speed vs nanoGPT")
+    print(
+        f"{args.shape}, {args.precision}, {how} ms per step: median of {args.rounds} rounds "
+        f"[lowest-highest]; speed vs nanoGPT"
+    )
     for name, t in times.items():
         mid = statistics.median(t)
         print(f"{name:<32}{mid * 1e3:8.1f} [{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  {base / mid:.2f}x")

@@ -27,8 +27,11 @@ from tests.helpers import forkrun  # noqa: E402
 from tests.test_deepspeed import CPU_DS  # noqa: E402
 from tests.test_parity import GPT2, QUIET  # noqa: E402
 
-CASES = {"1 process": [], "2-rank DDP": ["trainer=ddp", "trainer.devices=2"],
-         "2-rank ZeRO-2": CPU_DS + ["trainer.strategy.stage=2"]}
+CASES = {
+    "1 process": [],
+    "2-rank DDP": ["trainer=ddp", "trainer.devices=2"],
+    "2-rank ZeRO-2": CPU_DS + ["trainer.strategy.stage=2"],
+}
 
 
 def seconds(python: str, args: list[str]) -> float:
@@ -36,8 +39,13 @@ def seconds(python: str, args: list[str]) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         paths = [f"paths.log_dir={tmp}/logs", f"paths.cache_dir={tmp}/cache"]
         t0 = time.time()
-        subprocess.run([python, "train.py", *QUIET, *paths, *GPT2, *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
-                       check=True, capture_output=True)
+        subprocess.run(
+            [python, "train.py", *QUIET, *paths, *GPT2, *args],
+            cwd=ROOT,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            check=True,
+            capture_output=True,
+        )
         return time.time() - t0
 
 
@@ -51,7 +59,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for case, args in CASES.items():
-            for way in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
                 times.setdefault((case, way), []).append(seconds(ways[way], args))
     print(f"median of {rounds} interleaved rounds, {os.cpu_count()} CPU cores")
     print(f"{'run':<16}{'fresh s':>9}{'forked s':>10}{'fresh/forked':>14}")

@@ -50,9 +50,14 @@ def arch_fields(model: str, shape: str) -> dict:
     layers, heads, width, ctx, batch = SHAPES[shape]
     if model == "gpt2":
         return {"n_layer": layers, "n_head": heads, "n_embd": width}
-    return {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": heads // 2 if heads % 2 == 0 else heads, "intermediate_size": 11 * width // 4,
-            "tie_word_embeddings": model == "qwen2"}
+    return {
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2 if heads % 2 == 0 else heads,
+        "intermediate_size": 11 * width // 4,
+        "tie_word_embeddings": model == "qwen2",
+    }
 
 
 def clock() -> float:
@@ -79,12 +84,25 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     median = statistics.median(steps)
     with open(out, "w") as f:
-        json.dump({"step_s": median, "tokens_per_s": tokens_per_step / median, "steps_s": steps,
-                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
+        json.dump(
+            {
+                "step_s": median,
+                "tokens_per_s": tokens_per_step / median,
+                "steps_s": steps,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            },
+            f,
+        )
 
 
-def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: str = "32-true",
-                   activation: str = "gelu_pytorch_tanh", model_type: str = "gpt2"):
+def data_and_model(
+    shape: str,
+    cache_dir: str,
+    attn: str = "auto",
+    precision: str = "32-true",
+    activation: str = "gelu_pytorch_tanh",
+    model_type: str = "gpt2",
+):
     """The token data and a freshly initialized model (GPT-2 unless `model_type`); attn "auto": the kernel
     train.py would pick; activation (GPT-2): the template's (conf/model/gpt2.yaml), or GPT2Config's own, gelu_new."""
     import torch
@@ -101,14 +119,31 @@ def data_and_model(shape: str, cache_dir: str, attn: str = "auto", precision: st
     dm.setup()
     torch.manual_seed(0)
     if model_type != "gpt2":
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            model_type, vocab_size=dm.vocab_size, max_position_embeddings=ctx, attn_implementation=attn,
-            **arch_fields(model_type, shape)))
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(
+                model_type,
+                vocab_size=dm.vocab_size,
+                max_position_embeddings=ctx,
+                attn_implementation=attn,
+                **arch_fields(model_type, shape),
+            )
+        )
         model.loss_type = "ForCausalLM"
         return dm, model
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=dm.vocab_size, n_positions=ctx, n_layer=layers, n_head=heads,
-                                       n_embd=width, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       attn_implementation=attn, activation_function=activation))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=dm.vocab_size,
+            n_positions=ctx,
+            n_layer=layers,
+            n_head=heads,
+            n_embd=width,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation=attn,
+            activation_function=activation,
+        )
+    )
     model.loss_type = "ForCausalLM"
     return dm, model
 
@@ -124,12 +159,15 @@ def resolve_precision(precision: str) -> str:
 
 def param_groups(model):
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
-def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto",
-             model_type: str = "gpt2") -> list[list[float]]:
+def raw_loop(
+    shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto", model_type: str = "gpt2"
+) -> list[list[float]]:
     """The minimal PyTorch loop; per step, the times at which it has its batch, ends forward, ends
     backward and ends the optimizer step, after a start time (bench.step_breakdown reads the phases)."""
     import torch
@@ -145,8 +183,9 @@ def raw_loop(shape: str, cache_dir: str, precision: str, steps: int, attn: str =
         t.append(clock())
         with autocast:
             logits = model(input_ids=batch["input_ids"]).logits  # labels are already shifted (src/datamodules)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                                                     ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+            )
         t.append(clock())
         loss.backward()
         t.append(clock())
@@ -181,8 +220,14 @@ def run_hf(args, defaults: bool = False) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     precision = "32-true" if defaults else args.precision
-    dm, model = data_and_model(args.shape, args.cache_dir, attn="sdpa" if defaults else "auto", precision=precision,
-                               activation=args.hf_activation, model_type=args.model)
+    dm, model = data_and_model(
+        args.shape,
+        args.cache_dir,
+        attn="sdpa" if defaults else "auto",
+        precision=precision,
+        activation=args.hf_activation,
+        model_type=args.model,
+    )
     times = []
 
     class Timer(TrainerCallback):
@@ -190,11 +235,25 @@ def run_hf(args, defaults: bool = False) -> None:
             times.append(clock())
 
     targs = TrainingArguments(
-        output_dir=os.path.join(args.cache_dir, "hf_trainer"), per_device_train_batch_size=dm.batch_size,
-        max_steps=args.steps, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=WD,
-        max_grad_norm=CLIP, optim="adamw_torch_fused", lr_scheduler_type="constant", logging_steps=10_000,
-        save_strategy="no", report_to=[],
-        use_cpu=True, bf16=precision == "bf16-mixed", dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        output_dir=os.path.join(args.cache_dir, "hf_trainer"),
+        per_device_train_batch_size=dm.batch_size,
+        max_steps=args.steps,
+        learning_rate=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        optim="adamw_torch_fused",
+        lr_scheduler_type="constant",
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=precision == "bf16-mixed",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
     Trainer(model=model, args=targs, train_dataset=dm.splits["train"], callbacks=[Timer()]).train()
     report(times, args.warmup, dm.batch_size * dm.seq_len, args.out)
 
@@ -203,13 +262,30 @@ def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     prefix = "model." if args.model == "gpt2" else "model.config."
     shape = [f"model={args.model}", *(f"{prefix}{k}={v}" for k, v in arch_fields(args.model, args.shape).items())]
-    return [sys.executable, "train.py", *shape, f"data.seq_len={ctx}", f"data.global_batch_size={batch}", f"trainer.max_steps={args.steps}",
-            f"trainer.precision={args.precision}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
-            "trainer.enable_progress_bar=false", "test=false", "optimized_metric=null", "logger=none",
-            "callbacks=none", "extras.print_config=false", "model.scheduler=null",
-            f"paths.cache_dir={os.path.dirname(args.cache_dir)}", f"paths.log_dir={args.cache_dir}/logs",
-            "+callbacks.timer._target_=bench.throughput.StepTimer", f"+callbacks.timer.warmup={args.warmup}",
-            f"+callbacks.timer.out={out}", *extra]
+    return [
+        sys.executable,
+        "train.py",
+        *shape,
+        f"data.seq_len={ctx}",
+        f"data.global_batch_size={batch}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.precision={args.precision}",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.enable_progress_bar=false",
+        "test=false",
+        "optimized_metric=null",
+        "logger=none",
+        "callbacks=none",
+        "extras.print_config=false",
+        "model.scheduler=null",
+        f"paths.cache_dir={os.path.dirname(args.cache_dir)}",
+        f"paths.log_dir={args.cache_dir}/logs",
+        "+callbacks.timer._target_=bench.throughput.StepTimer",
+        f"+callbacks.timer.warmup={args.warmup}",
+        f"+callbacks.timer.out={out}",
+        *extra,
+    ]
 
 
 def main() -> None:
@@ -218,20 +294,34 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", default="small,medium")
-    ap.add_argument("--precision", default="auto", choices=["auto", "32-true", "bf16-mixed"],
-                    help="for all three ways; auto: what train.py picks on this machine")
+    ap.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "32-true", "bf16-mixed"],
+        help="for all three ways; auto: what train.py picks on this machine",
+    )
     ap.add_argument("--cache-dir", default=".cache/bench")
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=override[,override...] template variants")
-    ap.add_argument("--nanogpt", action="store_true",
-                    help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
-                         "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)")
+    ap.add_argument(
+        "--nanogpt",
+        action="store_true",
+        help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
+        "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)",
+    )
     ap.add_argument("--model", default="gpt2", choices=MODELS, help="the architecture every way trains")
     ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
-    ap.add_argument("--hf-activation", default="gelu_new",
-                    help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
-                         "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone")
-    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                    help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)")
+    ap.add_argument(
+        "--hf-activation",
+        default="gelu_new",
+        help="GPT-2's activation in the HF Trainer ways: GPT2Config's default gelu_new (what a transformers "
+        "user gets), or gelu_pytorch_tanh (the template's) to compare the loops alone",
+    )
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)",
+    )
     ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt", "nanogpt_bias"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -241,8 +331,13 @@ def main() -> None:
     if args.clock == "cpu":
         os.environ.update(BENCH_CLOCK="cpu", OMP_NUM_THREADS="1")  # inherited by every run
     if args.child:
-        {"raw": run_raw, "hf": run_hf, "hf_default": lambda a: run_hf(a, defaults=True), "nanogpt": run_nanogpt,
-         "nanogpt_bias": lambda a: run_nanogpt(a, bias=True)}[args.child](args)
+        {
+            "raw": run_raw,
+            "hf": run_hf,
+            "hf_default": lambda a: run_hf(a, defaults=True),
+            "nanogpt": run_nanogpt,
+            "nanogpt_bias": lambda a: run_nanogpt(a, bias=True),
+        }[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
@@ -257,15 +352,29 @@ def main() -> None:
                     cmd = template_cmd(args, out, variants.get(way, []))
                 else:
                     cmd = [
-                        sys.executable, "-m", "bench.throughput", "--child", way, "--shape", shape, "--out", out,
-                        f"--steps={args.steps}", f"--warmup={args.warmup}", f"--precision={args.precision}",
-                        f"--hf-activation={args.hf_activation}", f"--model={args.model}",
-                        f"--cache-dir={os.path.dirname(args.cache_dir)}"]
+                        sys.executable,
+                        "-m",
+                        "bench.throughput",
+                        "--child",
+                        way,
+                        "--shape",
+                        shape,
+                        "--out",
+                        out,
+                        f"--steps={args.steps}",
+                        f"--warmup={args.warmup}",
+                        f"--precision={args.precision}",
+                        f"--hf-activation={args.hf_activation}",
+                        f"--model={args.model}",
+                        f"--cache-dir={os.path.dirname(args.cache_dir)}",
+                    ]
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
-    print(f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-          f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}")
+    print(
+        f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
+        f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}"
+    )
     print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
     for shape, ways in results.items():
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
@@ -276,8 +385,11 @@ def main() -> None:
         layers, heads, width, ctx, batch = SHAPES[shape]
         attn = fastest_attention("cpu", args.precision, ctx)
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
-        ratios = {f"template/{way}": (way, "template") for way in ("raw", "hf", "hf_default", "nanogpt", "nanogpt_bias")
-                  if way in ways and "template" in ways}
+        ratios = {
+            f"template/{way}": (way, "template")
+            for way in ("raw", "hf", "hf_default", "nanogpt", "nanogpt_bias")
+            if way in ways and "template" in ways
+        }
         ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
         ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})
         for label, (below, above) in ratios.items():

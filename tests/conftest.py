@@ -80,14 +80,17 @@ def python() -> str:
     return sys.executable if os.environ.get("TEST_FRESH_PROCESSES") == "1" else forkrun.interpreter()
 
 
-def run_script(script: str, args: list[str], timeout: int = 600, check: bool = True,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, args: list[str], timeout: int = 600, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
-    proc = subprocess.run([python(), script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          errors="replace", timeout=timeout)
+    proc = subprocess.run(
+        [python(), script, *args], cwd=ROOT, env=env, capture_output=True, text=True, errors="replace", timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -209,8 +212,13 @@ def fsdp_checkpoint(tmp_path_factory) -> Path:
     from test_parity import GPT2, QUIET
 
     def make(tmp: Path) -> Path:
-        run_script("train.py", QUIET + path_overrides({"log_dir": tmp / "logs", "cache_dir": tmp / "cache"}) + GPT2
-                   + ["trainer=fsdp", "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=2"])
+        run_script(
+            "train.py",
+            QUIET
+            + path_overrides({"log_dir": tmp / "logs", "cache_dir": tmp / "cache"})
+            + GPT2
+            + ["trainer=fsdp", "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=2"],
+        )
         (run,) = (tmp / "logs" / "train" / "runs").iterdir()
         return run / "checkpoints" / "last.ckpt"
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import assert_batched_generation_is_the_oracles
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError
-from test_model import assert_batched_generation_is_the_oracles
 
 V, T = 257, 32
-SHAPE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 64}
+SHAPE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+}
 ARCHS = {
     "llama": {"model_type": "llama", "config": {**SHAPE, "tie_word_embeddings": False}},
     "qwen2": {"model_type": "qwen2", "config": {**SHAPE, "tie_word_embeddings": True}},
@@ -30,8 +35,9 @@ def build(arch: str, **kwargs) -> CausalLMLitModule:
 
 def saved(tmp_path, arch: str, seed: int = 0):
     """A save_pretrained dir of a random model of `arch` (transformers' own init, not ours)."""
-    config = AutoConfig.for_model(ARCHS[arch]["model_type"], vocab_size=V, max_position_embeddings=64,
-                                  **ARCHS[arch]["config"])
+    config = AutoConfig.for_model(
+        ARCHS[arch]["model_type"], vocab_size=V, max_position_embeddings=64, **ARCHS[arch]["config"]
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / arch)
@@ -102,8 +108,9 @@ def test_flop_count_is_within_2_percent_of_flop_counter(arch, adapter):
 
     lora = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": None} if adapter == "lora" else None
     config = {**ARCHS[arch]["config"], "sliding_window": None} if arch == "mistral" else ARCHS[arch]["config"]
-    model = CausalLMLitModule(vocab_size=V, seq_len=T, model_type=arch, config=config, lora=lora,
-                              attn_implementation="eager")
+    model = CausalLMLitModule(
+        vocab_size=V, seq_len=T, model_type=arch, config=config, lora=lora, attn_implementation="eager"
+    )
     ids = torch.randint(0, V, (2, T))
     with FlopCounterMode(display=False) as counter:
         model.model(input_ids=ids).logits.sum().backward()
@@ -137,9 +144,10 @@ def test_lora_defaults_to_the_architectures_projections_and_names_what_a_model_h
 def test_bad_models_are_one_sentence(tmp_path):
     from transformers import BertConfig, T5Config
 
-    for name, config in (("bert", BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=64)),
-                         ("t5", T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64))):
+    for name, config in (
+        ("bert", BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)),
+        ("t5", T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64)),
+    ):
         config.save_pretrained(tmp_path / name)
         with pytest.raises(ConfigError, match=f"is a '{name}' model, not a decoder-only causal LM"):
             CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(tmp_path / name))
@@ -147,7 +155,7 @@ def test_bad_models_are_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match="is a 'llama' model and model=gpt2 builds GPT-2: use model=causal_lm"):
         GPT2LitModule(vocab_size=V, seq_len=T, pretrained=str(llama))
     (llama / "model.safetensors").unlink()  # a config without weights: eager, and deferred (FSDP2, ZeRO-3), where
-    for deferred in (False, True):        # the weights are read only once the ranks run
+    for deferred in (False, True):  # the weights are read only once the ranks run
         with init.deferred_init(deferred), pytest.raises(ConfigError, match="holds a config but no weights"):
             CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(llama))
     with pytest.raises(ConfigError, match="model.model_type='lama' is not a model type transformers knows"):
@@ -167,18 +175,26 @@ def test_canary_transformers_init_weights_recomputes_rotary_buffers():
     assert torch.equal(rotary.inv_freq, expected)
 
 
-@pytest.mark.parametrize("override,fragment", [
-    (["model=llama", "trainer.devices=4", "trainer.strategy.tensor_parallel_size=4"],
-     "num_attention_heads=4, num_key_value_heads=2 and intermediate_size=352 must all divide by "
-     "trainer.strategy.tensor_parallel_size=4"),
-    (["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=1"],
-     "trainer=tp needs a tensor-parallel plan and opt's config has none"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        (
+            ["model=llama", "trainer.devices=4", "trainer.strategy.tensor_parallel_size=4"],
+            "num_attention_heads=4, num_key_value_heads=2 and intermediate_size=352 must all divide by "
+            "trainer.strategy.tensor_parallel_size=4",
+        ),
+        (
+            ["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=1"],
+            "trainer=tp needs a tensor-parallel plan and opt's config has none",
+        ),
+    ],
+)
 def test_tensor_parallel_config_errors_name_the_architectures_numbers(tmp_path, override, fragment):
     """Read from the architecture's config before any rank starts (src/utils/hf_config.py)."""
-    from src.utils.checks import check_values
     from test_configs import compose_cfg
     from test_errors import FAST
+
+    from src.utils.checks import check_values
 
     fast = [o for o in FAST if not o.startswith("model.n_layer")]
     cfg = compose_cfg([*fast, "trainer=tp", "trainer.devices=2", *override], tmp=tmp_path)

@@ -10,46 +10,93 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import assert_same_series, max_param_diff, train
 
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+
 pytestmark = pytest.mark.slow
 
-SHAPE = ["model.config.hidden_size=32", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
-         "model.config.num_key_value_heads=2", "model.config.intermediate_size=64"]
-RUN = ["data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), "data.seq_len=32",
-       "data.global_batch_size=8", "trainer.max_steps=6", "trainer.val_check_interval=6", "test=false",
-       "model.scheduler.num_warmup_steps=2",
-       "trainer.gradient_clip_val=0.05"]  # below the gradient norms: every step clips by the whole model's norm
-ARCHS = {"llama": ["model=llama", *SHAPE], "qwen2": ["model=qwen2", *SHAPE],
-         "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"]}
-STRATEGIES = {"ddp": ["trainer=ddp", "trainer.devices=2"], "fsdp": ["trainer=fsdp", "trainer.devices=2"],
-              "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"]}
+SHAPE = [
+    "model.config.hidden_size=32",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "model.config.intermediate_size=64",
+]
+RUN = [
+    "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=6",
+    "test=false",
+    "model.scheduler.num_warmup_steps=2",
+    "trainer.gradient_clip_val=0.05",
+]  # below the gradient norms: every step clips by the whole model's norm
+ARCHS = {
+    "llama": ["model=llama", *SHAPE],
+    "qwen2": ["model=qwen2", *SHAPE],
+    "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"],
+}
+STRATEGIES = {
+    "ddp": ["trainer=ddp", "trainer.devices=2"],
+    "fsdp": ["trainer=fsdp", "trainer.devices=2"],
+    "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"],
+}
 # 2 stages of 1 layer, 4 micro-batches; the pipeline clips in its own step, by the same norm
-PIPELINE = ["trainer=pipeline", "trainer.strategy.schedule=1F1B", "trainer.gradient_clip_val=null",
-            "trainer.strategy.gradient_clip_val=0.05"]
+PIPELINE = [
+    "trainer=pipeline",
+    "trainer.strategy.schedule=1F1B",
+    "trainer.gradient_clip_val=null",
+    "trainer.strategy.gradient_clip_val=0.05",
+]
 STRATEGIES["pipeline"] = PIPELINE + ["trainer.devices=2"]
 STRATEGIES["pipeline_tp"] = PIPELINE + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
 # ZeRO-3 through the tests' CPU DeepSpeed strategy (tests/helpers/deepspeed_cpu.py)
-STRATEGIES["zero3"] = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-                       "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.stage=3"]
+STRATEGIES["zero3"] = [
+    "trainer=deepspeed",
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.strategy.stage=3",
+]
 # LoRA (peft's default projections for the architecture) under FSDP2, against LoRA in one process
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0"]
 STRATEGIES["fsdp_lora"] = ["trainer=fsdp", "trainer.devices=2"]
 # 1 process x 4 samples x accumulation 2 (val_check_interval counts micro-batches: 12 are the 6 steps)
 STRATEGIES["accumulate"] = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]
-MATRIX = [("llama", s) for s in STRATEGIES] + [("qwen2", s) for s in STRATEGIES] + [("mistral", "ddp"),
-                                                                                    ("mistral", "pipeline")]
+MATRIX = (
+    [("llama", s) for s in STRATEGIES]
+    + [("qwen2", s) for s in STRATEGIES]
+    + [("mistral", "ddp"), ("mistral", "pipeline")]
+)
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
 # a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (18 cases against 5 one-process runs).
-CORE = [("llama", "ddp"), ("llama", "fsdp"), ("llama", "tp"), ("llama", "pipeline_tp"), ("qwen2", "pipeline"),
-        ("qwen2", "zero3"), ("qwen2", "fsdp_lora"), ("qwen2", "accumulate"), ("mistral", "ddp"), ("mistral", "pipeline")]
+CORE = [
+    ("llama", "ddp"),
+    ("llama", "fsdp"),
+    ("llama", "tp"),
+    ("llama", "pipeline_tp"),
+    ("qwen2", "pipeline"),
+    ("qwen2", "zero3"),
+    ("qwen2", "fsdp_lora"),
+    ("qwen2", "accumulate"),
+    ("mistral", "ddp"),
+    ("mistral", "pipeline"),
+]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
-CASES = [pytest.param(a, s, marks=[] if ALL or (a, s) in CORE else pytest.mark.skip(
-    reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")) for a, s in MATRIX]
+CASES = [
+    pytest.param(
+        a,
+        s,
+        marks=[]
+        if ALL or (a, s) in CORE
+        else pytest.mark.skip(reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it"),
+    )
+    for a, s in MATRIX
+]
 
 
 @pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in MATRIX])
@@ -95,15 +142,21 @@ def assert_export_gives_the_templates_logits(tmp_path: Path, ckpt: Path, params:
     ids = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
         expected = module(ids).logits
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, expected,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, expected, atol=1e-5, rtol=1e-5
+        )
     if (out / "adapter").is_dir():
         from peft import PeftModel
 
         base = module.hf_model  # the adapter's base weights (frozen, equal to the start's), the adapter removed
         base = AutoModelForCausalLM.from_config(base.config)
-        base.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v
-                              for k, v in module.model.state_dict().items() if "lora_" not in k})
+        base.load_state_dict(
+            {
+                k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                for k, v in module.model.state_dict().items()
+                if "lora_" not in k
+            }
+        )
         with torch.no_grad():
             adapted = PeftModel.from_pretrained(base, out / "adapter").eval()(ids).logits
         torch.testing.assert_close(adapted, expected, atol=1e-5, rtol=1e-5)

@@ -5,9 +5,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import python, shared
 
 from bench.throughput import paired_ratio
-from conftest import python, shared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,18 +51,46 @@ def test_outside_bench_gives_nanogpt_as_many_eval_forwards_as_the_template_valid
 @pytest.mark.slow
 def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     out = subprocess.run(
-        [python(), "-m", "bench.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6",
-         "--warmup", "2", "--cache-dir", str(tmp_path), "--nanogpt", "--variants", "fp32=trainer.precision=32-true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            python(),
+            "-m",
+            "bench.throughput",
+            "--shapes",
+            "overhead",
+            "--rounds",
+            "1",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--cache-dir",
+            str(tmp_path),
+            "--nanogpt",
+            "--variants",
+            "fp32=trainer.precision=32-true",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for way in ("template", "raw", "hf", "hf_default", "nanogpt", "nanogpt_bias", "fp32"):
         row = re.search(rf"^overhead\s+{way}\s+([\d.]+)\s+(\d+)\s+(\d+)$", out.stdout, re.M)
         assert row, f"no row for {way}:\n{out.stdout}"
         assert float(row[1]) > 0 and int(row[2]) > 0 and int(row[3]) > 100  # step ms, tokens/s, peak RSS MiB
-    for label in ("template/raw", "template/hf", "template/hf_default", "template/nanogpt", "template/nanogpt_bias",
-                  "fp32/template", "fp32/nanogpt"):
-        assert re.search(rf"^overhead\s+{label}\s+= \d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\]$", out.stdout, re.M), \
+    for label in (
+        "template/raw",
+        "template/hf",
+        "template/hf_default",
+        "template/nanogpt",
+        "template/nanogpt_bias",
+        "fp32/template",
+        "fp32/nanogpt",
+    ):
+        assert re.search(rf"^overhead\s+{label}\s+= \d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\]$", out.stdout, re.M), (
             f"no ratio {label}:\n{out.stdout}"
+        )
 
 
 @pytest.mark.slow
@@ -70,11 +98,37 @@ def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""
     out = subprocess.run(
-        [python(), "-m", "bench.pipeline_bubble", "--k", "2", "--m", "1", "2", "8", "--modes", "sleep",
-         "--sleep-ms", "20", "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            python(),
+            "-m",
+            "bench.pipeline_bubble",
+            "--k",
+            "2",
+            "--m",
+            "1",
+            "2",
+            "8",
+            "--modes",
+            "sleep",
+            "--sleep-ms",
+            "20",
+            "--steps",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(int(m), name): (float(measured), float(expected)) for m, name, measured, expected in re.findall(
-        r"^sleep\s+K=2 M=(\d+)\s+(\w+)\s+step\s+[\d.]+ ms\s+measured (-?[\d.]+)\s+formula ([\d.]+)$", out.stdout, re.M)}
+    rows = {
+        (int(m), name): (float(measured), float(expected))
+        for m, name, measured, expected in re.findall(
+            r"^sleep\s+K=2 M=(\d+)\s+(\w+)\s+step\s+[\d.]+ ms\s+measured (-?[\d.]+)\s+formula ([\d.]+)$",
+            out.stdout,
+            re.M,
+        )
+    }
     assert re.search(r"^sleep\s+K=2 M=1\s+1f1b\s+n/a", out.stdout, re.M), out.stdout
     for key in [(1, "gpipe"), (2, "gpipe"), (2, "1f1b"), (8, "gpipe"), (8, "1f1b")]:
         measured, expected = rows[key]

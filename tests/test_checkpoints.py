@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from conftest import ROOT, gone, python, run_script
-from tests.helpers import forkrun
 from test_parity import GPT2, QUIET, max_param_diff
-from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover, save_sharded
+
+from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover
 from src.tools.checkpoints import load_checkpoint
 from src.utils.config import ConfigError
 from src.utils.run import decide_resume
+from tests.helpers import forkrun
 
 FSDP = ["trainer=fsdp", "trainer.devices=2"]
 
@@ -30,6 +29,7 @@ def base(tmp: Path) -> list[str]:
 
 
 # ---- single-file checkpoints and the reading side (one process) ----
+
 
 def test_atomic_file_save_keeps_the_old_file_until_the_new_one_is_complete(tmp_path):
     """A save that dies while writing leaves the previous checkpoint whole and only a .tmp beside it."""
@@ -62,8 +62,12 @@ def test_resume_auto_falls_back_from_a_truncated_or_foreign_last_ckpt(tmp_path):
     """A real run leaves its best step_*.ckpt and last.ckpt; last.ckpt cut in half or replaced by text is
     skipped with one log line and the run continues from the best one; with nothing readable, one sentence."""
     run_dir = tmp_path / "run"
-    args = base(tmp_path) + ["trainer.max_steps=8", "trainer.val_check_interval=4", "resume=auto",
-                             f"hydra.run.dir={run_dir}"]
+    args = base(tmp_path) + [
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=4",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+    ]
     run_script("train.py", args)
     ckpts = run_dir / "checkpoints"
     last, (best,) = ckpts / "last.ckpt", ckpts.glob("step_*.ckpt")  # the best of steps 4 and 8
@@ -107,6 +111,7 @@ def test_every_trainer_writes_single_files_through_the_atomic_io(trainer, tmp_pa
 
 # ---- sharded checkpoints: a kill in the middle of a save (2 gloo processes) ----
 
+
 def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) -> None:
     end = time.time() + timeout
     while not all(p.exists() for p in paths):
@@ -117,9 +122,17 @@ def wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) ->
 
 KILLS = {  # strategy -> its overrides and the test callback that stalls its save at step 6
     "fsdp": (FSDP, "StallShardedSave"),
-    "deepspeed": (["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-                   "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.stage=2", "model.scheduler=null"],
-                  "StallDeepSpeedSave"),
+    "deepspeed": (
+        [
+            "trainer=deepspeed",
+            "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.strategy.stage=2",
+            "model.scheduler=null",
+        ],
+        "StallDeepSpeedSave",
+    ),
 }
 
 
@@ -133,14 +146,25 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
     if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     overrides, stall = KILLS[strategy]
-    run = ["trainer.max_steps=9", "trainer.limit_train_batches=3", "trainer.val_check_interval=9",
-           "callbacks.last_checkpoint.every_n_train_steps=3", "resume=auto"]
+    run = [
+        "trainer.max_steps=9",
+        "trainer.limit_train_batches=3",
+        "trainer.val_check_interval=9",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
+        "resume=auto",
+    ]
     args = base(tmp_path) + overrides + run
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **forkrun.DIE_WITH_PARENT}
     stall = [f"+callbacks.stall._target_=tests.helpers.checkpoint_faults.{stall}", "+callbacks.stall.step=6"]
-    proc = subprocess.Popen([python(), "train.py", *args, f"hydra.run.dir={killed}", *stall], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [python(), "train.py", *args, f"hydra.run.dir={killed}", *stall],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     markers = [killed / "saving_rank0", killed / "saving_rank1"]  # each holds its rank's pid
     try:
         wait_for(markers, proc)
@@ -168,16 +192,21 @@ def test_kill_during_a_sharded_save_resumes_from_the_last_complete_checkpoint(st
 
 # ---- one resume decision: rank 0's ----
 
+
 @pytest.mark.slow
 def test_resume_auto_is_decided_by_rank_0_for_every_rank(tmp_path):
     """Rank 1 is made to see no checkpoint (a shared file system lagging behind); it still resumes from rank 0's
     choice, step 6, instead of starting from scratch beside a resumed rank 0."""
     run_dir = tmp_path / "run"
-    args = base(tmp_path) + ["trainer=ddp", "trainer.devices=2", "resume=auto", f"hydra.run.dir={run_dir}",
-                             "+callbacks.start._target_=tests.helpers.checkpoint_faults.RecordStartStep"]
+    args = base(tmp_path) + [
+        "trainer=ddp",
+        "trainer.devices=2",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+        "+callbacks.start._target_=tests.helpers.checkpoint_faults.RecordStartStep",
+    ]
     run_script("train.py", args)
-    hide = ["+callbacks.hide._target_=tests.helpers.checkpoint_faults.HideCheckpointsOnRank",
-            "trainer.max_steps=12"]
+    hide = ["+callbacks.hide._target_=tests.helpers.checkpoint_faults.HideCheckpointsOnRank", "trainer.max_steps=12"]
     run_script("train.py", args + hide, timeout=300)
     assert [(run_dir / f"start_step_rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 12
@@ -190,10 +219,27 @@ def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
     port, procs = free_port(), []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
     for node in (0, 1):
-        run = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=resume", f"--node-rank={node}", "train.py", "trainer=ddp", f"hydra.run.dir={tmp / f'node{node}'}"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run, *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        run = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=resume",
+            f"--node-rank={node}",
+            "train.py",
+            "trainer=ddp",
+            f"hydra.run.dir={tmp / f'node{node}'}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *run, *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     return outs

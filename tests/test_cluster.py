@@ -17,7 +17,6 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, event_files, read_events
 from test_launchers import assert_logs_by_global_rank, last_ckpt, only_dir
 from test_parity import GPT2, QUIET, max_param_diff, train
@@ -29,8 +28,11 @@ KILL_WAIT_S = 10  # KillWait in tests/helpers/slurm_cluster.sh: SIGKILL this lon
 # 2 tasks on the test node's 2 CPUs and 2 stand-in GPUs (the script asks for 4 of each)
 TWO_TASKS = ["--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
 # 20 steps, 12 batches per epoch (a preemption lands mid-epoch), validation every 10, TensorBoard and CSV
-ARGS = QUIET + GPT2 + ["trainer.max_steps=20", "trainer.limit_train_batches=12", "trainer.val_check_interval=10",
-                       "logger=many"]
+ARGS = (
+    QUIET
+    + GPT2
+    + ["trainer.max_steps=20", "trainer.limit_train_batches=12", "trainer.val_check_interval=10", "logger=many"]
+)
 SLOW = "+callbacks.slow._target_=tests.helpers.launchers.SlowSteps"  # + callbacks.slow.seconds=...
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -43,8 +45,12 @@ def env() -> dict[str, str]:
     if not conf:
         pytest.skip(os.environ.get("TEST_SLURM_SKIP") or "needs the one-node SLURM cluster of `make test-cluster`")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))}
-    return {**env, "SLURM_CONF": conf, "PYTHONUNBUFFERED": "1",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+    return {
+        **env,
+        "SLURM_CONF": conf,
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+    }
 
 
 def slurm(env: dict, *cmd: str) -> str:
@@ -54,8 +60,9 @@ def slurm(env: dict, *cmd: str) -> str:
 def sbatch(env: dict, tmp: Path, options: list[str], overrides: list[str]) -> str:
     """The documented script (docs/clusters.md), submitted from the project root, its run dirs under `tmp`: the job id."""
     paths = [f"paths.log_dir={tmp / 'logs'}", f"paths.cache_dir={tmp / 'cache'}"]
-    return slurm(env, "sbatch", "--parsable", f"--output={tmp}/slurm-%j.out", *options, str(SCRIPT), *overrides,
-                 *paths).strip()
+    return slurm(
+        env, "sbatch", "--parsable", f"--output={tmp}/slurm-%j.out", *options, str(SCRIPT), *overrides, *paths
+    ).strip()
 
 
 @pytest.fixture
@@ -102,8 +109,11 @@ def progress(run: Path) -> list[tuple[int, int, float]]:
 def log_times(log: Path, text: str) -> list[float]:
     """When each line of a rank's log that contains `text` was written."""
     stamp = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
-    return [datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            for line in log.read_text().splitlines() if text in line and (m := stamp.match(line))]
+    return [
+        datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in log.read_text().splitlines()
+        if text in line and (m := stamp.match(line))
+    ]
 
 
 def history(run: Path) -> dict:
@@ -155,8 +165,12 @@ def assert_requeues_ended_by_sigterm(run: Path, requeues: int) -> None:
         exits[rank] = log_times(log, f"Rank {rank}: stopped by SIGTERM; exiting with status 143")
         assert len(exits[rank]) == requeues, log.read_text()[-3000:]
         assert all(0 <= end - start < KILL_WAIT_S / 2 for start, end in zip(requeued, exits[rank])), (requeued, exits)
-    srun = [line.rsplit(": ", 1)[-1] for out in run.parents[3].glob("slurm-*.out")
-            for line in out.read_text().splitlines() if re.match(r"srun: error: .*: tasks? [0-9-]+: ", line)]
+    srun = [
+        line.rsplit(": ", 1)[-1]
+        for out in run.parents[3].glob("slurm-*.out")
+        for line in out.read_text().splitlines()
+        if re.match(r"srun: error: .*: tasks? [0-9-]+: ", line)
+    ]
     assert srun and set(srun) == {"Exited with exit code 143"}, srun  # not "Killed"
 
 
@@ -182,18 +196,27 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_twice(env, submit, straig
     SIGKILL after KillWait), and the job, same id, same run dir, resumes with resume=auto (Restarts=1, then 2).
     It ends with the uninterrupted job's parameters (<= 1e-6) and its whole metric history in TensorBoard and CSV.
     Prints how long each stage of a preemption took, from the signal to the first step of the resumed job."""
-    job_id = submit(tmp_path, TWO_TASKS, ARGS + [SLOW, "+callbacks.slow.seconds=0.5",
-                                                 "callbacks.preemption.check_every_n_steps=2"])
+    job_id = submit(
+        tmp_path, TWO_TASKS, ARGS + [SLOW, "+callbacks.slow.seconds=0.5", "callbacks.preemption.check_every_n_steps=2"]
+    )
     run = tmp_path / "logs" / "train" / "runs" / f"slurm-{job_id}"
     signalled, released, running = [], [], []
     for attempt, step in [(0, 3), (1, 11)]:
-        wait_for(lambda: any(a == attempt and s >= step for a, s, _ in progress(run)), 120,
-                 f"attempt {attempt} at step {step}", tmp_path)
+        wait_for(
+            lambda: any(a == attempt and s >= step for a, s, _ in progress(run)),
+            120,
+            f"attempt {attempt} at step {step}",
+            tmp_path,
+        )
         slurm(env, "scancel", "--signal=USR2", job_id)
         signalled.append(time.time())
         # the old allocation is gone once the requeued job is pending (or running) again
-        wait_for(lambda: (j := job(env, job_id))["Restarts"] == str(attempt + 1)
-                 and j["JobState"] in ("PENDING", "RUNNING"), 60, f"requeue {attempt + 1}", tmp_path)
+        wait_for(
+            lambda: (j := job(env, job_id))["Restarts"] == str(attempt + 1) and j["JobState"] in ("PENDING", "RUNNING"),
+            60,
+            f"requeue {attempt + 1}",
+            tmp_path,
+        )
         released.append(time.time())
         assert released[-1] - signalled[-1] < KILL_WAIT_S
         wait_for(lambda: job(env, job_id)["JobState"] == "RUNNING", 60, f"attempt {attempt + 1} running", tmp_path)
@@ -209,18 +232,28 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_twice(env, submit, straig
     for attempt, times in enumerate(zip(signalled, requeued, released, running), 1):
         signal_at, requeue_at, gone_at, running_at = times
         first_at, first_step = min((t, s) for a, s, t in steps if a == attempt)
-        print(f"preemption {attempt}, seconds after SIGUSR2: requeued {requeue_at - signal_at:.1f}, old allocation "
-              f"gone {gone_at - signal_at:.1f}, requeued job running {running_at - signal_at:.1f}, its first step "
-              f"(step {first_step}) {first_at - signal_at:.1f}")
+        print(
+            f"preemption {attempt}, seconds after SIGUSR2: requeued {requeue_at - signal_at:.1f}, old allocation "
+            f"gone {gone_at - signal_at:.1f}, requeued job running {running_at - signal_at:.1f}, its first step "
+            f"(step {first_step}) {first_at - signal_at:.1f}"
+        )
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(env, submit, straight, tmp_path):
     """--time=1 --signal=USR2@1: SLURM sends SIGUSR2 29-59 s after the start (it checks time limits every 30 s);
     the job writes last.ckpt, requeues itself before the limit, ends on SIGTERM, and the requeued attempt
     (Restarts=1) ends like the uninterrupted job. Steps are slow in the first attempt only."""
-    job_id = submit(tmp_path, TWO_TASKS + ["--time=1", "--signal=USR2@1"],
-                    ARGS + [SLOW, "+callbacks.slow.seconds=3.5", "+callbacks.slow.attempts=1",
-                            "callbacks.preemption.check_every_n_steps=1"])
+    job_id = submit(
+        tmp_path,
+        TWO_TASKS + ["--time=1", "--signal=USR2@1"],
+        ARGS
+        + [
+            SLOW,
+            "+callbacks.slow.seconds=3.5",
+            "+callbacks.slow.attempts=1",
+            "callbacks.preemption.check_every_n_steps=1",
+        ],
+    )
     wait_for(lambda: job(env, job_id)["Restarts"] == "1", 180, "the requeue before the time limit", tmp_path)
     # a longer limit for the requeued attempt only so that, slow to start on a loaded machine, it is not signalled
     # 29 s into its own minute and requeued once more
@@ -237,9 +270,17 @@ def test_a_killed_task_fails_the_job_and_leaves_no_process(env, submit, tmp_path
     """Rank 1 SIGKILLed at step 3: srun --kill-on-bad-exit=1 ends rank 0 too; the job is FAILED with a non-zero
     exit code within 15 s of the kill (docs/clusters.md: seconds, not trainer.strategy.timeout), and no process of it is
     left on the node."""
-    job_id = submit(tmp_path, TWO_TASKS, ARGS + [SLOW, "+callbacks.slow.seconds=0",
-                                                 "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep",
-                                                 "+callbacks.kill.step=3"])
+    job_id = submit(
+        tmp_path,
+        TWO_TASKS,
+        ARGS
+        + [
+            SLOW,
+            "+callbacks.slow.seconds=0",
+            "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep",
+            "+callbacks.kill.step=3",
+        ],
+    )
     state = finished(env, job_id, tmp_path, timeout=120)
     run = tmp_path / "logs" / "train" / "runs" / f"slurm-{job_id}"
     killed_at = max(t for _, s, t in progress(run) if s <= 3)
@@ -267,9 +308,19 @@ def test_submitit_launcher_runs_a_sweep_as_a_job_array(env, tmp_path):
     """python train.py -m hydra/launcher=slurm: submitit's SLURM executor submits the 2 jobs as one array; one
     sweep dir, each job's dir (<sweep>/<n>) with its checkpoint and train.log, submitit's logs and results under
     <sweep>/.submitit/; a 1-task job says it runs one process."""
-    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
-           "hydra.launcher.timeout_min=10", "model.optimizer.lr=1e-3,3e-4", *QUIET, *GPT2,
-           f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=slurm",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=10",
+        "model.optimizer.lr=1e-3,3e-4",
+        *QUIET,
+        *GPT2,
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, python, read_events
 from test_distributed import run_ranks
 
@@ -22,8 +21,15 @@ from src.callbacks.comm import collectives, trace
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 # a 2-layer GPT-2 of width 32 on the tests' corpus: start-up dominates, the volumes are Ψ's
-TINY = ["data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), "data.seq_len=32", "model.n_layer=2",
-        "model.n_embd=32", "model.n_head=2", "trainer.precision=32-true", "callbacks.throughput=null"]
+TINY = [
+    "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+    "data.seq_len=32",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "trainer.precision=32-true",
+    "callbacks.throughput=null",
+]
 
 
 def traced(rank: int, world: int) -> list[dict]:
@@ -51,13 +57,15 @@ def traced(rank: int, world: int) -> list[dict]:
 def test_collectives_read_from_a_real_profile_with_phases_sizes_and_ring_bytes():
     ranks = run_ranks(2, traced)
     rows = [(c["op"], c["phase"], c["elements"], c["dtype"], c["group"], c["bytes"]) for c in ranks[0]]
-    assert rows == [("all_gather", "forward", 20, "fp32", 2, 40.0),  # (n-1)/n · 20 · 4
-                    ("reduce_scatter", "backward", 12, "fp32", 2, 24.0),  # not the all-reduce gloo runs it as
-                    ("all_reduce", "backward", 7, "bf16", 2, 14.0),  # 2(n-1)/n · 7 · 2
-                    ("barrier", "logging", 0, "-", 2, 0.0),
-                    ("all_reduce", "logging", 2, "fp32", 2, 8.0),
-                    ("broadcast", "other", 5, "fp32", 2, 10.0),
-                    ("send", "other", 3, "fp32", 2, 12.0)]
+    assert rows == [
+        ("all_gather", "forward", 20, "fp32", 2, 40.0),  # (n-1)/n · 20 · 4
+        ("reduce_scatter", "backward", 12, "fp32", 2, 24.0),  # not the all-reduce gloo runs it as
+        ("all_reduce", "backward", 7, "bf16", 2, 14.0),  # 2(n-1)/n · 7 · 2
+        ("barrier", "logging", 0, "-", 2, 0.0),
+        ("all_reduce", "logging", 2, "fp32", 2, 8.0),
+        ("broadcast", "other", 5, "fp32", 2, 10.0),
+        ("send", "other", 3, "fp32", 2, 12.0),
+    ]
     assert ranks[1][-1]["op"] == "recv" and ranks[1][-1]["elements"] == 3 and ranks[1][-1]["bytes"] == 0
 
 
@@ -65,12 +73,15 @@ def bench_comm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bench.comm", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("args,words", [
-    (["trainer=ddpp"], "trainer=ddpp is not a strategy bench.comm can measure: use one of ddp, deepspeed"),
-    (["trainer=cpu"], "trainer=cpu is not a strategy"),
-    (["trainer=ddp", "--ranks", "100000"], r"--ranks 100000 needs about 60000 GiB .* use --ranks \d+ or fewer"),
-    (["trainer=ddp", "--ranks", "1"], "--ranks takes numbers of processes >= 2"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["trainer=ddpp"], "trainer=ddpp is not a strategy bench.comm can measure: use one of ddp, deepspeed"),
+        (["trainer=cpu"], "trainer=cpu is not a strategy"),
+        (["trainer=ddp", "--ranks", "100000"], r"--ranks 100000 needs about 60000 GiB .* use --ranks \d+ or fewer"),
+        (["trainer=ddp", "--ranks", "1"], "--ranks takes numbers of processes >= 2"),
+    ],
+)
 def test_bad_requests_are_one_sentence_before_anything_starts(args, words):
     proc = bench_comm(*args)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -85,14 +96,20 @@ def test_a_config_that_does_not_build_is_train_pys_sentence(trainer):
     assert proc.returncode == 2
     (line,) = proc.stderr.splitlines()
     assert line.startswith("bench.comm: train.py refused") and "data.global_batch_size=8 does not divide into 3" in line
-    assert f"refused {trainer[0] if trainer else 'trainer=ddp'} " in line  # without trainer=, DDP (train.py's default is 1 process)
+    assert (
+        f"refused {trainer[0] if trainer else 'trainer=ddp'} " in line
+    )  # without trainer=, DDP (train.py's default is 1 process)
 
 
 GOALS = {  # (overrides, the formula's multiple of (N-1)/N·Ψ·4 bytes, tolerance, bytes by phase as such multiples)
     "ddp": (["trainer=ddp"], 2, 0.02, {"backward": 2}),
     "fsdp": (["trainer=fsdp"], 3, 0.05, {"forward": 1, "backward": 2}),
-    "fsdp_no_reshard": (["trainer=fsdp", "trainer.strategy.reshard_after_forward=false"], 2, 0.05,
-                        {"forward": 1, "backward": 1}),
+    "fsdp_no_reshard": (
+        ["trainer=fsdp", "trainer.strategy.reshard_after_forward=false"],
+        2,
+        0.05,
+        {"forward": 1, "backward": 1},
+    ),
 }
 
 

@@ -9,19 +9,31 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import ROOT, shared
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
-from conftest import ROOT, shared
 from src.utils.config import ConfigError, check_targets, instantiate_group
 from src.utils.errors import translate
 from src.utils.run import check_machine
 
 CONF = ROOT / "conf"
-GROUPS = ["trainer", "model", "model/size", "model/peft", "data", "callbacks", "logger", "paths", "hydra", "experiment", "debug"]
+GROUPS = [
+    "trainer",
+    "model",
+    "model/size",
+    "model/peft",
+    "data",
+    "callbacks",
+    "logger",
+    "paths",
+    "hydra",
+    "experiment",
+    "debug",
+]
 
 
 def options(group: str) -> list[str]:
@@ -42,8 +54,11 @@ def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = No
 
 # Options that only make sense together: the vision data with the vision model and vice versa.
 VISION = ["data=digits", "model=convnet", "callbacks.generate_text=null"]
-PARTNER = {("data", "digits"): VISION, ("data", "mnist"): ["model=convnet", "callbacks.generate_text=null"],
-           ("model", "convnet"): VISION}
+PARTNER = {
+    ("data", "digits"): VISION,
+    ("data", "mnist"): ["model=convnet", "callbacks.generate_text=null"],
+    ("model", "convnet"): VISION,
+}
 for preset in (CONF / "model" / "size").glob("*.yaml"):  # a Llama/Qwen2/Mistral shape goes with its model= only
     size_for = yaml.safe_load(preset.read_text()).get("size_for")
     if size_for:
@@ -64,7 +79,11 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     extra = PARTNER.get((group, option), [])
     if (group, option) == ("experiment", "gpt2_small"):  # its tokenizer is the hub's gpt2: use the local files
         extra = [f"data.tokenizer={shared('gpt2-tokenizer')}"]
-    if group == "model/peft" or (group, option) == ("model", "causal_lm") or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo"):
+    if (
+        group == "model/peft"
+        or (group, option) == ("model", "causal_lm")
+        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo")
+    ):
         # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
         extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]
     cfg = compose_cfg([f"{group}={option}"] + extra, tmp=tmp_path)
@@ -89,8 +108,9 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
         assert model.config.vocab_size == datamodule.model_kwargs["vocab_size"]
 
 
-@pytest.mark.parametrize("size,expected", [("small", 124_439_808), ("medium", 354_823_168),
-                                           ("large", 774_030_080), ("xl", 1_557_611_200)])
+@pytest.mark.parametrize(
+    "size,expected", [("small", 124_439_808), ("medium", 354_823_168), ("large", 774_030_080), ("xl", 1_557_611_200)]
+)
 def test_size_presets_are_the_real_gpt2_shapes(size, expected, tmp_path):
     """Parameter counts of OpenAI's GPT-2 checkpoints (50257 vocab, 1024 context, tied embeddings)."""
     cfg = compose_cfg([f"model/size={size}", "data.seq_len=1024"], tmp=tmp_path)
@@ -129,11 +149,13 @@ def test_unknown_top_level_key_in_a_yaml_fails(tmp_path):
 def test_machine_checks_name_the_problem_and_the_fix(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("these errors are about machines without CUDA")
-    for override, words in [("trainer=deepspeed", "trainer=deepspeed needs CUDA"),
-                            ("trainer.strategy=fsdp", "FSDP1 strategy .* needs CUDA.*trainer=fsdp \\(FSDP2"),
-                            ("trainer=deepspeed_stage_3_offload", "trainer=deepspeed needs CUDA"),
-                            ("trainer=gpu", "accelerator=gpu needs a CUDA GPU"),
-                            ("trainer.precision=16-mixed", "silently")]:
+    for override, words in [
+        ("trainer=deepspeed", "trainer=deepspeed needs CUDA"),
+        ("trainer.strategy=fsdp", "FSDP1 strategy .* needs CUDA.*trainer=fsdp \\(FSDP2"),
+        ("trainer=deepspeed_stage_3_offload", "trainer=deepspeed needs CUDA"),
+        ("trainer=gpu", "accelerator=gpu needs a CUDA GPU"),
+        ("trainer.precision=16-mixed", "silently"),
+    ]:
         cfg = compose_cfg([override], tmp=tmp_path)
         with pytest.raises(ConfigError, match=words) as e:
             check_machine(cfg.trainer)
@@ -162,16 +184,20 @@ def test_ddp_means_two_cpu_processes_without_gpu(tmp_path):
     assert cfg.trainer.strategy._target_ == "lightning.pytorch.strategies.DDPStrategy"  # "ddp", with a timeout
 
 
-@pytest.mark.parametrize("cuda,cuda_bf16,cpu_bf16,accelerator,expected", [
-    (True, True, False, "auto", "bf16-mixed"),   # Ampere and newer
-    (True, False, False, "auto", "16-mixed"),    # V100, T4: fp16 with a gradient scaler
-    (True, True, True, "cpu", "bf16-mixed"),     # trainer=cpu on a GPU machine: the CPU decides
-    (True, True, False, "cpu", "32-true"),
-    (False, False, True, "auto", "bf16-mixed"),  # AVX512-BF16 / AMX CPU
-    (False, False, False, "auto", "32-true"),    # bf16 would be emulated: slower
-])
-def test_default_precision_is_the_fastest_for_the_hardware(monkeypatch, cuda, cuda_bf16, cpu_bf16, accelerator,
-                                                            expected):
+@pytest.mark.parametrize(
+    "cuda,cuda_bf16,cpu_bf16,accelerator,expected",
+    [
+        (True, True, False, "auto", "bf16-mixed"),  # Ampere and newer
+        (True, False, False, "auto", "16-mixed"),  # V100, T4: fp16 with a gradient scaler
+        (True, True, True, "cpu", "bf16-mixed"),  # trainer=cpu on a GPU machine: the CPU decides
+        (True, True, False, "cpu", "32-true"),
+        (False, False, True, "auto", "bf16-mixed"),  # AVX512-BF16 / AMX CPU
+        (False, False, False, "auto", "32-true"),  # bf16 would be emulated: slower
+    ],
+)
+def test_default_precision_is_the_fastest_for_the_hardware(
+    monkeypatch, cuda, cuda_bf16, cpu_bf16, accelerator, expected
+):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -183,13 +209,16 @@ def test_default_precision_is_the_fastest_for_the_hardware(monkeypatch, cuda, cu
     assert compose_cfg([f"trainer={trainer}", "trainer.precision=32-true"]).trainer.precision == "32-true"
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ([], "eager"),                              # bf16 on this kind of CPU, context 128: measured 1.55x faster
-    (["data.seq_len=512"], "sdpa"),             # longer contexts: SDPA (2x at 1024, less memory)
-    (["trainer.precision=32-true"], "sdpa"),    # fp32: a tie, SDPA keeps less memory
-    (["trainer=gpu"], "sdpa"),                  # GPUs: flash attention
-    (["model.attn_implementation=sdpa"], "sdpa"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ([], "eager"),  # bf16 on this kind of CPU, context 128: measured 1.55x faster
+        (["data.seq_len=512"], "sdpa"),  # longer contexts: SDPA (2x at 1024, less memory)
+        (["trainer.precision=32-true"], "sdpa"),  # fp32: a tie, SDPA keeps less memory
+        (["trainer=gpu"], "sdpa"),  # GPUs: flash attention
+        (["model.attn_implementation=sdpa"], "sdpa"),
+    ],
+)
 def test_default_attention_kernel_is_the_measured_faster_one(monkeypatch, overrides, expected):
     import torch
 
@@ -244,10 +273,17 @@ def test_a_size_preset_of_another_architecture_is_one_sentence(model, size, tmp_
     assert re.search(rf"preset is a \w+ shape and this is model={model}: use model=", translate(raised.value))
 
 
-@pytest.mark.parametrize("model,size,vocab,expected", [
-    ("llama", "smollm2_135m", 49152, 134_515_008), ("llama", "llama3_1b", 128256, 1_235_814_400),
-    ("llama", "llama2_7b", 32000, 6_738_415_616), ("qwen2", "qwen2_05b", 151936, 494_032_768),
-    ("qwen2", "qwen2_15b", 151936, 1_543_714_304), ("mistral", "mistral_7b", 32000, 7_241_732_096)])
+@pytest.mark.parametrize(
+    "model,size,vocab,expected",
+    [
+        ("llama", "smollm2_135m", 49152, 134_515_008),
+        ("llama", "llama3_1b", 128256, 1_235_814_400),
+        ("llama", "llama2_7b", 32000, 6_738_415_616),
+        ("qwen2", "qwen2_05b", 151936, 494_032_768),
+        ("qwen2", "qwen2_15b", 151936, 1_543_714_304),
+        ("mistral", "mistral_7b", 32000, 7_241_732_096),
+    ],
+)
 def test_size_presets_of_llama_qwen2_mistral_are_the_published_shapes(model, size, vocab, expected, tmp_path):
     """Parameter counts of SmolLM2-135M, Llama-3.2-1B, Llama-2-7B, Qwen2.5-0.5B/1.5B and Mistral-7B-v0.1 with
     their own vocabularies (built on the meta device: shapes only)."""

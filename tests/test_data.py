@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import shared, worker_processes
-from src.datamodules.corpus import Corpus, CorpusError
+
 from src.datamodules.base import micro_batch_size
+from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.text import IGNORE_INDEX, TextDataModule, split_blocks
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -40,9 +40,15 @@ def test_packing_keeps_every_token(tmp_path, tok, seq_len):
     stream = np.asarray(load_or_build(corpus, tokenizer, tmp_path / "cache"))
     np.testing.assert_array_equal(stream, expected_stream(tokenizer, DOCS))  # docs joined by EOS, nothing cut
 
-    dm = TextDataModule(path=str(tmp_path / "c"), tokenizer=tok if tok == "bytes" else str(shared("gpt2-tokenizer")),
-                        seq_len=seq_len, global_batch_size=1, val_fraction=0.0, test_fraction=0.0,
-                        cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        path=str(tmp_path / "c"),
+        tokenizer=tok if tok == "bytes" else str(shared("gpt2-tokenizer")),
+        seq_len=seq_len,
+        global_batch_size=1,
+        val_fraction=0.0,
+        test_fraction=0.0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup()
     blocks = [dm.splits["train"][i] for i in range(len(dm.splits["train"]))]
     assert all(len(b["input_ids"]) == seq_len for b in blocks)
@@ -62,8 +68,14 @@ def test_every_token_after_the_first_is_a_target_exactly_once_over_train_val_tes
     and the padding of the stream's last, partial block is masked."""
     stream_len = 1 + 10 * 13 + 5  # 136 tokens: 10 full blocks of 13 targets and one partial block of 5
     (tmp_path / "t.txt").write_bytes(bytes(range(65, 65 + 26)) * 5 + b"abcde")  # + EOS = 136 tokens
-    dm = TextDataModule(path=str(tmp_path / "t.txt"), seq_len=13, global_batch_size=1, val_fraction=0.2,
-                        test_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        path=str(tmp_path / "t.txt"),
+        seq_len=13,
+        global_batch_size=1,
+        val_fraction=0.2,
+        test_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup()
     stream = np.asarray(dm.tokens())
     assert len(stream) == stream_len
@@ -80,8 +92,14 @@ def test_every_token_after_the_first_is_a_target_exactly_once_over_train_val_tes
 
 def test_splits_are_disjoint_and_cover_all_blocks(tmp_path):
     (tmp_path / "t.txt").write_text("x" * 10_000)
-    dm = TextDataModule(path=str(tmp_path / "t.txt"), seq_len=100, global_batch_size=4, val_fraction=0.1,
-                        test_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        path=str(tmp_path / "t.txt"),
+        seq_len=100,
+        global_batch_size=4,
+        val_fraction=0.1,
+        test_fraction=0.05,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup()
     sizes = [len(dm.splits[s]) for s in ("train", "val", "test")]
     assert sizes == [85, 10, 5] and sum(sizes) == 100  # 10001 tokens (text + EOS) -> 10000 targets in 100 blocks
@@ -131,8 +149,12 @@ def test_cache_is_built_once_when_ranks_start_together(tmp_path):
     log = tmp_path / "builds.log"
     ctx = worker_processes()
     start = ctx.Barrier(3)
-    procs = [ctx.Process(target=_build_in_process, args=(str(root), str(tmp_path / "cache"), str(log), start),
-                         name=f"rank{i}") for i in range(3)]
+    procs = [
+        ctx.Process(
+            target=_build_in_process, args=(str(root), str(tmp_path / "cache"), str(log), start), name=f"rank{i}"
+        )
+        for i in range(3)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -174,8 +196,13 @@ def test_embedded_default_corpus_needs_no_download(tmp_path):
 
 
 def test_real_text_with_gpt2_tokenizer(tmp_path):
-    dm = TextDataModule(path=str(shared("tinyshakespeare", "input.txt")), tokenizer=str(shared("gpt2-tokenizer")),
-                        seq_len=256, global_batch_size=8, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        path=str(shared("tinyshakespeare", "input.txt")),
+        tokenizer=str(shared("gpt2-tokenizer")),
+        seq_len=256,
+        global_batch_size=8,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (8, 256) and batch["input_ids"].max() < 50257
@@ -184,6 +211,7 @@ def test_real_text_with_gpt2_tokenizer(tmp_path):
 
 
 # ---- bad input: the error names the file (and line) and the fix ----
+
 
 def test_missing_path(tmp_path):
     with pytest.raises(CorpusError, match=r"data\.path=.*nope.*does not exist"):
@@ -261,11 +289,13 @@ def test_hf_dataset_source(tmp_path, monkeypatch):
 
 # ---- image data ----
 
+
 def test_mnist_from_idx_files_splits_the_test_set(tmp_path):
     from src.datamodules.images import ImageDataModule
 
-    dm = ImageDataModule(dataset="mnist", path=str(shared("mnist")), val_size=1000, test_size=1000,
-                         global_batch_size=32)
+    dm = ImageDataModule(
+        dataset="mnist", path=str(shared("mnist")), val_size=1000, test_size=1000, global_batch_size=32
+    )
     dm.setup()
     assert [len(dm.splits[s]) for s in ("train", "val", "test")] == [8000, 1000, 1000]  # train images absent
     x, y = next(iter(dm.train_dataloader()))
@@ -297,9 +327,12 @@ def test_mixing_corpora_follows_the_weights(tmp_path):
     """A 100x larger corpus does not drown the small one: the realised mix is the configured 0.7 / 0.3."""
     (tmp_path / "big.txt").write_text("b" * 200_000)
     (tmp_path / "small.txt").write_text("s" * 2_000)
-    dm = TextDataModule(mix=[{"path": str(tmp_path / "big.txt"), "weight": 0.3},
-                             {"path": str(tmp_path / "small.txt"), "weight": 0.7}],
-                        seq_len=50, global_batch_size=10, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        mix=[{"path": str(tmp_path / "big.txt"), "weight": 0.3}, {"path": str(tmp_path / "small.txt"), "weight": 0.7}],
+        seq_len=50,
+        global_batch_size=10,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.setup()
     train = dm.splits["train"]
     firsts = [int(train[i]["input_ids"][0]) for i in range(len(train))]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, python, shared
+
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.file_hashes import UNVERIFIED_WINDOW_NS, hash_entry, trusted
 from src.datamodules.text import TextDataModule
@@ -49,6 +49,7 @@ def load(root: Path, cache: Path, tokenizer=None, **kw) -> tuple[np.memmap, Corp
 
 
 # ---- goal 1: warm start independent of corpus size, and still catching every edit ----
+
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts read() bytes with Linux's /proc/self/io")
 def test_warm_start_reads_no_corpus_bytes(tmp_path):
@@ -88,7 +89,9 @@ def test_edit_with_a_new_mtime_is_detected_and_a_touch_rebuilds_nothing(tmp_path
     load(root, tmp_path / "cache")
     os.utime(f)  # touched, content unchanged: hashed again, same key, no rebuild
     _, corpus = load(root, tmp_path / "cache")
-    assert corpus.file_hashes.hashed == [Path(os.path.abspath(f))] and len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    assert (
+        corpus.file_hashes.hashed == [Path(os.path.abspath(f))] and len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    )
     f.write_text(f.read_text() + "appended\n")
     edited, _ = load(root, tmp_path / "cache")
     assert np.asarray(edited[-10:-1]).astype(np.uint8).tobytes() == b"appended\n"
@@ -109,6 +112,7 @@ def test_a_change_within_one_timestamp_tick_of_hashing_is_never_trusted(tmp_path
 
 
 # ---- goal 2: the cold build streams, with exact tokens ----
+
 
 @pytest.mark.parametrize("tok", ["bytes", "gpt2"])
 def test_txt_read_in_pieces_gives_the_whole_file_tokens(tmp_path, tok):
@@ -142,8 +146,14 @@ def test_hf_dataset_read_in_batches_and_streaming(tmp_path, monkeypatch):
     tok = ByteTokenizer()
     expected = np.concatenate([np.append(t, tok.eos_id) for t in tok.encode_batch([d for d in docs if d.strip()])])
     for streaming in (False, True):
-        dm = TextDataModule(hf_dataset="someone/stories", text_field="story", hf_streaming=streaming, seq_len=16,
-                            global_batch_size=4, cache_dir=str(tmp_path / f"cache{streaming}"))
+        dm = TextDataModule(
+            hf_dataset="someone/stories",
+            text_field="story",
+            hf_streaming=streaming,
+            seq_len=16,
+            global_batch_size=4,
+            cache_dir=str(tmp_path / f"cache{streaming}"),
+        )
         np.testing.assert_array_equal(dm.tokens(), expected)
     assert calls == [False, True]
 
@@ -177,8 +187,13 @@ def test_cold_build_memory_does_not_grow_with_the_file(tmp_path):
     with big.open("w") as f:
         for i in range(96 * 2**20 // len(text)):
             f.write(f"{i}\n\n{text}")
-    out = subprocess.run([sys.executable, "-c", BUILD_AND_REPORT_RSS, str(big), str(tmp_path / "cache")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD_AND_REPORT_RSS, str(big), str(tmp_path / "cache")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     n_tokens, grew_mb = map(int, out.stdout.split())
     assert n_tokens == big.stat().st_size + 1
@@ -186,6 +201,7 @@ def test_cold_build_memory_does_not_grow_with_the_file(tmp_path):
 
 
 # ---- goal 3: who builds the cache ----
+
 
 def test_cache_shared_picks_who_runs_prepare_data():
     """Lightning runs prepare_data on global rank 0 (prepare_data_per_node=False) or local rank 0 of every node."""
@@ -216,13 +232,34 @@ def torchrun_two_nodes(tmp: Path, cache_dirs: tuple[Path, Path], shared: bool) -
 
     port, procs = free_port(), []
     for node in (0, 1):
-        run = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=cache{shared}", f"--node-rank={node}", "train.py", "trainer=ddp", *QUIET, *GPT2,
-               "trainer.max_steps=2", "trainer.val_check_interval=2", f"hydra.run.dir={tmp / f'run{shared}{node}'}",
-               f"data.cache_dir={cache_dirs[node]}", f"data.cache_shared={str(shared).lower()}"]
+        run = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=cache{shared}",
+            f"--node-rank={node}",
+            "train.py",
+            "trainer=ddp",
+            *QUIET,
+            *GPT2,
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            f"hydra.run.dir={tmp / f'run{shared}{node}'}",
+            f"data.cache_dir={cache_dirs[node]}",
+            f"data.cache_shared={str(shared).lower()}",
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it
-        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *run], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *run],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     return outs
@@ -265,8 +302,9 @@ def test_the_train_order_and_step_totals_cost_a_few_bytes_a_block():
     """20 M training blocks, 2 ranks: the first batch and the epoch's step totals raise peak RSS by at most 6 bytes
     a block (the epoch's int32 permutation is 4). Before, a Python list of the rank's indices, its copy and the
     per-block target counts with their gather took ~40 bytes a block: 0.8 GB per rank for a 2.5 GB corpus."""
-    proc = subprocess.run([sys.executable, "-c", MEMORY_PER_BLOCK], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_PER_BLOCK], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     per_block, steps, first_total, distinct = proc.stdout.split()
     # 10 M blocks per rank, 4 per micro-batch, 2 micro-batches per step; each step 4 x 2 ranks x 2 blocks of 1 target

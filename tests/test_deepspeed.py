@@ -23,8 +23,13 @@ BASE = dict(stage=2, micro=4, accumulation=2, world=8, clip=1.0, precision="bf16
 
 
 def test_derived_values_fill_the_users_config_and_auto():
-    user = {"train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_optimization": {"overlap_comm": False}, "steps_per_print": 50}
+    user = {
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"overlap_comm": False},
+        "steps_per_print": 50,
+    }
     cfg = derive_config(user, **BASE)
     assert cfg["train_batch_size"] == 4 * 2 * 8 == 64  # micro x accumulation x world
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 2
@@ -33,16 +38,19 @@ def test_derived_values_fill_the_users_config_and_auto():
     assert user["zero_optimization"] == {"overlap_comm": False}  # the user's dict is not modified
 
 
-@pytest.mark.parametrize("user,words", [
-    ({"train_batch_size": 32}, r"train_batch_size=32 contradicts this run's 64 \(from data.global_batch_size\)"),
-    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 contradicts"),
-    ({"gradient_accumulation_steps": 4}, "trainer.accumulate_grad_batches"),
-    ({"gradient_clipping": 0.5}, "trainer.gradient_clip_val"),
-    ({"zero_optimization": {"stage": 3}}, "stage=3 contradicts trainer.strategy.stage=2"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled=true contradicts trainer.precision=bf16-mixed"),
-    ({"optimizer": {"type": "Adam"}}, "model.optimizer"),
-    ({"scheduler": {"type": "WarmupLR"}}, "model.scheduler"),
-])
+@pytest.mark.parametrize(
+    "user,words",
+    [
+        ({"train_batch_size": 32}, r"train_batch_size=32 contradicts this run's 64 \(from data.global_batch_size\)"),
+        ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 contradicts"),
+        ({"gradient_accumulation_steps": 4}, "trainer.accumulate_grad_batches"),
+        ({"gradient_clipping": 0.5}, "trainer.gradient_clip_val"),
+        ({"zero_optimization": {"stage": 3}}, "stage=3 contradicts trainer.strategy.stage=2"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled=true contradicts trainer.precision=bf16-mixed"),
+        ({"optimizer": {"type": "Adam"}}, "model.optimizer"),
+        ({"scheduler": {"type": "WarmupLR"}}, "model.scheduler"),
+    ],
+)
 def test_contradictions_are_clear_errors(user, words):
     with pytest.raises(ConfigError, match=words):
         derive_config(user, **BASE)
@@ -81,9 +89,8 @@ def test_lightning_still_hands_the_layer_sync_plugin_to_the_strategy():
 
 def test_deepspeed_precision_follows_the_hardware():
     """trainer=deepspeed takes the default's precision (bf16 where native, fp16 + loss scaling on V100/T4)."""
-    from hydra import compose, initialize_config_dir
-
     from conftest import ROOT
+    from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["trainer=deepspeed"])
@@ -92,11 +99,17 @@ def test_deepspeed_precision_follows_the_hardware():
 
 # ---- real runs on gloo (slow) ----
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="needs the deepspeed package: pip install -e '.[deepspeed]'")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package: pip install -e '.[deepspeed]'"
+)
 
-CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-          "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+CPU_DS = [
+    "trainer=deepspeed",
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+]
 
 
 @pytest.fixture
@@ -119,8 +132,9 @@ def ds_run(tmp: Path, name: str, args: list[str]) -> dict:
 @needs_deepspeed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_match_ddp(tmp_path, ddp, stage):
-    from src.tools.checkpoints import is_deepspeed, load_checkpoint
     from test_parity import assert_same_series, max_param_diff
+
+    from src.tools.checkpoints import is_deepspeed, load_checkpoint
 
     run = ds_run(tmp_path, f"zero{stage}", [f"trainer.strategy.stage={stage}"])
     assert_same_series(ddp, run, "train/loss", 1e-5)
@@ -136,12 +150,23 @@ def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path
     from test_parity import GPT2, QUIET
 
     dirs = {"log_dir": tmp_path / "off", "cache_dir": tmp_path / "cache"}
-    proc = run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + CPU_DS + [
-        "trainer.strategy.stage=3", "trainer.strategy.offload_optimizer=true", "trainer.strategy.offload_parameters=true"])
+    proc = run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + GPT2
+        + CPU_DS
+        + [
+            "trainer.strategy.stage=3",
+            "trainer.strategy.offload_optimizer=true",
+            "trainer.strategy.offload_parameters=true",
+        ],
+    )
     assert "DeepSpeedCPUAdam replaces AdamW" in proc.stdout + proc.stderr
     from test_fsdp import last_ckpt
-    from src.tools.checkpoints import load_checkpoint
     from test_parity import max_param_diff
+
+    from src.tools.checkpoints import load_checkpoint
 
     assert max_param_diff(ddp["params"], load_checkpoint(last_ckpt(tmp_path, "off"))["state_dict"]) <= 1e-5
 
@@ -149,10 +174,10 @@ def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path
 @pytest.mark.slow
 @needs_deepspeed
 def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
+    from test_parity import max_param_diff
     from transformers import AutoModelForCausalLM
 
     from src.tools.checkpoints import build_module, export_hf, load_checkpoint, read_config
-    from test_parity import max_param_diff
 
     epoch = ["trainer.limit_train_batches=6", "trainer.val_check_interval=6", "model.scheduler=null"]
     first = ds_run(tmp_path, "first", epoch)
@@ -175,6 +200,7 @@ def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path,
     """Lightning's DeepSpeedStrategy never applies trainer.plugins' LayerSync; ours does, so 3 ranks = 1."""
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import VISION_10_11, assert_same_series, max_param_diff
+
     from src.tools.checkpoints import load_checkpoint
 
     one = reference(VISION_10_11)  # shared with test_fsdp

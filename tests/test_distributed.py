@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import worker_processes
 from torch import nn
 
-from conftest import worker_processes
 from src.distributed.gather import gather_shards
 from src.distributed.samplers import ShardSampler, train_sampler
 from src.distributed.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
@@ -45,6 +45,7 @@ def run_ranks(world: int, fn: Callable) -> dict:
 
 # ---- SyncBatchNorm on CPU ----
 
+
 def bn_case(rank: int, world: int) -> dict:
     """Each rank holds 1/world of the batch; returns what a single-process run must reproduce."""
     torch.manual_seed(0)
@@ -66,8 +67,14 @@ def bn_case(rank: int, world: int) -> dict:
     if world > 1:
         for g in grads:
             dist.all_reduce(g)  # what DDP does with parameter gradients (it averages; we compare sums)
-    return {"y": y.detach(), "dx": x.grad, "dweight": grads[0], "dbias": grads[1],
-            "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone()}
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "dweight": grads[0],
+        "dbias": grads[1],
+        "running_mean": bn.running_mean.clone(),
+        "running_var": bn.running_var.clone(),
+    }
 
 
 def test_gloo_syncbatchnorm_equals_full_batch_batchnorm():
@@ -94,6 +101,7 @@ def test_syncbatchnorm_plugin_is_a_no_op_for_one_process_and_reverts():
 
 
 # ---- gathering and sharding ----
+
 
 def gather_case(rank: int, world: int) -> list:
     sampler = ShardSampler(10)

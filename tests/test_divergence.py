@@ -28,8 +28,15 @@ NAN_AT = ["+callbacks.nan._target_=tests.helpers.divergence.InjectNaN"]
 
 def job(tmp_path: Path, *extra: str, generate: bool = False) -> list[str]:
     quiet = [a for a in QUIET if not (generate and a.startswith("callbacks.generate_text"))]
-    return [*quiet, *GPT2, "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'run'}",
-            f"paths.cache_dir={tmp_path / 'cache'}", *NAN_AT, *extra]
+    return [
+        *quiet,
+        *GPT2,
+        "trainer.max_steps=12",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        *NAN_AT,
+        *extra,
+    ]
 
 
 def load(path: Path) -> dict:
@@ -48,9 +55,17 @@ def output(proc: subprocess.CompletedProcess) -> str:
 def test_nan_weights_are_never_saved_and_the_run_stops(tmp_path):
     """last.ckpt is written after every step; step 6 makes the weights NaN and is never logged
     (log_every_n_steps=50): the save after it is vetoed and the run stops, last.ckpt = the state after step 5."""
-    proc = run_script("train.py", job(tmp_path, "+callbacks.nan.step=6", "trainer.log_every_n_steps=50",
-                                      "trainer.val_check_interval=4",
-                                      "callbacks.last_checkpoint.every_n_train_steps=1"), check=False)
+    proc = run_script(
+        "train.py",
+        job(
+            tmp_path,
+            "+callbacks.nan.step=6",
+            "trainer.log_every_n_steps=50",
+            "trainer.val_check_interval=4",
+            "callbacks.last_checkpoint.every_n_train_steps=1",
+        ),
+        check=False,
+    )
     out, ckpts = output(proc), tmp_path / "run" / "checkpoints"
     assert proc.returncode != 0, out[-3000:]
     assert "Training diverged at step 6" in out and "first non-finite train loss at step 6" in out, out[-3000:]
@@ -68,9 +83,19 @@ def test_nan_validation_loss_is_logged_and_stops_the_run(tmp_path):
     """Step 6 makes the weights NaN; no train loss is logged before validation at step 8, which sees
     val/loss = NaN: it is in TensorBoard, the sample generation warns instead of crashing, the run
     stops naming last.ckpt from step 4."""
-    proc = run_script("train.py", job(tmp_path, "+callbacks.nan.step=6", "trainer.log_every_n_steps=50",
-                                      "trainer.val_check_interval=4", "callbacks.generate_text.max_new_tokens=4",
-                                      "callbacks.generate_text.prompts=[a]", generate=True), check=False)
+    proc = run_script(
+        "train.py",
+        job(
+            tmp_path,
+            "+callbacks.nan.step=6",
+            "trainer.log_every_n_steps=50",
+            "trainer.val_check_interval=4",
+            "callbacks.generate_text.max_new_tokens=4",
+            "callbacks.generate_text.prompts=[a]",
+            generate=True,
+        ),
+        check=False,
+    )
     out, run = output(proc), tmp_path / "run"
     assert proc.returncode != 0, out[-3000:]
     assert "probability tensor" not in out, out[-3000:]
@@ -88,19 +113,33 @@ def test_two_ranks_stop_together(tmp_path):
     """Rank 1 alone has a NaN weight before step 3: its loss is NaN, rank 0's is not. The flag in the
     train-loss all-reduce (log_every_n_steps=1) stops both ranks at step 3, within the time limit."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    args = job(tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.strategy.timeout.minutes=2",
-               "+callbacks.nan.step=3", "+callbacks.nan.rank=1", "trainer.val_check_interval=2")
+    args = job(
+        tmp_path,
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.strategy.timeout.minutes=2",
+        "+callbacks.nan.step=3",
+        "+callbacks.nan.rank=1",
+        "trainer.val_check_interval=2",
+    )
     try:
-        proc = subprocess.run([python(), "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [python(), "train.py", *args],
+            cwd=ROOT,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the 2-rank job hung:\n{str(e.stdout)[-3000:]}")
     out, ckpts = output(proc), tmp_path / "run" / "checkpoints"
     assert proc.returncode != 0, out[-3000:]
     # both ranks decided to stop: neither was left waiting for the other until the collective timeout
     assert "timed out" not in out and "another rank exited" not in out, out[-3000:]
-    assert "Training diverged at step 3: the train loss was not finite (first non-finite train loss at step 3)" \
-        in out, out[-3000:]
+    assert (
+        "Training diverged at step 3: the train loss was not finite (first non-finite train loss at step 3)" in out
+    ), out[-3000:]
     assert f"The last good checkpoint: {ckpts / 'last.ckpt'} (saved at step 2)" in out, out[-3000:]
     last = load(ckpts / "last.ckpt")
     assert last["global_step"] == 2 and all_finite(last["state_dict"])
@@ -131,9 +170,18 @@ class Tiny(LitModule):
 def fit(tmp_path: Path, action: str) -> tuple[L.Trainer, Tiny]:
     """6 steps; step 3's loss and gradients are NaN (a bad batch), its weights are not."""
     model = Tiny()
-    trainer = L.Trainer(max_steps=6, log_every_n_steps=2, callbacks=[Divergence(action), InjectNaN(3, restore=True)],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=6,
+        log_every_n_steps=2,
+        callbacks=[Divergence(action), InjectNaN(3, restore=True)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
     return trainer, model
 
@@ -152,6 +200,9 @@ def test_skip_leaves_out_the_non_finite_step_on_the_device(tmp_path):
 
 def test_stop_at_the_next_logging_step(tmp_path):
     """action=stop: the flag reaches the host with the loss of logging step 4 and names step 3."""
-    with pytest.raises(DivergenceError, match=r"at step 4: the train loss was not finite \(first non-finite train "
-                                              r"loss at step 3\)"):
+    with pytest.raises(
+        DivergenceError,
+        match=r"at step 4: the train loss was not finite \(first non-finite train "
+        r"loss at step 3\)",
+    ):
         fit(tmp_path, "stop")

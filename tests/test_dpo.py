@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import shared
+
 from src.datamodules.corpus import CorpusError
 from src.datamodules.preference import PreferenceDataModule, pair_collate
 from src.models.dpo import DPO, answer_logps
@@ -35,10 +34,13 @@ def rows(dm: PreferenceDataModule, split: str = "train", n: int = 2) -> dict[str
 
 # ---- the pairs ----
 
+
 def test_sharegpt_pairs_mask_the_prompt_and_score_each_answer_with_its_eos():
     path = shared(*EN.split("/"))
     records = json.loads(path.read_text())
-    dm = setup(PreferenceDataModule(str(path), seq_len=32768, max_prompt_len=16384, val_fraction=0.1, test_fraction=0.1))
+    dm = setup(
+        PreferenceDataModule(str(path), seq_len=32768, max_prompt_len=16384, val_fraction=0.1, test_fraction=0.1)
+    )
     assert sum(len(s) for s in dm.splits.values()) == 300 and dm.counts["prompt_cut"] == dm.counts["answer_cut"] == 0
     multi = next(i for i, r in enumerate(records) if len(r["conversations"]) == 5)  # human, gpt, human, gpt, human
     _, c_ids, c_labels, r_ids, r_labels = dm.splits["train"][multi]
@@ -48,34 +50,46 @@ def test_sharegpt_pairs_mask_the_prompt_and_score_each_answer_with_its_eos():
         assert turn["value"] in prompt
     assert prompt.count("\n\nassistant: ") == 2 and prompt.startswith("Below is an instruction")
     chosen = records[multi]["chosen"]["value"].encode()
-    assert bytes(c_labels[prompt_len - 1: -1].astype(np.uint8)) == chosen and c_labels[-1] == dm.tokenizer.eos_id
-    assert bytes(r_labels[prompt_len - 1: -1].astype(np.uint8)) == records[multi]["rejected"]["value"].encode()
+    assert bytes(c_labels[prompt_len - 1 : -1].astype(np.uint8)) == chosen and c_labels[-1] == dm.tokenizer.eos_id
+    assert bytes(r_labels[prompt_len - 1 : -1].astype(np.uint8)) == records[multi]["rejected"]["value"].encode()
     assert np.array_equal(c_ids[:prompt_len], r_ids[:prompt_len])  # one prompt, two answers
     batch = rows(dm, n=3)  # 2B rows: the 3 chosen, then the 3 rejected; right-padded under a mask
     assert batch["input_ids"].shape[0] == 6 and batch["pair_index"].tolist() == [0, 1, 2]
     longest = max(len(dm.splits["train"][i][k]) for i in range(3) for k in (1, 3))
     assert batch["input_ids"].shape[1] == longest and batch["attention_mask"].sum() == sum(
-        len(dm.splits["train"][i][k]) for k in (1, 3) for i in range(3))
-    assert torch.equal(batch["labels"][3, : len(r_labels if multi == 0 else dm.splits["train"][0][4])],
-                       torch.from_numpy(dm.splits["train"][0][4]))
+        len(dm.splits["train"][i][k]) for k in (1, 3) for i in range(3)
+    )
+    assert torch.equal(
+        batch["labels"][3, : len(r_labels if multi == 0 else dm.splits["train"][0][4])],
+        torch.from_numpy(dm.splits["train"][0][4]),
+    )
 
 
 def test_plain_and_chat_records_and_the_tokenizers_chat_template(tmp_path):
-    records = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"},
-               {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-                "chosen": {"role": "assistant", "content": "Hello"}, "rejected": [{"role": "assistant", "content": "Go"}]}]
+    records = [
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "chosen": {"role": "assistant", "content": "Hello"},
+            "rejected": [{"role": "assistant", "content": "Go"}],
+        },
+    ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records * 10) + "\n")
     dm = setup(PreferenceDataModule(str(data), seq_len=256, val_fraction=0.1, test_fraction=0.1))
     item = dm.splits["train"][0]
     assert bytes(item[1].astype(np.uint8)).decode() == "2+2=4"  # a plain prompt is used as it is
     second = bytes(dm.splits["train"][1][1].astype(np.uint8)).decode()
-    assert second.endswith("system: Be brief.\n\nuser: Hi\n\n### Response:\nHello")  # no chat template: the instruct one
+    assert second.endswith(
+        "system: Be brief.\n\nuser: Hi\n\n### Response:\nHello"
+    )  # no chat template: the instruct one
     # a tokenizer with a chat template renders the conversation with it, the answer as the template closes it
     tok = tmp_path / "tok"
     shutil.copytree(shared("gpt2-tokenizer"), tok)
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"}))
     dm = setup(PreferenceDataModule(str(data), tokenizer=str(tok), seq_len=256, val_fraction=0.1, test_fraction=0.1))
     _, ids, labels, _, r_labels = dm.splits["train"][1]
@@ -87,8 +101,15 @@ def test_plain_and_chat_records_and_the_tokenizers_chat_template(tmp_path):
 
 def test_long_pairs_lose_the_prompts_start_first_then_the_answers_end(tmp_path):
     data = tmp_path / "pairs.json"
-    data.write_text(json.dumps([{"prompt": "P" * 30 + "Q" * 10, "chosen": "c" * 12, "rejected": "r" * 4},
-                                {"prompt": "p" * 30, "chosen": "C" * 40, "rejected": "R"}] * 5))
+    data.write_text(
+        json.dumps(
+            [
+                {"prompt": "P" * 30 + "Q" * 10, "chosen": "c" * 12, "rejected": "r" * 4},
+                {"prompt": "p" * 30, "chosen": "C" * 40, "rejected": "R"},
+            ]
+            * 5
+        )
+    )
     dm = setup(PreferenceDataModule(str(data), seq_len=31, max_prompt_len=8, val_fraction=0.2, test_fraction=0.2))
     (_, c_ids, c_labels, r_ids, _), (_, long_ids, long_labels, _, _) = dm.splits["train"][0], dm.splits["train"][1]
     text = bytes(c_ids.astype(np.uint8)).decode()
@@ -115,8 +136,11 @@ def test_bad_records_are_one_sentence_each(tmp_path, caplog):
     with pytest.raises(CorpusError, match=r"record 0: .*robot.* is not a turn"):
         PreferenceDataModule(str(turn)).prepare_data()
     same = tmp_path / "same.json"
-    same.write_text(json.dumps([{"prompt": "q", "chosen": "a", "rejected": "a"}] + [{"prompt": "q", "chosen": "a",
-                                                                                     "rejected": "b"}] * 9))
+    same.write_text(
+        json.dumps(
+            [{"prompt": "q", "chosen": "a", "rejected": "a"}] + [{"prompt": "q", "chosen": "a", "rejected": "b"}] * 9
+        )
+    )
     with caplog.at_level(logging.WARNING):
         dm = setup(PreferenceDataModule(str(same), val_fraction=0.1, test_fraction=0.1))
     assert dm.counts["identical"] == 1 and "1 pair(s) have the same chosen and rejected answer" in caplog.text
@@ -124,12 +148,15 @@ def test_bad_records_are_one_sentence_each(tmp_path, caplog):
         PreferenceDataModule(str(same), seq_len=64, max_prompt_len=64)
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["model.objective=dpo"], r"model.objective=dpo trains on preference pairs, but data is TextDataModule"),
-    (["data=instruct", "model.objective=dpo"], "but data is InstructDataModule: use data=preference"),
-    (["data=preference"], "model.objective=sft does not train on: set model.objective=dpo"),
-    (["data=preference", "model.objective=dpo", "trainer=pipeline"], "does not run under trainer=pipeline"),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model.objective=dpo"], r"model.objective=dpo trains on preference pairs, but data is TextDataModule"),
+        (["data=instruct", "model.objective=dpo"], "but data is InstructDataModule: use data=preference"),
+        (["data=preference"], "model.objective=sft does not train on: set model.objective=dpo"),
+        (["data=preference", "model.objective=dpo", "trainer=pipeline"], "does not run under trainer=pipeline"),
+    ],
+)
 def test_objective_and_data_must_agree(overrides, words):
     from test_configs import compose_cfg
 
@@ -139,12 +166,16 @@ def test_objective_and_data_must_agree(overrides, words):
         check_values(compose_cfg(overrides))
 
 
-@pytest.mark.parametrize("kwargs,words", [
-    ({"beta": 0}, r"model.dpo.beta=0 is not valid"), ({"beta": -0.1}, r"beta=-0.1 is not valid"),
-    ({"loss_type": "kto"}, "use one of sigmoid, hinge, ipo"),
-    ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type=sigmoid only"),
-    ({"label_smoothing": 0.5}, r"label_smoothing=0.5: use a probability in \[0, 0.5\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"beta": 0}, r"model.dpo.beta=0 is not valid"),
+        ({"beta": -0.1}, r"beta=-0.1 is not valid"),
+        ({"loss_type": "kto"}, "use one of sigmoid, hinge, ipo"),
+        ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type=sigmoid only"),
+        ({"label_smoothing": 0.5}, r"label_smoothing=0.5: use a probability in \[0, 0.5\)"),
+    ],
+)
 def test_dpo_settings_are_checked(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         DPO(**kwargs)
@@ -152,21 +183,32 @@ def test_dpo_settings_are_checked(kwargs, words):
 
 # ---- the loss: TRL's DPOTrainer, and the papers' formulas, as oracles ----
 
+
 def tiny_pairs(tokenizer, n: int = 4) -> list[dict[str, list[int]]]:
     """n pairs of the English demo's prompts and answers as GPT-2 token ids (prompt cut to 24, answers to 12 + EOS)."""
     records = json.loads(shared(*EN.split("/")).read_text())[:n]
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return [{"prompt_ids": ids(r["conversations"][-1]["value"])[-24:],
-             "chosen_ids": ids(r["chosen"]["value"])[:12] + [tokenizer.eos_token_id],
-             "rejected_ids": ids(r["rejected"]["value"])[: 5 + 2 * i] + [tokenizer.eos_token_id]}
-            for i, r in enumerate(records)]
+    return [
+        {
+            "prompt_ids": ids(r["conversations"][-1]["value"])[-24:],
+            "chosen_ids": ids(r["chosen"]["value"])[:12] + [tokenizer.eos_token_id],
+            "rejected_ids": ids(r["rejected"]["value"])[: 5 + 2 * i] + [tokenizer.eos_token_id],
+        }
+        for i, r in enumerate(records)
+    ]
 
 
 def our_batch(pairs: list[dict]) -> dict[str, torch.Tensor]:
     from src.datamodules.preference import sequence
 
-    items = [(i, *sequence(np.array(p["prompt_ids"]), np.array(p["chosen_ids"])),
-              *sequence(np.array(p["prompt_ids"]), np.array(p["rejected_ids"]))) for i, p in enumerate(pairs)]
+    items = [
+        (
+            i,
+            *sequence(np.array(p["prompt_ids"]), np.array(p["chosen_ids"])),
+            *sequence(np.array(p["prompt_ids"]), np.array(p["rejected_ids"])),
+        )
+        for i, p in enumerate(pairs)
+    ]
     return pair_collate(50256)(items)
 
 
@@ -205,8 +247,15 @@ def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, tmp_path):
     policy = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
     policy.load_state_dict(ours.model.state_dict())
     reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
-    args = DPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
-                     per_device_train_batch_size=len(pairs))
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        beta=beta,
+        loss_type=[loss_type],
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=len(pairs),
+    )
     texts = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # DPOTrainer wants one; unused
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=texts, processing_class=tokenizer)
     trainer.model.train()
@@ -262,16 +311,37 @@ GPT2_SHAPE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
 
 
 def dpo_run_args(shape: list[str] = GPT2_SHAPE) -> list[str]:
-    return ["data=preference", "model.objective=dpo", f"data.path={shared(*EN.split('/'))}", "data.seq_len=48",
-            "data.max_prompt_len=24", *shape, "data.global_batch_size=8", "trainer.max_steps=5", "trainer.val_check_interval=5", "test=false",
-            "model.scheduler.num_warmup_steps=2", "model.optimizer.lr=3e-3"]
+    return [
+        "data=preference",
+        "model.objective=dpo",
+        f"data.path={shared(*EN.split('/'))}",
+        "data.seq_len=48",
+        "data.max_prompt_len=24",
+        *shape,
+        "data.global_batch_size=8",
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        "test=false",
+        "model.scheduler.num_warmup_steps=2",
+        "model.optimizer.lr=3e-3",
+    ]
 
 
-CPU_DS = ["trainer=deepspeed", "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-          "trainer.accelerator=cpu", "trainer.devices=2"]
+CPU_DS = [
+    "trainer=deepspeed",
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+]
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
-LLAMA = ["model=llama", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
-         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.intermediate_size=64"]
+LLAMA = [
+    "model=llama",
+    "model.config.hidden_size=32",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "model.config.intermediate_size=64",
+]
 CASES = {  # name: (args, whether the run holds the LoRA adapter, whether its checkpoint is a sharded dir)
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False, False),
     "llama_fsdp_2": (["trainer=fsdp", "trainer.devices=2"], False, True),  # GQA, untied head, RoPE
@@ -281,13 +351,28 @@ CASES = {  # name: (args, whether the run holds the LoRA adapter, whether its ch
     "zero2_2": (CPU_DS + ["trainer.strategy.stage=2"], False, True),
     "zero3_2": (CPU_DS + ["trainer.strategy.stage=3"], False, True),
     "lora_reference_ddp_2x4": (LORA + ["trainer=ddp", "trainer.devices=2"], True, False),
-    "precomputed_reference_ddp_2x4": (["model.dpo.precompute_reference=true", "trainer=ddp", "trainer.devices=2"],
-                                      False, False),
+    "precomputed_reference_ddp_2x4": (
+        ["model.dpo.precompute_reference=true", "trainer=ddp", "trainer.devices=2"],
+        False,
+        False,
+    ),
 }
-STATS_LOGGED = ["train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
-                "train/rewards/accuracies", "train/logps/chosen", "train/logps/rejected", "val/loss",
-                "val/rewards/chosen", "val/rewards/rejected", "val/rewards/margins", "val/rewards/accuracies",
-                "val/logps/chosen", "val/logps/rejected"]
+STATS_LOGGED = [
+    "train/loss",
+    "train/rewards/chosen",
+    "train/rewards/rejected",
+    "train/rewards/margins",
+    "train/rewards/accuracies",
+    "train/logps/chosen",
+    "train/logps/rejected",
+    "val/loss",
+    "val/rewards/chosen",
+    "val/rewards/rejected",
+    "val/rewards/margins",
+    "val/rewards/accuracies",
+    "val/logps/chosen",
+    "val/logps/rejected",
+]
 
 
 @pytest.mark.slow
@@ -296,9 +381,10 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     """The 1 x 8 run (a frozen copy of the starting weights as reference; with LoRA, the model without its adapter)
     against 2 x 4 under DDP, FSDP2, ZeRO-2/3 (the reference sharded like the policy), 1 x 4 x accumulation 2, and
     the table precomputed on 2 ranks. Validation: 15 pairs over 2 ranks, one rank padded."""
-    from src.tools.checkpoints import load_checkpoint
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import assert_same_series, max_param_diff, train
+
+    from src.tools.checkpoints import load_checkpoint
 
     args, lora, sharded = CASES[case]
     shape = LLAMA if "llama" in case else GPT2_SHAPE
@@ -336,10 +422,24 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
     from test_parity import QUIET
 
     quiet = [a for a in QUIET if not a.startswith("callbacks.generate_text")]
-    run_script("train.py", quiet + path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path / "cache"}) + [
-        "experiment=gpt2_dpo", f"model.pretrained={shared('tiny-gpt2')}", f"data.path={shared(*EN.split('/'))}",
-        "data.seq_len=128", "data.overfit_batches=2", "model.optimizer.lr=1e-2", "model.scheduler.num_warmup_steps=2",
-        "trainer.max_steps=12", "trainer.val_check_interval=12", "test=false", "callbacks.generate_text.max_new_tokens=4"])
+    run_script(
+        "train.py",
+        quiet
+        + path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path / "cache"})
+        + [
+            "experiment=gpt2_dpo",
+            f"model.pretrained={shared('tiny-gpt2')}",
+            f"data.path={shared(*EN.split('/'))}",
+            "data.seq_len=128",
+            "data.overfit_batches=2",
+            "model.optimizer.lr=1e-2",
+            "model.scheduler.num_warmup_steps=2",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=12",
+            "test=false",
+            "callbacks.generate_text.max_new_tokens=4",
+        ],
+    )
     (run,) = (tmp_path / "train" / "runs").iterdir()
     events = read_events(run / "tensorboard")
     margins = [e.value for e in events.Scalars("train/rewards/margins")]
@@ -350,6 +450,7 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
 
 
 # ---- SFT -> DPO: model.pretrained takes a checkpoint of this template, in any of its forms ----
+
 
 @pytest.mark.slow
 def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_path):
@@ -366,20 +467,47 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     from src.utils.run import prepare
 
     shape = GPT2_SHAPE
-    sft = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "trainer.max_steps=2",
-           "data.seq_len=384", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "test=false", *shape]
-    for name, strategy in (("fsdp", ["trainer=fsdp", "trainer.devices=2"]),
-                           ("zero2", CPU_DS + ["trainer.strategy.stage=2"])):
-        run_script("train.py", QUIET + path_overrides({"log_dir": tmp_path / name, "cache_dir": tmp_path / "cache"})
-                   + sft + strategy)
+    sft = [
+        "data=instruct",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        "trainer.max_steps=2",
+        "data.seq_len=384",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        *shape,
+    ]
+    for name, strategy in (
+        ("fsdp", ["trainer=fsdp", "trainer.devices=2"]),
+        ("zero2", CPU_DS + ["trainer.strategy.stage=2"]),
+    ):
+        run_script(
+            "train.py",
+            QUIET + path_overrides({"log_dir": tmp_path / name, "cache_dir": tmp_path / "cache"}) + sft + strategy,
+        )
     dcp, zero = last_ckpt(tmp_path, "fsdp"), last_ckpt(tmp_path, "zero2")
     assert is_dcp(dcp) and is_deepspeed(zero)
-    dpo = dpo_run_args()[:3] + shape + ["data.seq_len=48", "data.max_prompt_len=24", "trainer.max_steps=3",
-                                        "trainer.val_check_interval=3", "test=false", "model.optimizer.lr=3e-3",
-                                        "model.scheduler.num_warmup_steps=1"]
+    dpo = (
+        dpo_run_args()[:3]
+        + shape
+        + [
+            "data.seq_len=48",
+            "data.max_prompt_len=24",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "test=false",
+            "model.optimizer.lr=3e-3",
+            "model.scheduler.num_warmup_steps=1",
+        ]
+    )
 
-    run_script("train.py", QUIET + path_overrides({"log_dir": tmp_path / "dpo", "cache_dir": tmp_path / "cache"})
-               + dpo + [f"model.pretrained={dcp}"])
+    run_script(
+        "train.py",
+        QUIET
+        + path_overrides({"log_dir": tmp_path / "dpo", "cache_dir": tmp_path / "cache"})
+        + dpo
+        + [f"model.pretrained={dcp}"],
+    )
     sft_weights = load_checkpoint(dcp)["state_dict"]
     ours = load_checkpoint(last_ckpt(tmp_path, "dpo"))
     for key, value in sft_weights.items():  # the reference is the SFT policy, unchanged
@@ -415,13 +543,30 @@ def test_precomputed_reference_when_overfitting_a_few_batches(tmp_path):
 
     import lightning as L
 
-    dm = PreferenceDataModule(str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, global_batch_size=8,
-                              overfit_batches=2)
-    module = GPT2LitModule(vocab_size=257, seq_len=48, n_layer=1, n_head=2, n_embd=16, objective="dpo",
-                           dpo={"precompute_reference": True}, optimizer=functools.partial(torch.optim.SGD, lr=0.0))
-    L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, accelerator="cpu", limit_val_batches=0,
-              enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-              default_root_dir=tmp_path).fit(module, datamodule=dm)
+    dm = PreferenceDataModule(
+        str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, global_batch_size=8, overfit_batches=2
+    )
+    module = GPT2LitModule(
+        vocab_size=257,
+        seq_len=48,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        objective="dpo",
+        dpo={"precompute_reference": True},
+        optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+    )
+    L.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    ).fit(module, datamodule=dm)
     numbers = sorted(dm.splits["train"][i][0] for i in range(16))
     assert (module.dpo.table < 0).all(dim=1).nonzero().flatten().tolist() == numbers  # those 16 pairs, no others
 
@@ -432,11 +577,28 @@ def test_precomputed_reference_with_no_validation_split(tmp_path):
 
     import lightning as L
 
-    dm = PreferenceDataModule(str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, val_fraction=0,
-                              test_fraction=0)
-    module = GPT2LitModule(vocab_size=257, seq_len=48, n_layer=1, n_head=2, n_embd=16, objective="dpo",
-                           dpo={"precompute_reference": True}, optimizer=functools.partial(torch.optim.SGD, lr=0.0))
-    L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, accelerator="cpu", limit_val_batches=0,
-              enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-              default_root_dir=tmp_path).fit(module, datamodule=dm)
+    dm = PreferenceDataModule(
+        str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, val_fraction=0, test_fraction=0
+    )
+    module = GPT2LitModule(
+        vocab_size=257,
+        seq_len=48,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        objective="dpo",
+        dpo={"precompute_reference": True},
+        optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+    )
+    L.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    ).fit(module, datamodule=dm)
     assert module.dpo.table.shape == (300, 2) and (module.dpo.table < 0).all()  # every pair's log-probs, once

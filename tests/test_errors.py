@@ -18,10 +18,21 @@ import pytest
 
 from tests.conftest import ROOT, python
 
-FAST = ["extras.print_config=false", "trainer.max_steps=2", "trainer.val_check_interval=2",
-        "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false", "data.global_batch_size=4", "data.seq_len=32", "model.n_layer=1",
-        "callbacks=none", "logger=none", "trainer.precision=32-true"]
+FAST = [
+    "extras.print_config=false",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_progress_bar=false",
+    "data.global_batch_size=4",
+    "data.seq_len=32",
+    "model.n_layer=1",
+    "callbacks=none",
+    "logger=none",
+    "trainer.precision=32-true",
+]
 
 
 def run_as_user(args: list[str], timeout: int = 300) -> tuple[int, str, float]:
@@ -57,7 +68,9 @@ def bad(tmp_path_factory) -> Path:
     (d / "nofield.jsonl").write_text('{"text": "fine"}\n{"body": "x"}\n')
     (d / "tiny.txt").write_text("hi")
     (d / "records.json").write_text(json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "c"}]))
-    (d / "pairs.json").write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]))
+    (d / "pairs.json").write_text(
+        json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
+    )
     (d / "not_a.ckpt").write_text("hello, I am not a checkpoint\n")
     (d / "a_file").write_text("")
     return d
@@ -84,10 +97,14 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "too_small": (["data.path={bad}/tiny.txt"], ["too few", "data.seq_len"]),
     "bad_record": (["data=instruct", "data.path={bad}/records.json"], ["records.json: record 1", "'output'"]),
     "dpo_on_text": (["model.objective=dpo"], ["model.objective=dpo", "data=preference"]),
-    "pair_without_rejected": (["data=preference", "model.objective=dpo", "data.path={bad}/pairs.json"],
-                              ["pairs.json: record 1", "'rejected'"]),
-    "dpo_beta_0": (["data=preference", "model.objective=dpo", "model.dpo.beta=0", "data.path={bad}/pairs.json"],
-                   ["model.dpo.beta=0"]),
+    "pair_without_rejected": (
+        ["data=preference", "model.objective=dpo", "data.path={bad}/pairs.json"],
+        ["pairs.json: record 1", "'rejected'"],
+    ),
+    "dpo_beta_0": (
+        ["data=preference", "model.objective=dpo", "model.dpo.beta=0", "data.path={bad}/pairs.json"],
+        ["model.dpo.beta=0"],
+    ),
     "missing_tokenizer": (["data.tokenizer={bad}/no_tokenizer"], ["data.tokenizer=", "no_tokenizer"]),
     "missing_pretrained": (["model.pretrained={bad}/no_model"], ["no_model", "model.pretrained"]),
     "cache_dir_unwritable": (["paths.cache_dir={bad}/a_file/cache"], ["a_file", "paths.cache_dir"]),
@@ -122,8 +139,9 @@ def test_checkpoint_errors_in_eval_and_tool(bad: Path, tmp_path: Path) -> None:
     base = ["eval.py", "extras.print_config=false", "logger=none", f"paths.log_dir={tmp_path / 'logs'}"]
     assert_one_clear_line(*run_as_user(base)[:2], "ckpt_path")
     assert_one_clear_line(*run_as_user(base + [f"ckpt_path={bad}/not_a.ckpt"])[:2], "not_a.ckpt", "not a checkpoint")
-    rc, out, _ = run_as_user(["-m", "src.tools.checkpoints", "consolidate", str(bad / "not_a.ckpt"),
-                              str(tmp_path / "out.ckpt")])
+    rc, out, _ = run_as_user(
+        ["-m", "src.tools.checkpoints", "consolidate", str(bad / "not_a.ckpt"), str(tmp_path / "out.ckpt")]
+    )
     assert_one_clear_line(rc, out, "not_a.ckpt", "not a checkpoint")
 
 
@@ -131,8 +149,15 @@ def test_checkpoint_errors_in_eval_and_tool(bad: Path, tmp_path: Path) -> None:
 def test_ddp_data_error_is_printed_once_and_ends_in_seconds(bad: Path, tmp_path: Path) -> None:
     """A bad record found by rank 0 while rank 1 waits at the prepare_data barrier: one line, exit 2, and no
     wait for a collective timeout (before: ~80 s, then a 60 s reap)."""
-    args = ["train.py", *FAST, "trainer=ddp", "trainer.precision=32-true", f"data.path={bad}/broken.jsonl",
-            f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    args = [
+        "train.py",
+        *FAST,
+        "trainer=ddp",
+        "trainer.precision=32-true",
+        f"data.path={bad}/broken.jsonl",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    ]
     rc, out, seconds = run_as_user(args)
     assert_one_clear_line(rc, out, "broken.jsonl:2", "malformed JSON")
     assert seconds < 60, f"took {seconds:.0f} s"
@@ -142,8 +167,14 @@ def test_ddp_data_error_is_printed_once_and_ends_in_seconds(bad: Path, tmp_path:
 def test_multirun_records_each_failed_job_and_goes_on(tmp_path: Path) -> None:
     """In a sweep a bad job fails alone: every job runs, each error is one line, and the summary Hydra
     prints at the end has no traceback."""
-    args = ["train.py", "-m", *FAST, f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}",
-            "data.seq_len=0,-8"]
+    args = [
+        "train.py",
+        "-m",
+        *FAST,
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=0,-8",
+    ]
     rc, out, _ = run_as_user(args)
     assert rc != 0 and "Traceback" not in out and '  File "' not in out, out[-3000:]
     errors = [line for line in out.splitlines() if "[ERROR]" in line]

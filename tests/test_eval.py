@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, path_overrides, python, run_script, shared
-from src.tools.checkpoints import load_checkpoint, read_config
 from test_parity import GPT2, QUIET
+
+from src.tools.checkpoints import load_checkpoint, read_config
 
 pytestmark = pytest.mark.slow
 SHORT = ["trainer.max_steps=2", "trainer.val_check_interval=2"]
@@ -25,8 +25,10 @@ def train_run(tmp: Path, name: str, args: list[str]) -> Path:
 
 
 def evaluate(tmp: Path, ckpt: Path, args: list[str]) -> tuple[dict[str, float], str]:
-    proc = run_script("eval.py", [f"ckpt_path={ckpt}", *QUIET[:3], f"paths.log_dir={tmp / 'eval'}",
-                                  f"paths.cache_dir={tmp / 'cache'}", *args])
+    proc = run_script(
+        "eval.py",
+        [f"ckpt_path={ckpt}", *QUIET[:3], f"paths.log_dir={tmp / 'eval'}", f"paths.cache_dir={tmp / 'cache'}", *args],
+    )
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
     return {k: float(v) for k, v in (kv.split("=") for kv in line[5:].split())}, proc.stdout + proc.stderr
 
@@ -61,9 +63,19 @@ def test_paths_typed_relative_are_stored_absolute(tmp_path):
     rel_model = os.path.relpath(shared("tiny-gpt2"), ROOT)
     rel_data = os.path.relpath(shared("tinyshakespeare", "input.txt"), ROOT)
     assert not Path(rel_model).is_absolute()
-    ckpt = train_run(tmp_path, "ft", SHORT + [f"model.pretrained={rel_model}", f"data.path={rel_data}",
-                                              "data.seq_len=32", "data.global_batch_size=4", "test=false",
-                                              "trainer.limit_val_batches=2"])
+    ckpt = train_run(
+        tmp_path,
+        "ft",
+        SHORT
+        + [
+            f"model.pretrained={rel_model}",
+            f"data.path={rel_data}",
+            "data.seq_len=32",
+            "data.global_batch_size=4",
+            "test=false",
+            "trainer.limit_val_batches=2",
+        ],
+    )
     config = read_config(ckpt)
     assert config["model"]["pretrained"] == str(shared("tiny-gpt2").resolve())
     assert config["data"]["path"] == str(shared("tinyshakespeare", "input.txt").resolve())
@@ -71,13 +83,31 @@ def test_paths_typed_relative_are_stored_absolute(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    export = subprocess.run([python(), "-m", "src.tools.checkpoints", "export-hf", str(ckpt), "hf"],
-                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    export = subprocess.run(
+        [python(), "-m", "src.tools.checkpoints", "export-hf", str(ckpt), "hf"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert export.returncode == 0, export.stderr[-3000:]
     assert (elsewhere / "hf" / "model.safetensors").is_file() and (elsewhere / "hf" / "tokenizer.json").is_file()
-    evaluation = subprocess.run([python(), str(ROOT / "eval.py"), f"ckpt_path={ckpt}", *QUIET[:3],
-                                 f"paths.log_dir={tmp_path / 'eval'}", "trainer.limit_val_batches=2",
-                                 "trainer.limit_test_batches=2"],
-                                cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    evaluation = subprocess.run(
+        [
+            python(),
+            str(ROOT / "eval.py"),
+            f"ckpt_path={ckpt}",
+            *QUIET[:3],
+            f"paths.log_dir={tmp_path / 'eval'}",
+            "trainer.limit_val_batches=2",
+            "trainer.limit_test_batches=2",
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert "EVAL " in evaluation.stdout

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import path_overrides, run_script, shared
+
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
 from src.datamodules.text import IGNORE_INDEX
@@ -26,7 +26,7 @@ def test_masking_is_exact_token_by_token():
     # labels are shifted targets: the EOS (appended) is only a target, never an input
     assert ids.tolist() == prompt_ids + response_ids
     assert labels.tolist() == [IGNORE_INDEX] * (len(prompt_ids) - 1) + response_ids + [50256]
-    assert tok.decode([l for l in labels if l != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
+    assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
     assert (labels[:-1][labels[:-1] != IGNORE_INDEX] == ids[1:][labels[:-1] != IGNORE_INDEX]).all()  # next token
     no_input = encode({"instruction": "Say hi.", "input": "", "output": "Hi"}, tok, ALPACA, ALPACA_NO_INPUT)
     assert tok.decode(no_input[0].tolist()).startswith(ALPACA_NO_INPUT.format(instruction="Say hi."))
@@ -80,8 +80,14 @@ def test_pretrained_weights_load_and_give_the_same_logits():
 
 def test_lora_trains_only_the_adapter():
     torch.manual_seed(0)
-    module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=32,
-                           lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["c_attn"]})
+    module = GPT2LitModule(
+        vocab_size=257,
+        seq_len=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["c_attn"]},
+    )
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     frozen_before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
@@ -99,11 +105,12 @@ def test_lora_trains_only_the_adapter():
 
 @pytest.mark.parametrize("method", ["prefix_tuning", "prompt_tuning"])
 def test_other_peft_methods_are_selectable(method, tmp_path):
-    from test_configs import compose_cfg
     from hydra.utils import instantiate
+    from test_configs import compose_cfg
 
-    cfg = compose_cfg([f"model/peft={method}", f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"],
-                      tmp=tmp_path)
+    cfg = compose_cfg(
+        [f"model/peft={method}", f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"], tmp=tmp_path
+    )
     module = instantiate(cfg.model, vocab_size=50257)
     assert type(module.model).__name__ == "PeftModelForCausalLM"
     assert 0 < sum(p.numel() for p in module.parameters() if p.requires_grad) < 102_640 / 10
@@ -118,17 +125,31 @@ def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
 
     from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 
-    run_script("train.py", QUIET + path_overrides(dirs) + [
-        "experiment=gpt2_instruct_lora", f"model.pretrained={shared('tiny-gpt2')}",
-        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=128", "trainer.max_steps=4",
-        "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"])
+    run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + [
+            "experiment=gpt2_instruct_lora",
+            f"model.pretrained={shared('tiny-gpt2')}",
+            f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.seq_len=128",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=2",
+            "trainer.limit_test_batches=2",
+        ],
+    )
     (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
     ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
     from safetensors.torch import load_file
 
     # peft names a wrapped layer's own weight ...c_attn.base_layer.weight
-    base = {k.removeprefix("model.base_model.model.").replace(".base_layer", ""): v
-            for k, v in ckpt["state_dict"].items() if "lora_" not in k}
+    base = {
+        k.removeprefix("model.base_model.model.").replace(".base_layer", ""): v
+        for k, v in ckpt["state_dict"].items()
+        if "lora_" not in k
+    }
     original = load_file(shared("tiny-gpt2", "model.safetensors"))
     for name, value in original.items():  # the frozen base weights did not move in training
         assert torch.equal(base[name], value), name
@@ -141,8 +162,9 @@ def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-4)
     tok = AutoTokenizer.from_pretrained(out)  # the tokenizer travels with it, and generation works
-    gen = merged.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=3, do_sample=False,
-                          pad_token_id=tok.eos_token_id)
+    gen = merged.generate(
+        **tok("Hello", return_tensors="pt"), max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id
+    )
     assert gen.shape[1] == 4
 
 
@@ -150,13 +172,23 @@ def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
 def test_continued_pretraining_recipe_runs_offline(dirs):
     from test_parity import QUIET
 
-    proc = run_script("train.py", QUIET + path_overrides(dirs) + [
-        "experiment=gpt2_continued_pretraining", f"model.pretrained={shared('tiny-gpt2')}",
-        f"data.path={shared('tinyshakespeare', 'input.txt')}", "trainer.max_steps=4", "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
-        # the recipe's pieces (pretrained weights, their own BPE) with shorter blocks: with a 50,257-token LM head
-        # each of the recipe's 8 x 256 batches is 400 MB of logits
-        "data.seq_len=64"])
+    proc = run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + [
+            "experiment=gpt2_continued_pretraining",
+            f"model.pretrained={shared('tiny-gpt2')}",
+            f"data.path={shared('tinyshakespeare', 'input.txt')}",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=2",
+            "trainer.limit_test_batches=2",
+            # the recipe's pieces (pretrained weights, their own BPE) with shorter blocks: with a 50,257-token LM head
+            # each of the recipe's 8 x 256 batches is 400 MB of logits
+            "data.seq_len=64",
+        ],
+    )
     assert "val/loss = " in proc.stdout + proc.stderr
 
 
@@ -164,13 +196,20 @@ def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
     from src.datamodules.text import TextDataModule
 
     (tmp_path / "c.txt").write_text("<|user|> hello <|assistant|> hi\n" * 50)
-    dm = TextDataModule(path=str(tmp_path / "c.txt"), tokenizer=str(shared("gpt2-tokenizer")), seq_len=16,
-                        global_batch_size=2, special_tokens=["<|user|>", "<|assistant|>"], cache_dir=str(tmp_path))
+    dm = TextDataModule(
+        path=str(tmp_path / "c.txt"),
+        tokenizer=str(shared("gpt2-tokenizer")),
+        seq_len=16,
+        global_batch_size=2,
+        special_tokens=["<|user|>", "<|assistant|>"],
+        cache_dir=str(tmp_path),
+    )
     assert dm.vocab_size == 50259
     ids = dm.tokenizer.encode_batch(["<|user|> hello"])[0].tolist()
     assert ids[0] == 50257 and len(ids) == 2  # one new id, not pieces of BPE
-    with pytest.raises(ConfigError, match="tokenizer has 50259 tokens and .* embeddings 50257: set "
-                                          "model.resize_embeddings=true"):
+    with pytest.raises(
+        ConfigError, match="tokenizer has 50259 tokens and .* embeddings 50257: set model.resize_embeddings=true"
+    ):
         GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), **dm.model_kwargs)
     module = GPT2LitModule(seq_len=16, pretrained=str(shared("tiny-gpt2")), resize_embeddings=True, **dm.model_kwargs)
     assert module.hf_model.get_input_embeddings().num_embeddings == 50259
@@ -195,11 +234,13 @@ def assert_checkpointing_changes_no_numbers(build) -> None:
 
 
 def test_gradient_checkpointing_changes_memory_not_math():
-    assert_checkpointing_changes_no_numbers(lambda gc: GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2,
-                                                                     n_embd=32, gradient_checkpointing=gc))
+    assert_checkpointing_changes_no_numbers(
+        lambda gc: GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=32, gradient_checkpointing=gc)
+    )
 
 
 # ---- debug=overfit: data.overfit_batches, sharded like any run ----
+
 
 def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_path):
     """data.overfit_batches=2 with a global batch of 8: 16 samples, split between 2 ranks without overlap
@@ -213,8 +254,9 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
     for rank in range(2):
         monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, 2))
         monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda: (rank, 2))
-        dm = TextDataModule(path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2,
-                            cache_dir=str(tmp_path))
+        dm = TextDataModule(
+            path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2, cache_dir=str(tmp_path)
+        )
         dm.setup("fit")
         train = dm.train_dataloader()
         assert len(train) == 2  # 16 samples / 2 ranks / micro-batch 4: an epoch is the 2 global batches
@@ -230,10 +272,21 @@ def test_overfit_with_instruct_data_runs(dirs):
     form Lightning uses when it rebuilds a loader) batches records of different lengths."""
     from test_parity import QUIET
 
-    proc = run_script("train.py", QUIET + path_overrides(dirs) + [
-        "debug=overfit", "data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
-        f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=128", "data.overfit_batches=2",
-        "trainer.max_steps=4", "trainer.val_check_interval=4"])
+    proc = run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + [
+            "debug=overfit",
+            "data=instruct",
+            f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            f"model.pretrained={shared('tiny-gpt2')}",
+            "data.seq_len=128",
+            "data.overfit_batches=2",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+        ],
+    )
     out = proc.stdout + proc.stderr
     assert "train, val and test are the first 16 training samples" in out and "val/loss = " in out
 
@@ -268,21 +321,39 @@ def test_logged_flops_and_tokens_per_sec_follow_the_hand_formula(dirs):
     import csv
     import math
 
-    run_script("train.py", path_overrides(dirs) + [
-        "extras.print_config=false", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
-        "callbacks.generate_text=null", "trainer.precision=32-true", "logger=csv", "test=false",
-        "experiment=gpt2_instruct_lora", f"model.pretrained={shared('tiny-gpt2')}",
-        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.global_batch_size=2",
-        "trainer.max_steps=12", "trainer.val_check_interval=12", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "callbacks.throughput.window_size=1", "callbacks.throughput.peak_flops=1e9"])
+    run_script(
+        "train.py",
+        path_overrides(dirs)
+        + [
+            "extras.print_config=false",
+            "trainer.enable_progress_bar=false",
+            "trainer.num_sanity_val_steps=0",
+            "callbacks.generate_text=null",
+            "trainer.precision=32-true",
+            "logger=csv",
+            "test=false",
+            "experiment=gpt2_instruct_lora",
+            f"model.pretrained={shared('tiny-gpt2')}",
+            f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+            "data.global_batch_size=2",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=12",
+            "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1",
+            "callbacks.throughput.window_size=1",
+            "callbacks.throughput.peak_flops=1e9",
+        ],
+    )
     d, v, r = 2, 50257, 8
     block, head, a, b = 12 * d * d, v * d, d * r, r * 3 * d
     per_token = 2 * (block + head + a + b) + 2 * ((block - 3 * d * d + b) + head) + 2 * (a + b)  # forward, dx, dW
     per_context = 12 * d  # per token per token of its record: 1 layer, its q, k, v need gradients
 
     tok = load_tokenizer(str(shared("tiny-gpt2")))
-    lengths = {min(len(encode(rec, tok, ALPACA, ALPACA_NO_INPUT)[0]), 512)
-               for rec in read_records(str(shared("alpaca", "alpaca_en_demo.json")))}
+    lengths = {
+        min(len(encode(rec, tok, ALPACA, ALPACA_NO_INPUT)[0]), 512)
+        for rec in read_records(str(shared("alpaca", "alpaca_en_demo.json")))
+    }
     (metrics,) = dirs["log_dir"].rglob("metrics.csv")
     rows = [row for row in csv.DictReader(open(metrics)) if row.get("train/device/flops_per_sec")]
     assert len(rows) >= 8

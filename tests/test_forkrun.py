@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import gone
+
 from tests.helpers import forkrun
 
 SCRIPT = """
@@ -30,9 +31,17 @@ def test_a_script_runs_as_under_a_fresh_interpreter_and_its_children_fork_too(tm
     (tmp_path / "script.py").write_text(SCRIPT)
     (tmp_path / "child.py").write_text(CHILD)
     env = {**os.environ, "X": "1", "OMP_NUM_THREADS": "1"}
-    runs = {python: subprocess.run([python, str(tmp_path / "script.py"), "a", "b c"], cwd=tmp_path, env=env,
-                                   capture_output=True, text=True, timeout=120)
-            for python in (sys.executable, forkrun.interpreter())}
+    runs = {
+        python: subprocess.run(
+            [python, str(tmp_path / "script.py"), "a", "b c"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for python in (sys.executable, forkrun.interpreter())
+    }
     fresh, forked = runs[sys.executable], runs[forkrun.interpreter()]
     assert forked.returncode == fresh.returncode == 3
     assert forked.stderr == fresh.stderr == "to stderr\n"
@@ -83,16 +92,22 @@ def test_a_process_group_kill_takes_the_whole_job_with_die_with_parent(tmp_path)
     node goes down: with DIE_WITH_PARENT both runs end. Without it the child run outlives its parent, as a real
     process does (test_hangs relies on that to see orphans)."""
     parent = tmp_path / "parent.py"
-    parent.write_text("import os, subprocess, sys, time\n"
-                      "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                      "subprocess.Popen([sys.executable, sys.argv[2], sys.argv[3]])\n"
-                      "time.sleep(60)\n")
-    (tmp_path / "sleep.py").write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                                       "time.sleep(60)\n")
+    parent.write_text(
+        "import os, subprocess, sys, time\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "subprocess.Popen([sys.executable, sys.argv[2], sys.argv[3]])\n"
+        "time.sleep(60)\n"
+    )
+    (tmp_path / "sleep.py").write_text(
+        "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    )
     for name, extra, child_survives in (("die", forkrun.DIE_WITH_PARENT, False), ("default", {}, True)):
         pids = [tmp_path / f"{name}_parent", tmp_path / f"{name}_child"]
-        proc = subprocess.Popen([forkrun.interpreter(), str(parent), str(pids[0]), str(tmp_path / "sleep.py"),
-                                 str(pids[1])], env={**os.environ, **extra}, start_new_session=True)
+        proc = subprocess.Popen(
+            [forkrun.interpreter(), str(parent), str(pids[0]), str(tmp_path / "sleep.py"), str(pids[1])],
+            env={**os.environ, **extra},
+            start_new_session=True,
+        )
         while not all(p.exists() and p.read_text() for p in pids):
             assert proc.poll() is None
             time.sleep(0.05)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import path_overrides, run_script
+from test_parity import GPT2, GPT2_DDP, QUIET, VISION_10_11, assert_same_series, max_param_diff
+
 from src.tools.checkpoints import build_module, export_hf, is_sharded, load_checkpoint
 from src.tools.memory import estimate, gpt2_params, model_states
-from test_parity import GPT2, GPT2_DDP, QUIET, VISION_10_11, assert_same_series, max_param_diff, train
 
 pytestmark = pytest.mark.slow
 FSDP = ["trainer=fsdp", "trainer.devices=2"]
@@ -56,7 +56,10 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path):
     resume = [f"ckpt_path={last_ckpt(tmp_path, 'first')}", "trainer.max_steps=12"]
     train_sharded(tmp_path, "resumed", GPT2 + FSDP + epoch + resume)
     train_sharded(tmp_path, "straight", GPT2 + FSDP + epoch + ["trainer.max_steps=12"])
-    resumed, straight = load_checkpoint(last_ckpt(tmp_path, "resumed")), load_checkpoint(last_ckpt(tmp_path, "straight"))
+    resumed, straight = (
+        load_checkpoint(last_ckpt(tmp_path, "resumed")),
+        load_checkpoint(last_ckpt(tmp_path, "straight")),
+    )
     assert resumed["global_step"] == straight["global_step"] == 12
     assert max_param_diff(resumed["state_dict"], straight["state_dict"]) <= 1e-6
 
@@ -74,11 +77,13 @@ def test_export_hf_from_a_sharded_checkpoint_gives_the_same_logits(tmp_path, fsd
     # the command-line form
     proc = run_script("-m", ["src.tools.checkpoints", "consolidate", str(ckpt), str(tmp_path / "one.ckpt")])
     assert Path(proc.stdout.strip()).is_file()
-    assert max_param_diff(torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"],
-                          module.state_dict()) == 0.0
+    assert (
+        max_param_diff(torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"], module.state_dict()) == 0.0
+    )
 
 
 # ---- memory estimate ----
+
 
 def test_estimate_formulas():
     psi = 1_000_000
@@ -99,9 +104,19 @@ def test_estimate_formulas():
 def test_estimate_matches_bytes_measured_per_rank(tmp_path, strategy, trainer):
     """fp32 Adam, 2 ranks: DDP holds 16 bytes/param per rank, FSDP2 full shard 16/2 (plus shard padding)."""
     dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
-    run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + trainer + [
-        "trainer.devices=2", "trainer.max_steps=3", "trainer.val_check_interval=3",
-        "+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"])
+    run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + GPT2
+        + trainer
+        + [
+            "trainer.devices=2",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes",
+        ],
+    )
     (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
     module, _ = build_module(load_checkpoint(run / "checkpoints" / "last.ckpt"))
     psi = sum(p.numel() for p in module.parameters())
@@ -126,12 +141,20 @@ def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path, reference):
 def test_fsdp_switches(tmp_path, reference):
     """Activation checkpointing recomputes the same numbers; bf16 params stay close to fp32; ZeRO-2-like too."""
     ddp = reference(GPT2_DDP)
-    ac = train_sharded(tmp_path, "ac", GPT2 + FSDP + ["trainer.strategy.activation_checkpointing=true",
-                                                       "trainer.strategy.reshard_after_forward=false"])
+    ac = train_sharded(
+        tmp_path,
+        "ac",
+        GPT2
+        + FSDP
+        + ["trainer.strategy.activation_checkpointing=true", "trainer.strategy.reshard_after_forward=false"],
+    )
     assert_same_series(ddp, ac, "train/loss", 1e-5)
     assert max_param_diff(ddp["params"], params_of(last_ckpt(tmp_path, "ac"))) <= 1e-5
-    bf16 = train_sharded(tmp_path, "bf16", GPT2 + FSDP + ["trainer.strategy.param_dtype=bfloat16",
-                                                           "trainer.strategy.reduce_dtype=float32"])
+    bf16 = train_sharded(
+        tmp_path,
+        "bf16",
+        GPT2 + FSDP + ["trainer.strategy.param_dtype=bfloat16", "trainer.strategy.reduce_dtype=float32"],
+    )
     assert_same_series(ddp, bf16, "train/loss", 2e-2)  # bf16 has ~3 significant digits
     state = params_of(last_ckpt(tmp_path, "bf16"))
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())  # fp32 master weights

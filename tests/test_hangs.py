@@ -28,8 +28,18 @@ from tests.test_parity import GPT2, QUIET
 
 TIMEOUT_S = 30
 FAULT = ["+callbacks.fault._target_=tests.helpers.faults.RankFault"]
-JOB = QUIET + GPT2 + ["trainer=ddp", "trainer.devices=2", "trainer.max_steps=40", "trainer.val_check_interval=40",
-                      f"trainer.strategy.timeout.minutes={TIMEOUT_S / 60}"] + FAULT
+JOB = (
+    QUIET
+    + GPT2
+    + [
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=40",
+        f"trainer.strategy.timeout.minutes={TIMEOUT_S / 60}",
+    ]
+    + FAULT
+)
 LIMIT_S = TIMEOUT_S + 120  # far below torch's 30 min: without the timeout the job is still hanging here
 
 
@@ -48,10 +58,21 @@ def pids(run: Path) -> list[int]:
 def start(tmp_path: Path, action: str, step: int = 3, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    args = JOB + [f"+callbacks.fault.action={action}", f"+callbacks.fault.step={step}", f"hydra.run.dir={run}",
-                  f"paths.cache_dir={tmp_path / 'cache'}", *extra]
-    proc = subprocess.Popen([python(), "train.py", *args], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = JOB + [
+        f"+callbacks.fault.action={action}",
+        f"+callbacks.fault.step={step}",
+        f"hydra.run.dir={run}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        [python(), "train.py", *args],
+        cwd=ROOT,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, run
 
 
@@ -104,11 +125,15 @@ def test_mismatched_collective_fails_after_the_timeout_naming_rank_and_collectiv
     # the same moment; on a loaded machine either may exit first, and the other's collective then fails on the
     # closed connection instead of its own timeout (seen both ways in CI): each rank names its collective, and
     # at least one says it timed out.
-    assert re.search(rf"Rank 1: collective all_reduce (timed out after {TIMEOUT_S} s \(trainer\.strategy\.timeout\)"
-                     r"|failed: another rank exited)", out), out[-3000:]
+    assert re.search(
+        rf"Rank 1: collective all_reduce (timed out after {TIMEOUT_S} s \(trainer\.strategy\.timeout\)"
+        r"|failed: another rank exited)",
+        out,
+    ), out[-3000:]
     assert re.search(r"Rank [01]: collective \S+ timed out.*\(trainer\.strategy\.timeout\)", out), out[-3000:]
-    assert re.search(r"Rank 0: collective (all_reduce|barrier|broadcast)\S* .*(timed out|failed: another rank exited)",
-                     out), out[-3000:]
+    assert re.search(
+        r"Rank 0: collective (all_reduce|barrier|broadcast)\S* .*(timed out|failed: another rank exited)", out
+    ), out[-3000:]
     assert "Traceback" not in out  # the short message, not a stack per rank
 
 
@@ -168,15 +193,17 @@ def test_short_message_names_rank_and_collective_and_full_trace_on_request(monke
     from src.distributed.timeouts import distributed_errors
 
     def rendezvous_alone():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2,
-                                timeout=timedelta(seconds=1))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2, timeout=timedelta(seconds=1)
+        )
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_info, distributed_errors():
         rendezvous_alone()
     assert exit_info.value.code == 1
-    assert "Rank 0: the other ranks did not all start within trainer.strategy.timeout (init_process_group)" \
-        in caplog.text
+    assert (
+        "Rank 0: the other ranks did not all start within trainer.strategy.timeout (init_process_group)" in caplog.text
+    )
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(Exception, match="(?i)timed out") as exc_info, distributed_errors():
         rendezvous_alone()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
@@ -20,8 +19,13 @@ from test_parity import GPT2, QUIET, max_param_diff
 pytestmark = pytest.mark.xdist_group("launchers")
 
 # 20 steps, 12 batches per epoch: an interruption at step 8 is mid-epoch
-RUN = ["trainer.max_steps=20", "trainer.limit_train_batches=12", "trainer.val_check_interval=10",
-       "resume=auto", "model.scheduler.num_warmup_steps=2"]
+RUN = [
+    "trainer.max_steps=20",
+    "trainer.limit_train_batches=12",
+    "trainer.val_check_interval=10",
+    "resume=auto",
+    "model.scheduler.num_warmup_steps=2",
+]
 
 
 def free_port() -> int:
@@ -37,9 +41,18 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def slurm_env(job: str, procid: int, ntasks: int, per_node: int, **extra: str) -> dict[str, str]:
     """What srun puts in each task's environment (one node)."""
-    return clean_env(SLURM_JOB_ID=job, SLURM_JOB_NAME="train", SLURM_NTASKS=str(ntasks),
-                     SLURM_NTASKS_PER_NODE=str(per_node), SLURM_NNODES="1", SLURM_NODEID="0",
-                     SLURM_PROCID=str(procid), SLURM_LOCALID=str(procid), SLURM_NODELIST="127.0.0.1", **extra)
+    return clean_env(
+        SLURM_JOB_ID=job,
+        SLURM_JOB_NAME="train",
+        SLURM_NTASKS=str(ntasks),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_PROCID=str(procid),
+        SLURM_LOCALID=str(procid),
+        SLURM_NODELIST="127.0.0.1",
+        **extra,
+    )
 
 
 def only_dir(parent: Path) -> Path:
@@ -59,15 +72,37 @@ def assert_logs_by_global_rank(run: Path, ranks: int) -> None:
 
 # ---- fast: which rank a launcher's process is, from its environment ----
 
-@pytest.mark.parametrize("env, devices, rank", [
-    ({"RANK": "3", "LOCAL_RANK": "1"}, 2, 3),                           # torchrun
-    ({"NODE_RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, 2, 3),  # a rank Lightning started on node 1
-    ({"NODE_RANK": "1"}, 4, 4),                                         # Lightning's rank 0 on node 1
-    ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "5",
-      "SLURM_NODEID": "1"}, 4, 5),                                      # srun, one task per rank
-    ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1",
-      "SLURM_NODEID": "1"}, 8, 8),                                      # srun, one task per node
-])
+
+@pytest.mark.parametrize(
+    "env, devices, rank",
+    [
+        ({"RANK": "3", "LOCAL_RANK": "1"}, 2, 3),  # torchrun
+        ({"NODE_RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, 2, 3),  # a rank Lightning started on node 1
+        ({"NODE_RANK": "1"}, 4, 4),  # Lightning's rank 0 on node 1
+        (
+            {
+                "SLURM_JOB_ID": "9",
+                "SLURM_NTASKS": "8",
+                "SLURM_NTASKS_PER_NODE": "4",
+                "SLURM_PROCID": "5",
+                "SLURM_NODEID": "1",
+            },
+            4,
+            5,
+        ),  # srun, one task per rank
+        (
+            {
+                "SLURM_JOB_ID": "9",
+                "SLURM_NTASKS": "2",
+                "SLURM_NTASKS_PER_NODE": "1",
+                "SLURM_PROCID": "1",
+                "SLURM_NODEID": "1",
+            },
+            8,
+            8,
+        ),  # srun, one task per node
+    ],
+)
 def test_global_rank_names_logs_and_hydra_dir(monkeypatch, env, devices, rank):
     from src.distributed import launcher_env
 
@@ -106,22 +141,34 @@ def test_env_cluster_leaves_socket_interface_to_nccl_and_gloo(monkeypatch):
 
 # ---- slow: real train.py processes ----
 
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
     """The uninterrupted run the interrupted ones must end like: 2 processes started by Lightning."""
     tmp = tmp_path_factory.mktemp("straight")
-    run_script("train.py", QUIET + GPT2 + RUN + ["trainer=ddp", "trainer.devices=2", f"hydra.run.dir={tmp / 'run'}",
-                                                  f"paths.cache_dir={tmp / 'cache'}"])
+    run_script(
+        "train.py",
+        QUIET
+        + GPT2
+        + RUN
+        + ["trainer=ddp", "trainer.devices=2", f"hydra.run.dir={tmp / 'run'}", f"paths.cache_dir={tmp / 'cache'}"],
+    )
     return last_ckpt(tmp / "run")
 
 
 @pytest.mark.slow
 def test_torchrun_ranks_share_one_run_dir(dirs):
     """torchrun --standalone, no hydra.run.dir: one timestamped dir (was two, 1-2 s apart), logs by rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-           "trainer=ddp"] + QUIET + GPT2 + ["trainer.max_steps=4", "trainer.val_check_interval=4"] + path_overrides(dirs)
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(PYTHON_EXEC=python()), capture_output=True, text=True,
-                          timeout=600)
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", "trainer=ddp"]
+        + QUIET
+        + GPT2
+        + ["trainer.max_steps=4", "trainer.val_check_interval=4"]
+        + path_overrides(dirs)
+    )
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=clean_env(PYTHON_EXEC=python()), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_dir(dirs["log_dir"] / "train" / "runs")
     assert (run / ".hydra" / "overrides.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
@@ -137,8 +184,13 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
 
     record = tmp_path / "scontrol_calls.txt"
     stand_in_scontrol(tmp_path / "bin", record, sys.executable)
-    args = QUIET + GPT2 + RUN + ["trainer=ddp", "callbacks.preemption.check_every_n_steps=2"] + path_overrides(
-        {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"})
+    args = (
+        QUIET
+        + GPT2
+        + RUN
+        + ["trainer=ddp", "callbacks.preemption.check_every_n_steps=2"]
+        + path_overrides({"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"})
+    )
     path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
     def srun(extra: list[str]) -> list[subprocess.CompletedProcess]:
@@ -146,8 +198,17 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
         for rank in (0, 1):
             env = slurm_env("4242", rank, 2, 2, PATH=path, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one job, one group
-            procs.append(subprocess.Popen([sys.executable, "train.py", *args, *extra], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **group))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "train.py", *args, *extra],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    **group,
+                )
+            )
         return [(p, p.communicate(timeout=600)[0]) for p in procs]
 
     first = srun(["+callbacks.sig._target_=tests.helpers.launchers.SignalAtStep", "+callbacks.sig.step=7"])
@@ -170,11 +231,27 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
 def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight):
     """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 5); torchrun --max-restarts=1 restarts both ranks,
     which come back to the same agreed run dir and end with an uninterrupted run's parameters."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "train.py", "trainer=ddp", "callbacks.last_checkpoint.every_n_train_steps=5",
-           "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep", "+callbacks.kill.step=8"]
-    proc = subprocess.run(cmd + QUIET + GPT2 + RUN + path_overrides(dirs), cwd=ROOT, env=clean_env(PYTHON_EXEC=python()),
-                          capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "train.py",
+        "trainer=ddp",
+        "callbacks.last_checkpoint.every_n_train_steps=5",
+        "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep",
+        "+callbacks.kill.step=8",
+    ]
+    proc = subprocess.run(
+        cmd + QUIET + GPT2 + RUN + path_overrides(dirs),
+        cwd=ROOT,
+        env=clean_env(PYTHON_EXEC=python()),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "resume=auto: continuing from" in out
@@ -188,10 +265,21 @@ def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight)
 def test_optuna_with_ddp_one_study_one_sweep_dir(dirs):
     """2 trials x 2 processes: the child ranks join their trial (they used to run sweeps of their own)."""
     short = [a for a in GPT2 if not a.startswith("model.scheduler.num_warmup_steps")]
-    proc = run_script("train.py", ["hparams_search=optuna", "trainer=ddp", "trainer.devices=2",
-                                   "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2",
-                                   "trainer.max_steps=4", "trainer.val_check_interval=4"]
-                      + QUIET + path_overrides(dirs) + short)
+    proc = run_script(
+        "train.py",
+        [
+            "hparams_search=optuna",
+            "trainer=ddp",
+            "trainer.devices=2",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.sampler.n_startup_trials=2",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+        ]
+        + QUIET
+        + path_overrides(dirs)
+        + short,
+    )
     out = proc.stdout + proc.stderr
     assert out.count("Study name:") == 1 and "still running" not in out  # no stuck child rank to reap
     assert not (dirs["log_dir"] / "train" / "runs").exists()
@@ -206,10 +294,23 @@ def test_optuna_with_ddp_one_study_one_sweep_dir(dirs):
 def test_slurm_one_task_per_node_lightning_starts_the_ranks_and_a_short_run_validates(tmp_path):
     """sbatch --ntasks-per-node=1, `python train.py trainer=ddp`: Lightning starts 2 ranks (was 1, silently);
     max_steps=6 < val_check_interval=100 validates once at the end and exits 0 (was: exit 1, no val/loss)."""
-    proc = subprocess.run([python(), "train.py", "trainer=ddp", "trainer.val_check_interval=100",
-                           f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}"]
-                          + QUIET + GPT2, cwd=ROOT, env=slurm_env("77", 0, 1, 1, MASTER_PORT=str(free_port())),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            python(),
+            "train.py",
+            "trainer=ddp",
+            "trainer.val_check_interval=100",
+            f"paths.log_dir={tmp_path / 'logs'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ]
+        + QUIET
+        + GPT2,
+        cwd=ROOT,
+        env=slurm_env("77", 0, 1, 1, MASTER_PORT=str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "SLURM job 77: one task per node" in out

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import path_overrides, run_script, shared
+
 from src.models import init
 from src.models.gpt2 import GPT2LitModule, gpt2_fill
 
@@ -51,21 +51,32 @@ def test_fsdp_builds_on_meta_and_no_rank_holds_the_whole_model(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_pretrained_is_read_by_rank0_scattered_and_gives_the_same_logits(tmp_path):
+    from test_fsdp import FSDP
     from transformers import GPT2LMHeadModel
 
-    from test_fsdp import FSDP
-
     tiny = shared("tiny-gpt2")
-    records = run_probed(tmp_path, FSDP + [
-        "experiment=gpt2_continued_pretraining", f"model.pretrained={tiny}", "trainer.precision=32-true",
-        f"data.path={shared('tinyshakespeare', 'input.txt')}", "data.seq_len=32", "trainer.max_steps=1",
-        "trainer.val_check_interval=1", "trainer.limit_val_batches=1"])
+    records = run_probed(
+        tmp_path,
+        FSDP
+        + [
+            "experiment=gpt2_continued_pretraining",
+            f"model.pretrained={tiny}",
+            "trainer.precision=32-true",
+            f"data.path={shared('tinyshakespeare', 'input.txt')}",
+            "data.seq_len=32",
+            "trainer.max_steps=1",
+            "trainer.val_check_interval=1",
+            "trainer.limit_val_batches=1",
+        ],
+    )
     assert_never_whole(records)
     one = GPT2LMHeadModel.from_pretrained(tiny).eval()
     ids = torch.arange(12).remainder(50).view(2, 6)
     with torch.no_grad():
         expected = one(ids).logits
-    assert torch.allclose(records[0]["logits"], expected, atol=1e-6, rtol=0), (records[0]["logits"] - expected).abs().max()
+    assert torch.allclose(records[0]["logits"], expected, atol=1e-6, rtol=0), (
+        (records[0]["logits"] - expected).abs().max()
+    )
 
 
 @pytest.mark.slow
@@ -74,8 +85,9 @@ def test_zero3_builds_inside_zero_init_and_no_rank_holds_the_whole_model(tmp_pat
     from test_parity import GPT2
 
     pytest.importorskip("deepspeed")
-    records = run_probed(tmp_path, GPT2 + CPU_DS + ["trainer.strategy.stage=3", "trainer.max_steps=1",
-                                                    "trainer.val_check_interval=1"])
+    records = run_probed(
+        tmp_path, GPT2 + CPU_DS + ["trainer.strategy.stage=3", "trainer.max_steps=1", "trainer.val_check_interval=1"]
+    )
     assert_never_whole(records)
 
 

@@ -51,8 +51,14 @@ def test_prompts_generated_together_complete_as_each_would_alone():
     alone = []
     for prompt in prompts:
         ids = torch.tensor([tok.encode_batch([prompt])[0].tolist()])
-        out = model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                   eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)[0, ids.shape[1]:].tolist()
+        out = model.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.eos_id,
+        )[0, ids.shape[1] :].tolist()
         alone.append((prompt, tok.decode(out[: out.index(tok.eos_id)] if tok.eos_id in out else out)))
     assert together == alone
     assert len({completion for _, completion in alone}) == 3 and all(len(c.split()) >= 8 for _, c in alone), alone
@@ -76,13 +82,13 @@ def test_prompts_generated_together_under_a_peft_adapter_complete_as_greedy_full
     """The same under peft adapters, against an oracle that does not go through `generate`: with transformers
     5.24 and peft 0.21.2, peft's own generate ignored prefix and prompt tuning's learned tokens after the first
     step (its samples were those of another model), batched or alone."""
-    from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
+    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, get_peft_model
 
-    from peft import LoraConfig
-
-    config = {"lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True),
-              "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-              "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}[method]()
+    config = {
+        "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True),
+        "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    }[method]()
     base = GPT2LitModule(vocab_size=257, seq_len=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0).model
     model = get_peft_model(base, config)
     torch.manual_seed(0)
@@ -123,8 +129,9 @@ def test_padding_labels_are_not_counted():
     loss_sum, n = model._loss_and_count({"input_ids": ids, "labels": labels})
     assert n == 31 + 20
     logits = model(ids).logits
-    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), labels.reshape(-1), ignore_index=-100,
-                                               reduction="sum")
+    manual = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 257), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     torch.testing.assert_close(loss_sum, manual)
     torch.testing.assert_close(model(ids, labels).loss, manual / 51)
 
@@ -209,8 +216,12 @@ def test_flop_count_is_what_autograd_computes(adapter):
     if adapter == "prompt_tuning":  # needs a context longer than the input: the shared tiny pretrained GPT-2
         from conftest import shared
 
-        kwargs = {"vocab_size": 50257, "seq_len": T, "pretrained": str(shared("tiny-gpt2")),
-                  "peft": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}
+        kwargs = {
+            "vocab_size": 50257,
+            "seq_len": T,
+            "pretrained": str(shared("tiny-gpt2")),
+            "peft": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        }
     model = GPT2LitModule(attn_implementation="eager", **kwargs)
     ids = torch.randint(0, 256, (2, T))
     with FlopCounterMode(display=False) as counter:
@@ -291,7 +302,6 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
     separate ops (pow, tanh, mul, add), with the same loss to 1e-5: 1.10-1.28x the step's speed on a CPU
     (docs/performance.md, "Ahead of nanoGPT")."""
     from torch.profiler import profile
-
     from transformers.activations import NewGELUActivation
 
     batch = {"input_ids": torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))}
@@ -319,8 +329,12 @@ def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
 
     torch.manual_seed(0)
     if prefix:  # on pretrained weights, as users run it: the prefix takes positions of the model's context
-        model = GPT2LitModule(vocab_size=50257, seq_len=32, pretrained=str(shared("tiny-gpt2")),
-                              peft=PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+        model = GPT2LitModule(
+            vocab_size=50257,
+            seq_len=32,
+            pretrained=str(shared("tiny-gpt2")),
+            peft=PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
     else:
         model = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=2, n_head=2, n_embd=16)
     caches = []
@@ -380,11 +394,20 @@ def test_fused_optimizer_clips_like_the_unfused_one_under_amp(precision):
     data = torch.utils.data.TensorDataset(x, 3 * x.sum(1, keepdim=True))
 
     def weights_after(fused: bool, clip: float) -> torch.Tensor:
-        plugin = MixedPrecision(precision, "cpu", torch.amp.GradScaler("cpu", init_scale=256.0)
-                                if precision == "16-mixed" else None)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, gradient_clip_val=clip, plugins=[plugin],
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+        plugin = MixedPrecision(
+            precision, "cpu", torch.amp.GradScaler("cpu", init_scale=256.0) if precision == "16-mixed" else None
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=4,
+            gradient_clip_val=clip,
+            plugins=[plugin],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         model = Regression(fused)
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
         return model.net.weight.detach().clone()
@@ -401,13 +424,25 @@ def test_train_py_runs_bf16_with_the_default_fused_adamw_and_clipping(tmp_path, 
     """What trainer=gpu and experiment=gpt2_small run: bf16-mixed, fused AdamW, gradient clipping."""
     from conftest import FAST, path_overrides
     from test_configs import compose_cfg
+
     from train import train
 
-    cfg = compose_cfg(FAST + path_overrides(dirs) + [
-        "trainer.precision=bf16-mixed", "trainer.max_steps=4", "trainer.val_check_interval=4",
-        "trainer.log_every_n_steps=2", "callbacks.throughput.window_size=2",
-        "trainer.limit_val_batches=2", "test=false", "logger=csv", "optimized_metric=val/loss"],
-        tmp=tmp_path)
+    cfg = compose_cfg(
+        FAST
+        + path_overrides(dirs)
+        + [
+            "trainer.precision=bf16-mixed",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "trainer.log_every_n_steps=2",
+            "callbacks.throughput.window_size=2",
+            "trainer.limit_val_batches=2",
+            "test=false",
+            "logger=csv",
+            "optimized_metric=val/loss",
+        ],
+        tmp=tmp_path,
+    )
     assert cfg.trainer.gradient_clip_val > 0 and cfg.model.optimizer.fused
     assert 0 < train(cfg) < math.log(257)  # below the uniform guess's loss after 4 steps
     import csv
@@ -469,13 +504,25 @@ def test_throughput_reads_the_clock_on_logging_steps_only_and_leaves_validation_
 
     batches = [{"input_ids": torch.zeros(8, 16, dtype=torch.long)}] * 20
     monitor = throughput.TokenThroughputMonitor(window_size=10, peak_flops=1e4)
-    trainer = L.Trainer(accelerator="cpu", max_steps=20, log_every_n_steps=5, val_check_interval=7,
-                        limit_val_batches=2, num_sanity_val_steps=0, callbacks=[monitor, Clock()],
-                        logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        log_every_n_steps=5,
+        val_check_interval=7,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        callbacks=[monitor, Clock()],
+        logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = Tokens()
-    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None),
-                torch.utils.data.DataLoader(batches[:2], batch_size=None))
+    trainer.fit(
+        model,
+        torch.utils.data.DataLoader(batches, batch_size=None),
+        torch.utils.data.DataLoader(batches[:2], batch_size=None),
+    )
     trainer.test(model, torch.utils.data.DataLoader(batches[:3], batch_size=None))
 
     # logging steps 5, 10, 15, 20; validations after steps 7 and 14: at their start and end; the test's end

@@ -10,16 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import path_overrides, read_events, run_script
 
 pytestmark = pytest.mark.slow
 
 # fp32: parity is exact there (1e-5), while bf16 rounding depends on each rank's micro-batch shape.
 # The default precision is hardware-dependent (bf16-mixed on this CPU); test_train runs it.
-QUIET = ["extras.print_config=false", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
-         "callbacks.generate_text=null", "callbacks.throughput=null", "trainer.log_every_n_steps=1",
-         "trainer.precision=32-true"]
+QUIET = [
+    "extras.print_config=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.generate_text=null",
+    "callbacks.throughput=null",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+]
 
 
 def train(tmp: Path, name: str, args: list[str]) -> dict:
@@ -44,9 +49,18 @@ def assert_same_series(a: dict, b: dict, tag: str, tol: float) -> None:
     assert max(abs(x - y) for x, y in zip(vals_a, vals_b)) <= tol, (tag, vals_a, vals_b)
 
 
-GPT2 = ["data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"), "data.seq_len=32", "model.n_layer=2",
-        "model.n_embd=32", "model.n_head=2", "data.global_batch_size=8", "trainer.max_steps=6",
-        "trainer.val_check_interval=6", "test=false", "model.scheduler.num_warmup_steps=2"]
+GPT2 = [
+    "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+    "data.seq_len=32",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data.global_batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=6",
+    "test=false",
+    "model.scheduler.num_warmup_steps=2",
+]
 # The 2-rank DDP run that test_fsdp and test_deepspeed compare against too: the `reference` fixture trains it once.
 GPT2_DDP = GPT2 + ["trainer=ddp", "trainer.devices=2"]
 
@@ -65,9 +79,16 @@ def test_global_batch_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path, reference
     assert len(one["scalars"]["train/loss"]) == 6
 
 
-VISION = ["data=digits", "model=convnet", "data.global_batch_size=12", "trainer.max_steps=5",
-          "trainer.val_check_interval=5", "callbacks.model_checkpoint.monitor=val/acc",
-          "callbacks.model_checkpoint.mode=max", "optimized_metric=val/acc"]
+VISION = [
+    "data=digits",
+    "model=convnet",
+    "data.global_batch_size=12",
+    "trainer.max_steps=5",
+    "trainer.val_check_interval=5",
+    "callbacks.model_checkpoint.monitor=val/acc",
+    "callbacks.model_checkpoint.mode=max",
+    "optimized_metric=val/acc",
+]
 # 1-process convnet references, each shared (`reference` fixture) by the tests that compare N ranks with it
 VISION_10 = VISION + ["data.val_size=10", "data.test_size=10"]  # test_parity: SyncBatchNorm on and off
 VISION_10_11 = VISION + ["data.val_size=10", "data.test_size=11"]  # test_fsdp, test_deepspeed: FSDP2, ZeRO-2

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import path_overrides, read_events, run_script
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = pytest.mark.xdist_group("pipeline")
@@ -19,8 +19,12 @@ pytestmark = pytest.mark.xdist_group("pipeline")
 # 4 blocks: 2 stages of 2, or 4 stages of 1 for the interleaved schedule; a cosine schedule with warm-up,
 # clipping by the whole model's norm at a value that does clip (the early gradient norms are above 0.5)
 PIPE_GPT2 = GPT2 + ["model.n_layer=4", "trainer.gradient_clip_val=0.5"]
-PIPELINE = ["trainer=pipeline", "trainer.devices=2", "trainer.gradient_clip_val=null",
-            "trainer.strategy.gradient_clip_val=0.5"]
+PIPELINE = [
+    "trainer=pipeline",
+    "trainer.devices=2",
+    "trainer.gradient_clip_val=null",
+    "trainer.strategy.gradient_clip_val=0.5",
+]
 
 
 def run_dir(tmp: Path, name: str) -> Path:
@@ -67,9 +71,12 @@ def pipelines(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(schedule)
             quiet = [a for a in QUIET if a != "callbacks.throughput=null"] if schedule == "GPipe" else QUIET
             extra = THROUGHPUT if schedule == "GPipe" else []
-            runs[schedule] = tmp, train_pipeline(tmp, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES[schedule] + extra,
-                                                 quiet)
+            runs[schedule] = (
+                tmp,
+                train_pipeline(tmp, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES[schedule] + extra, quiet),
+            )
         return runs[schedule]
+
     return get
 
 
@@ -86,8 +93,9 @@ def test_pipeline_schedules_match_one_process(tmp_path, one, pipelines, schedule
     # the Hugging Face export of the stages' checkpoint gives the one-process model's logits
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(export_hf(run_dir(tmp, "pipe") / "checkpoints" / "last.ckpt",
-                                                        tmp_path / "hf")).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        export_hf(run_dir(tmp, "pipe") / "checkpoints" / "last.ckpt", tmp_path / "hf")
+    ).eval()
     module, _ = build_module(load_checkpoint(one["ckpt"]))
     ids = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
@@ -98,7 +106,9 @@ def test_pipeline_schedules_match_one_process(tmp_path, one, pipelines, schedule
         scalars = pipe["scalars"]
         assert scalars["train/batches_per_sec"] and scalars["validate/batches_per_sec"]
         for stage in ("train", "validate"):
-            for (_, samples), (_, batches) in zip(scalars[f"{stage}/samples_per_sec"], scalars[f"{stage}/batches_per_sec"]):
+            for (_, samples), (_, batches) in zip(
+                scalars[f"{stage}/samples_per_sec"], scalars[f"{stage}/batches_per_sec"]
+            ):
                 assert samples / batches == pytest.approx(8 if stage == "train" else 52 / 7), stage
 
 
@@ -117,8 +127,16 @@ def test_pipeline_resumes_exactly_and_evaluates(tmp_path, pipelines):
     assert [s for s, _ in after] == list(range(3, 6))  # only the steps after the checkpoint ran
     assert max(abs(v - steps[s]) for s, v in after) <= 1e-6
     # eval.py on one process (it consolidates the shards) gives the run's last validation loss
-    proc = run_script("eval.py", [f"ckpt_path={ckpts / 'last.ckpt'}", *QUIET[:3], f"paths.log_dir={tmp_path / 'eval'}",
-                                  f"paths.cache_dir={tmp_path / 'cache'}", "trainer.precision=32-true"])
+    proc = run_script(
+        "eval.py",
+        [
+            f"ckpt_path={ckpts / 'last.ckpt'}",
+            *QUIET[:3],
+            f"paths.log_dir={tmp_path / 'eval'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+            "trainer.precision=32-true",
+        ],
+    )
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
     metrics = {k: float(v) for k, v in (kv.split("=") for kv in line[5:].split())}
     assert abs(metrics["val/loss"] - straight["scalars"]["val/loss"][-1][1]) <= 5e-5  # printed to 5 decimals
@@ -134,15 +152,35 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
     clipping would hide a uniform scale; both are covered on 2 ranks above)."""
     from conftest import shared
 
-    args = ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}", "data.seq_len=256",
-            "data.global_batch_size=8", "seed=7", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-            "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "test=false",
-            "model.scheduler.num_warmup_steps=1", "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=1.0",
-            "~model.optimizer.betas", "~model.optimizer.eps", "model.optimizer.fused=false",
-            "trainer.gradient_clip_val=null"]
+    args = [
+        "data=instruct",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        "data.seq_len=256",
+        "data.global_batch_size=8",
+        "seed=7",
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        "test=false",
+        "model.scheduler.num_warmup_steps=1",
+        "model.optimizer._target_=torch.optim.SGD",
+        "model.optimizer.lr=1.0",
+        "~model.optimizer.betas",
+        "~model.optimizer.eps",
+        "model.optimizer.fused=false",
+        "trainer.gradient_clip_val=null",
+    ]
     one = train(tmp_path, "one", args)
-    pipe = train_pipeline(tmp_path, "pipe", args + PIPELINE + ["trainer.devices=4", "trainer.strategy.n_microbatches=2",
-                                                               "trainer.strategy.gradient_clip_val=null"])
+    pipe = train_pipeline(
+        tmp_path,
+        "pipe",
+        args
+        + PIPELINE
+        + ["trainer.devices=4", "trainer.strategy.n_microbatches=2", "trainer.strategy.gradient_clip_val=null"],
+    )
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
@@ -155,7 +193,13 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     back into GPT-2's layout) and the HF export's logits equal one process's, with the tied wte/lm_head, clipping by
     the whole model's norm (over stages and tensor-parallel shards) and the LR schedule; resumed from its step-3
     checkpoint, it ends where it ended."""
-    args = PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES["1F1B"] + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+    args = (
+        PIPE_GPT2
+        + EVERY_3
+        + PIPELINE
+        + SCHEDULES["1F1B"]
+        + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+    )
     pipe = train_pipeline(tmp_path, "pipe", args)
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
@@ -165,8 +209,7 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     assert torch.load(last / "meta.pt", weights_only=False)["tensor_parallel"] == {"size": 2, "n_head": 2}  # split
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(export_hf(last,
-                                                        tmp_path / "hf")).eval()
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(last, tmp_path / "hf")).eval()
     module, _ = build_module(load_checkpoint(one["ckpt"]))
     ids = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
@@ -177,12 +220,21 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TEST_8_RANKS") != "1",
-                    reason="8 gloo processes, more than the suite's 2-4 on a 2-core machine: TEST_8_RANKS=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("TEST_8_RANKS") != "1",
+    reason="8 gloo processes, more than the suite's 2-4 on a 2-core machine: TEST_8_RANKS=1 runs it",
+)
 def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, one):
     """The 2 x 2 x 2 mesh: 2 replicas of 2 stages of 2 tensor-parallel ranks == 1 process (loss, val loss, weights)."""
-    pipe = train_pipeline(tmp_path, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES["1F1B"]
-                          + ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2"])
+    pipe = train_pipeline(
+        tmp_path,
+        "pipe",
+        PIPE_GPT2
+        + EVERY_3
+        + PIPELINE
+        + SCHEDULES["1F1B"]
+        + ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2"],
+    )
     assert_same_series(one, pipe, "train/loss", 1e-5)
     assert_same_series(one, pipe, "val/loss", 1e-5)
     assert max_param_diff(one["params"], pipe["params"]) <= 1e-5
@@ -190,40 +242,60 @@ def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, o
 
 # ---- checked before any process starts: one sentence naming the key and the fix (no processes, fast) ----
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.n_layer=3"], r"model.n_layer=3 does not divide into pipeline_parallel_size=2 x stages_per_rank=1"),
-    (["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2", "model.n_layer=2"],
-     r"model.n_layer=2 does not divide into .* = 4 stages"),
-    (["trainer.strategy.schedule=1F1B", "trainer.strategy.n_microbatches=1"], r"n_microbatches=1 is fewer than the 2"),
-    (["trainer.strategy.n_microbatches=3"], r"global_batch_size=8 does not divide into 1 data-parallel .* = 3"),
-    (["trainer.devices=3"], r"3 process\(es\) do not divide into pipeline_parallel_size=2"),
-    (["trainer.strategy.schedule=gpipe"], r"schedule='gpipe' is not known"),
-    (["trainer.strategy.stages_per_rank=2"], r"stages_per_rank=2 does not fit schedule=GPipe"),
-    (["model.compile=true"], r"model.compile is not supported with trainer=pipeline"),
-    (["model.lora.enabled=true"], r"model.lora.enabled is not supported with trainer=pipeline"),
-    (["model.gradient_checkpointing=true"], r"model.gradient_checkpointing is not supported"),
-    (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
-    (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
-    (["model=convnet", "data=digits"], r"splits transformers decoder LMs only"),
-    (["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=2"],
-     r"trainer=pipeline needs a pipeline plan and opt.s config has none"),
-    (["model=llama", "model.config.num_hidden_layers=3"],
-     r"model.config.num_hidden_layers=3 does not divide into pipeline_parallel_size=2"),
-    (["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2", "model.n_head=3", "model.n_embd=48"],
-     r"model.n_head=3 and model.n_embd=48 must both divide by trainer.strategy.tensor_parallel_size=2"),
-    (["trainer.strategy.tensor_parallel_size=0"], r"tensor_parallel_size=0 is not valid"),
-    (["trainer.devices=6", "trainer.strategy.tensor_parallel_size=2"],
-     r"6 process\(es\) do not divide into pipeline_parallel_size=2 x tensor_parallel_size=2 = 4"),
-    (["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2", "trainer.strategy.n_microbatches=8"],
-     r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x n_microbatches=8 = 16"),
-], ids=lambda v: v if isinstance(v, str) else None)
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.n_layer=3"], r"model.n_layer=3 does not divide into pipeline_parallel_size=2 x stages_per_rank=1"),
+        (
+            ["trainer.strategy.schedule=Interleaved1F1B", "trainer.strategy.stages_per_rank=2", "model.n_layer=2"],
+            r"model.n_layer=2 does not divide into .* = 4 stages",
+        ),
+        (
+            ["trainer.strategy.schedule=1F1B", "trainer.strategy.n_microbatches=1"],
+            r"n_microbatches=1 is fewer than the 2",
+        ),
+        (["trainer.strategy.n_microbatches=3"], r"global_batch_size=8 does not divide into 1 data-parallel .* = 3"),
+        (["trainer.devices=3"], r"3 process\(es\) do not divide into pipeline_parallel_size=2"),
+        (["trainer.strategy.schedule=gpipe"], r"schedule='gpipe' is not known"),
+        (["trainer.strategy.stages_per_rank=2"], r"stages_per_rank=2 does not fit schedule=GPipe"),
+        (["model.compile=true"], r"model.compile is not supported with trainer=pipeline"),
+        (["model.lora.enabled=true"], r"model.lora.enabled is not supported with trainer=pipeline"),
+        (["model.gradient_checkpointing=true"], r"model.gradient_checkpointing is not supported"),
+        (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
+        (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
+        (["model=convnet", "data=digits"], r"splits transformers decoder LMs only"),
+        (
+            ["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=2"],
+            r"trainer=pipeline needs a pipeline plan and opt.s config has none",
+        ),
+        (
+            ["model=llama", "model.config.num_hidden_layers=3"],
+            r"model.config.num_hidden_layers=3 does not divide into pipeline_parallel_size=2",
+        ),
+        (
+            ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2", "model.n_head=3", "model.n_embd=48"],
+            r"model.n_head=3 and model.n_embd=48 must both divide by trainer.strategy.tensor_parallel_size=2",
+        ),
+        (["trainer.strategy.tensor_parallel_size=0"], r"tensor_parallel_size=0 is not valid"),
+        (
+            ["trainer.devices=6", "trainer.strategy.tensor_parallel_size=2"],
+            r"6 process\(es\) do not divide into pipeline_parallel_size=2 x tensor_parallel_size=2 = 4",
+        ),
+        (
+            ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2", "trainer.strategy.n_microbatches=8"],
+            r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x n_microbatches=8 = 16",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, message):
-    from src.utils.checks import check_values
-    from src.utils.config import ConfigError
     from test_configs import compose_cfg
 
-    cfg = compose_cfg(["trainer=pipeline", "trainer.devices=2", "data.global_batch_size=8",
-                       *overrides], tmp=tmp_path)
+    from src.utils.checks import check_values
+    from src.utils.config import ConfigError
+
+    cfg = compose_cfg(["trainer=pipeline", "trainer.devices=2", "data.global_batch_size=8", *overrides], tmp=tmp_path)
     with pytest.raises(ConfigError, match=message) as error:
         check_values(cfg)
     assert "\n" not in str(error.value)
@@ -233,7 +305,10 @@ def test_mesh_sizes_must_multiply_to_the_world_size():
     from src.distributed.mesh import mesh_sizes
     from src.utils.config import ConfigError
 
-    assert mesh_sizes(8, pipeline_parallel=2, tensor_parallel=2) == \
-        {"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 2}
+    assert mesh_sizes(8, pipeline_parallel=2, tensor_parallel=2) == {
+        "data_parallel": 2,
+        "pipeline_parallel": 2,
+        "tensor_parallel": 2,
+    }
     with pytest.raises(ConfigError, match=r"world size 8 is not data_parallel_size=3 x .* = 6"):
         mesh_sizes(8, data_parallel=3, pipeline_parallel=2)

@@ -10,10 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, python
 from test_launchers import RUN, free_port, slurm_env
 from test_parity import GPT2, QUIET
@@ -41,7 +39,10 @@ def test_a_resumed_run_appends_to_the_csv_logger_history(tmp_path):
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["train/loss"], r["val/loss"], r["lr"]) for r in rows] == [
-        ("0", "2.0", "", ""), ("1", "1.5", "1.7", ""), ("2", "1.0", "", "0.1")]
+        ("0", "2.0", "", ""),
+        ("1", "1.5", "1.7", ""),
+        ("2", "1.0", "", "0.1"),
+    ]
 
 
 @pytest.mark.slow
@@ -56,14 +57,33 @@ def test_a_requeued_job_exits_143_on_sigterm_and_resumes_with_its_whole_csv(tmp_
 
     record = tmp_path / "scontrol_calls.txt"
     stand_in_scontrol(tmp_path / "bin", record, sys.executable, end_job=False)
-    args = QUIET + GPT2 + RUN + ["logger=csv", "callbacks.preemption.wait_s=8", f"paths.log_dir={tmp_path / 'logs'}",
-                                f"paths.cache_dir={tmp_path / 'cache'}"]
-    env = slurm_env("77", 0, 1, 1, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-                    MASTER_PORT=str(free_port()))
-    signal_at_6 = ["+callbacks.sig._target_=tests.helpers.launchers.SignalAtStep", "+callbacks.sig.step=6",
-                   "+callbacks.sig.rank=0"]
-    proc = subprocess.Popen([python(), "train.py", *args, *signal_at_6], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    args = (
+        QUIET
+        + GPT2
+        + RUN
+        + [
+            "logger=csv",
+            "callbacks.preemption.wait_s=8",
+            f"paths.log_dir={tmp_path / 'logs'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
+    env = slurm_env(
+        "77", 0, 1, 1, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", MASTER_PORT=str(free_port())
+    )
+    signal_at_6 = [
+        "+callbacks.sig._target_=tests.helpers.launchers.SignalAtStep",
+        "+callbacks.sig.step=6",
+        "+callbacks.sig.rank=0",
+    ]
+    proc = subprocess.Popen(
+        [python(), "train.py", *args, *signal_at_6],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     end = time.time() + 300
     while not (record.exists() and record.read_text() == "requeue 77\n") and proc.poll() is None and time.time() < end:
         time.sleep(0.05)
@@ -76,8 +96,9 @@ def test_a_requeued_job_exits_143_on_sigterm_and_resumes_with_its_whole_csv(tmp_
     assert proc.returncode == 143 and waited < 4, out[-3000:]
     assert "SLURM job 77: one task, one process (trainer.devices=1)" in out  # was "Lightning starts ... ranks"
     run = tmp_path / "logs" / "train" / "runs" / "slurm-77"
-    second = subprocess.run([python(), "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    second = subprocess.run(
+        [python(), "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert second.returncode == 0 and "resume=auto: continuing from" in second.stdout + second.stderr
     with open(run / "csv" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -94,11 +115,26 @@ def test_sigusr2_during_start_up_is_acted_on_at_the_first_step(tmp_path):
 
     record = tmp_path / "scontrol_calls.txt"
     stand_in_scontrol(tmp_path / "bin", record, sys.executable)  # ends the job at the requeue, like SLURM
-    env = slurm_env("78", 0, 1, 1, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-                    MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen([sys.executable, "train.py", *QUIET, *GPT2, *RUN, f"paths.log_dir={tmp_path / 'logs'}",
-                             f"paths.cache_dir={tmp_path / 'cache'}"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
+    env = slurm_env(
+        "78", 0, 1, 1, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", MASTER_PORT=str(free_port())
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *QUIET,
+            *GPT2,
+            *RUN,
+            f"paths.log_dir={tmp_path / 'logs'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        process_group=0,
+    )
     time.sleep(1.0)
     proc.send_signal(signal.SIGUSR2)
     out = proc.communicate(timeout=300)[0]

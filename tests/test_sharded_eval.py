@@ -15,18 +15,26 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, path_overrides, python, read_events
 from test_parity import QUIET, train
+
 from tests.helpers import forkrun
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_eval")]
 
 CORPUS_BYTES = 14_040  # 220 blocks of 64 bytes: 198 train, 11 val, 11 test; 11 = 4 + 4 + 3 on 3 ranks
-UNEVEN = ["data.seq_len=64", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.global_batch_size=3",
-          "data.eval_batch_size=1", "trainer.max_steps=4", "trainer.val_check_interval=4",
-          "model.scheduler.num_warmup_steps=2"]
+UNEVEN = [
+    "data.seq_len=64",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data.global_batch_size=3",
+    "data.eval_batch_size=1",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "model.scheduler.num_warmup_steps=2",
+]
 # s before a run counts as hung: a finished FSDP run took 50 s, ZeRO-3 50-235 s (DeepSpeed's start-up on
 # 3 processes) on a loaded 2-core machine; unfixed, both were killed at the limit
 HANG_TIMEOUT = {"fsdp": 240, "zero3": 420}
@@ -43,8 +51,15 @@ def train_or_kill(tmp: Path, name: str, args: list[str]) -> dict:
     group (the launcher and the ranks it started) is killed and the test fails."""
     dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **forkrun.DIE_WITH_PARENT}
-    proc = subprocess.Popen([python(), "train.py", *QUIET, *path_overrides(dirs), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [python(), "train.py", *QUIET, *path_overrides(dirs), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=HANG_TIMEOUT[name])
     except subprocess.TimeoutExpired:
@@ -86,8 +101,11 @@ def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_
     args = [a for a in CPU_DS if not a.startswith("trainer.devices")]
     # test=false: the CPU DeepSpeed helper covers fit only (Lightning's DeepSpeed trainer.test path,
     # _initialize_deepspeed_inference, still asks for a CUDA device rank)
-    zero3 = train_or_kill(tmp_path, "zero3", UNEVEN + [corpus(tmp_path), *args, "trainer.devices=3",
-                                                      "trainer.strategy.stage=3", "test=false"])
+    zero3 = train_or_kill(
+        tmp_path,
+        "zero3",
+        UNEVEN + [corpus(tmp_path), *args, "trainer.devices=3", "trainer.strategy.stage=3", "test=false"],
+    )
     assert_same_eval(one_process, zero3, ("val/loss",))
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import shared
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -20,10 +19,21 @@ pytest.importorskip("litdata")
 
 SEQ = 32
 # 3 files of tinyshakespeare (~4 KB each): ~380 blocks of 32 bytes; val 3% = 11 blocks, odd on 2 ranks (padding)
-RUN = ["data=litdata", f"data.seq_len={SEQ}", "data.val_fraction=0.03", "data.test_fraction=0", "model.n_layer=2",
-       "model.n_embd=32", "model.n_head=2", "data.global_batch_size=8", "trainer.max_steps=6",
-       "trainer.val_check_interval=6", "test=false", "model.scheduler=null",
-       "callbacks.last_checkpoint.every_n_train_steps=1"]
+RUN = [
+    "data=litdata",
+    f"data.seq_len={SEQ}",
+    "data.val_fraction=0.03",
+    "data.test_fraction=0",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data.global_batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=6",
+    "test=false",
+    "model.scheduler=null",
+    "callbacks.last_checkpoint.every_n_train_steps=1",
+]
 
 
 def corpus_files(root: Path) -> list[Path]:
@@ -68,8 +78,14 @@ def test_pack_reads_blocks_like_packed_blocks():
 def datamodule(input_dir: str, **kw):
     from src.datamodules.shards import LitDataModule
 
-    dm = LitDataModule(input_dir=input_dir, seq_len=kw.pop("seq_len", SEQ), global_batch_size=8,
-                       val_fraction=0.03, test_fraction=0.03, **kw)
+    dm = LitDataModule(
+        input_dir=input_dir,
+        seq_len=kw.pop("seq_len", SEQ),
+        global_batch_size=8,
+        val_fraction=0.03,
+        test_fraction=0.03,
+        **kw,
+    )
     dm.setup("fit")
     return dm
 
@@ -89,13 +105,19 @@ def test_every_token_of_every_file_is_a_target_once(shards, tmp_path):
             block = data[i]["labels"].numpy()
             labels.append(block[block != -100])
             counts.append(len(labels[-1]))
-        assert list(data.target_counts()) == counts[-len(data):]
+        assert list(data.target_counts()) == counts[-len(data) :]
     got = np.concatenate(labels)
     # each file: its documents (split at blank lines, see read_documents), each followed by EOS (256)
-    streams = [np.concatenate([np.append(np.frombuffer(d.encode(), np.uint8), 256).astype(np.int64)
-                               for d in read_documents(str(f), "text")]) for f in shards["files"]]
-    assert any(np.array_equal(got, np.concatenate([s[1:] for s in order]))
-               for order in itertools.permutations(streams))
+    streams = [
+        np.concatenate(
+            [
+                np.append(np.frombuffer(d.encode(), np.uint8), 256).astype(np.int64)
+                for d in read_documents(str(f), "text")
+            ]
+        )
+        for f in shards["files"]
+    ]
+    assert any(np.array_equal(got, np.concatenate([s[1:] for s in order])) for order in itertools.permutations(streams))
     assert shards["meta"]["n_targets"] == len(got) == sum(len(s) - 1 for s in streams)
     with pytest.raises(ConfigError, match=rf"seq_len={SEQ}, not data.seq_len=64: set data.seq_len={SEQ} or rebuild"):
         datamodule(str(shards["dir"]), seq_len=64)
@@ -114,7 +136,9 @@ def test_two_ranks_from_the_bucket_equal_one_process(shards, one_process):
     parameters, train/loss at every step and val/loss (11 val blocks: rank 1 gets a padding sample)."""
     from test_parity import assert_same_series, max_param_diff, train
 
-    two = train(shards["tmp"], "two", RUN + [f"data.input_dir=local:{shards['dir']}", "trainer=ddp", "trainer.devices=2"])
+    two = train(
+        shards["tmp"], "two", RUN + [f"data.input_dir=local:{shards['dir']}", "trainer=ddp", "trainer.devices=2"]
+    )
     assert max_param_diff(one_process["params"], two["params"]) <= 1e-5
     assert_same_series(one_process, two, "train/loss", 1e-5)
     assert_same_series(one_process, two, "val/loss", 1e-5)

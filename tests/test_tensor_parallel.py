@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import path_overrides, run_script
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 from test_fsdp import last_ckpt, train_sharded
-from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
+from test_parity import GPT2, assert_same_series, max_param_diff, train
+
+from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -23,8 +23,16 @@ CLIP = ["trainer.gradient_clip_val=0.05"]  # below the tiny model's gradient nor
 # 2 epochs of 3 steps, validation and a kept checkpoint after each, constant LR (a cosine schedule's length
 # depends on max_steps, which a resumed run would change): the TP run's step-3 checkpoint is where the resume
 # test starts from, and the TP run also records its state bytes (the memory estimate's test)
-BASE = GPT2 + CLIP + ["trainer.limit_train_batches=3", "trainer.val_check_interval=3", "model.scheduler=null",
-                      "callbacks.model_checkpoint.save_top_k=-1"]
+BASE = (
+    GPT2
+    + CLIP
+    + [
+        "trainer.limit_train_batches=3",
+        "trainer.val_check_interval=3",
+        "model.scheduler=null",
+        "callbacks.model_checkpoint.save_top_k=-1",
+    ]
+)
 STATE_BYTES = ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
 
 
@@ -105,18 +113,23 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
 # ---- config errors: checked in-process by the function train.py runs before launching; one real run shows
 # the user's view (one line, exit 2, no traceback, no rank started) ----
 
-@pytest.mark.parametrize("override,fragment", [
-    (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
-    (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
-    (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
-    (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
-    (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
-])
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
+        (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
+        (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
+        (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
+        (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
+    ],
+)
 def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
-    from src.utils.checks import check_values
-    from src.utils.config import ConfigError
     from test_configs import compose_cfg
     from test_errors import FAST
+
+    from src.utils.checks import check_values
+    from src.utils.config import ConfigError
 
     cfg = compose_cfg([*FAST, *TP, *override], tmp=tmp_path)
     with pytest.raises(ConfigError) as error:
@@ -126,23 +139,36 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
 
 @pytest.mark.slow
 def test_tp_config_error_is_one_line_before_any_rank_starts(tmp_path):
-    from test_errors import FAST as USER_FAST, assert_one_clear_line, run_as_user
+    from test_errors import FAST as USER_FAST
+    from test_errors import assert_one_clear_line, run_as_user
 
-    rc, out, _ = run_as_user(["train.py", *USER_FAST, *TP, *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
-                              "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
-                              "model.n_head=3", "model.n_embd=48"])
+    rc, out, _ = run_as_user(
+        [
+            "train.py",
+            *USER_FAST,
+            *TP,
+            *path_overrides({"log_dir": tmp_path, "cache_dir": tmp_path}),
+            "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+            "model.n_head=3",
+            "model.n_embd=48",
+        ]
+    )
     assert_one_clear_line(rc, out, "model.n_head=3 and model.n_embd=48 must both divide by")
     assert "All distributed processes registered" not in out  # stopped before launching
 
 
 # ---- memory estimate (src/tools/memory.py) ----
 
+
 def test_estimate_formulas_for_tensor_and_pipeline_parallel():
     from src.tools.memory import activations, estimate, gpt2_params, in_flight, rank_params
 
     assert rank_params(12, 768) == gpt2_params(12, 768)  # no model parallelism: the whole model
     # tensor parallel 4: the blocks' matrices and column biases split 4 ways, the rest replicated
-    assert rank_params(12, 768, tensor_parallel=4) == 12 * (12 * 768**2 // 4 + 7 * 768 // 4 + 6 * 768) + 51281 * 768 + 2 * 768
+    assert (
+        rank_params(12, 768, tensor_parallel=4)
+        == 12 * (12 * 768**2 // 4 + 7 * 768 // 4 + 6 * 768) + 51281 * 768 + 2 * 768
+    )
     # per-layer activations: 34 -> 10 + 24/t bytes per element, attention scores / t
     assert activations(1, 12, 768, 1024, 1, False, tp=4) < activations(1, 12, 768, 1024, 1, False) / 2
     # pipeline: GPipe holds all M micro-batches, 1F1B at most K, interleaved a little more than K

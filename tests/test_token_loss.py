@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import shared
 from torch.utils.data import DataLoader
 
-from conftest import shared
 from src.datamodules.instruct import InstructDataModule, pad_collate
 from src.datamodules.text import IGNORE_INDEX
 from src.distributed.samplers import ResumableDistributedSampler
@@ -27,8 +27,12 @@ pytestmark = pytest.mark.xdist_group("token_loss")
 
 
 def instruct_train_set(seq_len: int = 64):
-    dm = InstructDataModule(str(shared("alpaca", "alpaca_en_demo.json")), tokenizer=str(shared("gpt2-tokenizer")),
-                            seq_len=seq_len, global_batch_size=8)
+    dm = InstructDataModule(
+        str(shared("alpaca", "alpaca_en_demo.json")),
+        tokenizer=str(shared("gpt2-tokenizer")),
+        seq_len=seq_len,
+        global_batch_size=8,
+    )
     dm.setup()
     return dm.splits["train"], dm.tokenizer.eos_id
 
@@ -42,8 +46,9 @@ def test_step_totals_are_the_targets_the_loaders_deliver_on_all_ranks(world, acc
     for epoch, skip_batches in [(0, 0), (1, 0), (0, 5 * accumulate)]:
         per_rank = []
         for rank in range(world):
-            sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3,
-                                                  drop_last=True)
+            sampler = ResumableDistributedSampler(
+                dataset, num_replicas=world, rank=rank, shuffle=True, seed=3, drop_last=True
+            )
             sampler.set_epoch(epoch)
             sampler.skip = skip_batches * micro
             loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=pad_collate(eos))
@@ -98,15 +103,26 @@ def first_step_token_mean(pretrained: Path, seed: int, global_batch: int) -> flo
     model = GPT2LMHeadModel.from_pretrained(pretrained)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                             ignore_index=IGNORE_INDEX).item()
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX
+    ).item()
 
 
 def instruct_args(pretrained: Path) -> list[str]:
-    return ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
-            "data.seq_len=64", "data.global_batch_size=8", "seed=7", "trainer.max_steps=3",
-            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "test=false",
-            "model.scheduler.num_warmup_steps=1", "model.optimizer.lr=1e-2"]
+    return [
+        "data=instruct",
+        f"model.pretrained={pretrained}",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        "data.seq_len=64",
+        "data.global_batch_size=8",
+        "seed=7",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "model.scheduler.num_warmup_steps=1",
+        "model.optimizer.lr=1e-2",
+    ]
 
 
 @pytest.mark.slow
@@ -120,8 +136,11 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
     one = reference(args)  # shared with the DeepSpeed test below
     two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"])
     acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
-    fsdp = train(tmp_path, "fsdp2x4", args + ["trainer=fsdp", "trainer.devices=2",
-                                              "trainer.strategy.save_distributed_checkpoint=false"])
+    fsdp = train(
+        tmp_path,
+        "fsdp2x4",
+        args + ["trainer=fsdp", "trainer.devices=2", "trainer.strategy.save_distributed_checkpoint=false"],
+    )
     diffs = [max_param_diff(one["params"], other["params"]) for other in (two, acc, fsdp)]
     assert max(diffs) <= 1e-5, diffs
     for other in (two, acc, fsdp):
@@ -135,14 +154,17 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
 def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretrained, reference):
     """DeepSpeed divides the loss by its gradient_accumulation_steps itself, after Lightning already did:
     ZeRO-2 on 2 ranks x 2 x accumulation 2 must still equal 1 x 8 (parameters and train/loss)."""
-    from src.tools.checkpoints import load_checkpoint
     from test_deepspeed import CPU_DS
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import assert_same_series, max_param_diff
 
+    from src.tools.checkpoints import load_checkpoint
+
     args = instruct_args(pretrained)
     one = reference(args)
-    ds = train_sharded(tmp_path, "ds", args + CPU_DS + ["trainer.strategy.stage=2", "trainer.accumulate_grad_batches=2"])
+    ds = train_sharded(
+        tmp_path, "ds", args + CPU_DS + ["trainer.strategy.stage=2", "trainer.accumulate_grad_batches=2"]
+    )
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]) <= 1e-5
     assert_same_series(one, ds, "train/loss", 1e-5)
 
@@ -155,14 +177,27 @@ def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path)
     from test_parity import assert_same_series, max_param_diff, train
 
     pretrained = tiny_gpt2_without_dropout(tmp_path)
-    args = ["data=instruct", f"model.pretrained={pretrained}", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
-            "data.seq_len=64", "data.global_batch_size=8", "trainer.accumulate_grad_batches=2",
-            "trainer.limit_train_batches=12", "trainer.val_check_interval=12", "trainer.limit_val_batches=1",
-            "test=false", "model.scheduler=null", "model.optimizer.lr=1e-2", "optimized_metric=train/loss",
-            "callbacks.last_checkpoint.every_n_train_steps=1"]
+    args = [
+        "data=instruct",
+        f"model.pretrained={pretrained}",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        "data.seq_len=64",
+        "data.global_batch_size=8",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.limit_train_batches=12",
+        "trainer.val_check_interval=12",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "model.scheduler=null",
+        "model.optimizer.lr=1e-2",
+        "optimized_metric=train/loss",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+    ]
     train(tmp_path, "first", args + ["trainer.max_steps=3"])
     (run,) = (tmp_path / "first" / "train" / "runs").iterdir()
-    resumed = train(tmp_path, "resumed", args + ["trainer.max_steps=8", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"])
+    resumed = train(
+        tmp_path, "resumed", args + ["trainer.max_steps=8", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"]
+    )
     straight = train(tmp_path, "straight", args + ["trainer.max_steps=8"])
     assert max_param_diff(resumed["params"], straight["params"]) <= 1e-6
     straight["scalars"]["train/loss"] = straight["scalars"]["train/loss"][3:]  # the resumed run logs steps 3..7

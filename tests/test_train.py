@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, event_file_pid, event_files, path_overrides, read_events, run_script
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -40,10 +39,22 @@ def test_the_console_shows_steps_and_no_library_noise(tmp_path):
     """The progress bar counts steps of max_steps (it read "Epoch 0/-2"), and four lines of Lightning/torch noise are
     gone: the litlogger tip, the `limit_*_batches=1.0` notices, bf16's model-summary warning, pytree's deprecation."""
     dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
-    proc = run_script("train.py", path_overrides(dirs) + [
-        "extras.print_config=false", "trainer.max_steps=3", "trainer.val_check_interval=3", "test=false",
-        "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=2", "model.n_layer=1", "data.seq_len=32",
-        "trainer.precision=bf16-mixed", "callbacks.generate_text=null"])
+    proc = run_script(
+        "train.py",
+        path_overrides(dirs)
+        + [
+            "extras.print_config=false",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "test=false",
+            "trainer.num_sanity_val_steps=0",
+            "trainer.limit_val_batches=2",
+            "model.n_layer=1",
+            "data.seq_len=32",
+            "trainer.precision=bf16-mixed",
+            "callbacks.generate_text=null",
+        ],
+    )
     out = proc.stdout + proc.stderr
     assert "Step 3/3" in proc.stdout and "/-2" not in out, proc.stdout[-2000:]
     for noise in ("litlogger", "was configured so", "not supported by the model summary", "LeafSpec"):
@@ -53,9 +64,19 @@ def test_the_console_shows_steps_and_no_library_noise(tmp_path):
 def test_tensorboard_has_what_a_user_looks_for(trained):
     ea = read_events(trained["run"] / "tensorboard")
     scalars = set(ea.Tags()["scalars"])
-    for tag in ["train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/decay", "lr-AdamW/no_decay",
-                "train/device/items_per_sec", "train/device/peak_memory_mib", "test/loss",  # items = tokens
-                "validate/device/items_per_sec", "test/device/items_per_sec"]:
+    for tag in [
+        "train/loss",
+        "train/ppl",
+        "val/loss",
+        "val/ppl",
+        "lr-AdamW/decay",
+        "lr-AdamW/no_decay",
+        "train/device/items_per_sec",
+        "train/device/peak_memory_mib",
+        "test/loss",  # items = tokens
+        "validate/device/items_per_sec",
+        "test/device/items_per_sec",
+    ]:
         assert tag in scalars, f"{tag} missing from TensorBoard; have {sorted(scalars)}"
     memory = [e.value for e in ea.Scalars("train/device/peak_memory_mib")]
     assert 100 < memory[0] <= memory[-1] < 24 * 1024  # peak RSS of rank 0 in MiB: a peak never goes down
@@ -78,8 +99,11 @@ def test_tensorboard_has_what_a_user_looks_for(trained):
 def test_eval_reproduces_the_last_validation_loss(trained):
     ckpt = trained["run"] / "checkpoints" / "last.ckpt"
     same_val_set = "trainer.limit_val_batches=4"  # as in training (FAST)
-    proc = run_script("eval.py", [f"ckpt_path={ckpt}", "extras.print_config=false", same_val_set,
-                                  "trainer.enable_progress_bar=false"] + path_overrides(trained["dirs"]))
+    proc = run_script(
+        "eval.py",
+        [f"ckpt_path={ckpt}", "extras.print_config=false", same_val_set, "trainer.enable_progress_bar=false"]
+        + path_overrides(trained["dirs"]),
+    )
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
     metrics = dict(kv.split("=") for kv in line[5:].split())
     last_val = read_events(trained["run"] / "tensorboard").Scalars("val/loss")[-1].value
@@ -95,10 +119,13 @@ def test_eval_with_a_missing_checkpoint_is_a_clear_error(tmp_path, dirs):
 def test_optimized_metric_is_returned(tmp_path, dirs):
     """train() returns the configured metric, which is what Hydra sweepers optimize."""
     from test_configs import compose_cfg
+
     from train import train
 
-    cfg = compose_cfg(FAST + path_overrides(dirs) + ["trainer.max_steps=10", "test=false",
-                                                     "optimized_metric=val/ppl", "logger=csv"], tmp=tmp_path)
+    cfg = compose_cfg(
+        FAST + path_overrides(dirs) + ["trainer.max_steps=10", "test=false", "optimized_metric=val/ppl", "logger=csv"],
+        tmp=tmp_path,
+    )
     value = train(cfg)
     assert isinstance(value, float) and 1.0 < value < 257.0  # a perplexity, below the uniform one
 
@@ -106,8 +133,11 @@ def test_optimized_metric_is_returned(tmp_path, dirs):
 def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     # an inherited OMP_NUM_THREADS of twice the cores (a shell profile's), which Lightning's launcher leaves alone
     too_many = {"OMP_NUM_THREADS": str(2 * len(os.sched_getaffinity(0)))}
-    proc = run_script("train.py", FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2",
-                                                                 "callbacks.throughput.peak_flops=4e11"], env=too_many)
+    proc = run_script(
+        "train.py",
+        FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2", "callbacks.throughput.peak_flops=4e11"],
+        env=too_many,
+    )
     out = proc.stdout + proc.stderr
     (run,) = run_dirs(dirs["log_dir"])  # exactly one output dir: the child rank reused its parent's
     assert not (dirs["log_dir"] / "train" / "multiruns").exists()
@@ -131,8 +161,13 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
 
 
 def test_multirun_sweep_has_one_subdir_per_job(dirs):
-    run_script("train.py", ["-m", "model.optimizer.lr=1e-3,3e-4"] + FAST + path_overrides(dirs)
-               + ["trainer.max_steps=10", "test=false", "callbacks.generate_text=null"])
+    run_script(
+        "train.py",
+        ["-m", "model.optimizer.lr=1e-3,3e-4"]
+        + FAST
+        + path_overrides(dirs)
+        + ["trainer.max_steps=10", "test=false", "callbacks.generate_text=null"],
+    )
     (sweep,) = (dirs["log_dir"] / "train" / "multiruns").iterdir()
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"]
@@ -144,10 +179,22 @@ def test_multirun_sweep_has_one_subdir_per_job(dirs):
 
 def test_lr_scaling_reaches_the_optimizer_and_tensorboard(dirs):
     """lr 1e-3 tuned at batch 4, trained at global batch 16: linear -> 4e-3 in the LR TensorBoard shows."""
-    run_script("train.py", FAST + path_overrides(dirs) + [
-        "model.lr_scaling=linear", "model.base_batch_size=4", "data.global_batch_size=16", "model.scheduler=null",
-        "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "test=false",
-        "callbacks.generate_text=null"])
+    run_script(
+        "train.py",
+        FAST
+        + path_overrides(dirs)
+        + [
+            "model.lr_scaling=linear",
+            "model.base_batch_size=4",
+            "data.global_batch_size=16",
+            "model.scheduler=null",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "trainer.log_every_n_steps=1",
+            "test=false",
+            "callbacks.generate_text=null",
+        ],
+    )
     (run,) = run_dirs(dirs["log_dir"])
     lrs = [e.value for e in read_events(run / "tensorboard").Scalars("lr-AdamW/decay")]
     assert len(lrs) >= 1 and all(lr == pytest.approx(4e-3) for lr in lrs)

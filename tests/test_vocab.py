@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_script, shared
+
 from src.tools.vocab import EXTENSION, VocabError, extend, tokens_per_char
 
 GPT2_TOKENIZER = str(shared("gpt2-tokenizer"))
@@ -30,8 +30,10 @@ def test_extended_tokenizer_loads_round_trips_and_shortens_the_new_language(exte
 
     base, ext = AutoTokenizer.from_pretrained(GPT2_TOKENIZER), AutoTokenizer.from_pretrained(extended / "ext")
     assert len(ext) == len(base) + 100 and ext.eos_token_id == 50256
-    held = [r["instruction"] + r["input"] + r["output"]
-            for r in json.loads((extended / "held.json").read_text(encoding="utf-8"))]
+    held = [
+        r["instruction"] + r["input"] + r["output"]
+        for r in json.loads((extended / "held.json").read_text(encoding="utf-8"))
+    ]
     assert all(ext.decode(ext(t)["input_ids"]) == t for t in held)  # nothing lost
     before, after = (tokens_per_char(t, extended / "held.json") for t in (GPT2_TOKENIZER, str(extended / "ext")))
     assert after < 0.85 * before, (before, after)  # held-out Chinese: 1.81 -> 1.46 tokens per character
@@ -48,8 +50,9 @@ def test_training_with_it_starts_new_rows_as_their_pieces_mean(extended):
 
     tiny = str(shared("tiny-gpt2"))
     base = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=tiny).eval()
-    grown = GPT2LitModule(vocab_size=50357, seq_len=64, pretrained=tiny, resize_embeddings=True,
-                          tokenizer=str(extended / "ext")).eval()
+    grown = GPT2LitModule(
+        vocab_size=50357, seq_len=64, pretrained=tiny, resize_embeddings=True, tokenizer=str(extended / "ext")
+    ).eval()
     old, new = base.hf_model.get_input_embeddings().weight, grown.hf_model.get_input_embeddings().weight
     assert torch.equal(new[:50257], old)
     pieces = json.loads((extended / "ext" / EXTENSION).read_text(encoding="utf-8"))["pieces"]
@@ -67,7 +70,21 @@ def test_bad_input_is_one_sentence_and_writes_nothing(extended, tmp_path):
         extend(GPT2_TOKENIZER, extended / "train.json", 100_000, tmp_path / "out")
     assert not list(tmp_path.iterdir())  # no half-written dir
     (tmp_path / "bad.json").write_text("{not json")
-    proc = run_script("-m", ["src.tools.vocab", "extend", "--tokenizer", GPT2_TOKENIZER, "--corpus",
-                             str(tmp_path / "bad.json"), "--add", "10", "--out", str(tmp_path / "o")], check=False)
+    proc = run_script(
+        "-m",
+        [
+            "src.tools.vocab",
+            "extend",
+            "--tokenizer",
+            GPT2_TOKENIZER,
+            "--corpus",
+            str(tmp_path / "bad.json"),
+            "--add",
+            "10",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "is not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()

@@ -38,23 +38,61 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 PHASE = "comm:"  # prefix of the phase ranges this callback opens
-BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "short int": 2,
-         "unsigned char": 1, "signed char": 1, "bool": 1}
-DTYPE = {"float": "fp32", "double": "fp64", "c10::BFloat16": "bf16", "c10::Half": "fp16", "long int": "int64",
-         "int": "int32", "unsigned char": "uint8", "bool": "bool"}
+BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "unsigned char": 1,
+    "signed char": 1,
+    "bool": 1,
+}
+DTYPE = {
+    "float": "fp32",
+    "double": "fp64",
+    "c10::BFloat16": "bf16",
+    "c10::Half": "fp16",
+    "long int": "int64",
+    "int": "int32",
+    "unsigned char": "uint8",
+    "bool": "bool",
+}
 # c10d op -> (the collective, the backend event that runs it when the op records no shapes: TensorList ops)
-OPS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-       "_allgather_base_": "all_gather", "allgather_": "all_gather", "broadcast_": "broadcast", "reduce_": "reduce",
-       "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier", "alltoall_base_": "all_to_all",
-       "gather_": "gather", "scatter_": "scatter"}
+OPS = {
+    "allreduce_": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "broadcast_": "broadcast",
+    "reduce_": "reduce",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "barrier": "barrier",
+    "alltoall_base_": "all_to_all",
+    "gather_": "gather",
+    "scatter_": "scatter",
+}
 PIPELINE = re.compile(r"^(Forward|Backward) \d+$|^PP:")  # torch.distributed.pipelining's ranges
 
 
 def ring_bytes(op: str, elements: int, element_size: int, n: int) -> float:
     """Bytes one rank sends for `op` on S = `elements` in a group of n by the ring algorithm (see the module doc)."""
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-              "broadcast": (n - 1) / n, "reduce": (n - 1) / n, "all_to_all": (n - 1) / n, "gather": (n - 1) / n,
-              "scatter": (n - 1) / n, "send": 1.0}.get(op, 0.0)
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "broadcast": (n - 1) / n,
+        "reduce": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "gather": (n - 1) / n,
+        "scatter": (n - 1) / n,
+        "send": 1.0,
+    }.get(op, 0.0)
     return factor * elements * element_size
 
 
@@ -83,7 +121,9 @@ def trace(prof: profile) -> list[Event]:
     """The profile's events, read from kineto's results as they are: `prof.events()` builds a FunctionEvent tree
     first, 0.1-0.5 s a step for the tiny model's ~2,600 events on this CPU, this takes 5 ms. `kineto_results` and
     its events' methods are not documented: tests/test_comm.py fails by name if torch changes them."""
-    return [Event(e.name(), e.start_ns(), e.end_ns(), e.shapes(), e.dtypes()) for e in prof.profiler.kineto_results.events()]
+    return [
+        Event(e.name(), e.start_ns(), e.end_ns(), e.shapes(), e.dtypes()) for e in prof.profiler.kineto_results.events()
+    ]
 
 
 def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
@@ -92,7 +132,7 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
     for e in sorted(events, key=lambda e: e.start):
         name, start = e.name, e.start
         if name.startswith(PHASE) or name == TRAIN_LOSS_REDUCE:
-            ranges.append(("logging" if name == TRAIN_LOSS_REDUCE else name[len(PHASE):], start, e.end))
+            ranges.append(("logging" if name == TRAIN_LOSS_REDUCE else name[len(PHASE) :], start, e.end))
         elif PIPELINE.match(name):
             kind = "backward" if name.startswith("Backward") or re.search(r"(B|W|_B)\d+$", name) else "forward"
             ranges.append((kind, start, e.end))
@@ -105,8 +145,16 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
     for op in ops:
         kind = OPS[op.name[6:]]
         if kind == "barrier":  # synchronises, sends no payload
-            out.append({"op": kind, "phase": _phase(op.start, ranges), "elements": 0, "dtype": "-",
-                        "group": world, "bytes": 0.0})
+            out.append(
+                {
+                    "op": kind,
+                    "phase": _phase(op.start, ranges),
+                    "elements": 0,
+                    "dtype": "-",
+                    "group": world,
+                    "bytes": 0.0,
+                }
+            )
             continue
         shaped = [s for s, t in zip(op.shapes, op.dtypes) if s and t != "ScalarList"]
         if shaped:  # output, input (all-gather, reduce-scatter): the sizes are the op's own
@@ -132,8 +180,16 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
         else:
             continue  # nothing to size it by (not seen in the templates' strategies)
         size = BYTES.get(dtype, 4)
-        out.append({"op": kind, "phase": _phase(op.start, ranges), "elements": elements,
-                    "dtype": DTYPE.get(dtype, dtype), "group": n, "bytes": ring_bytes(kind, elements, size, n)})
+        out.append(
+            {
+                "op": kind,
+                "phase": _phase(op.start, ranges),
+                "elements": elements,
+                "dtype": DTYPE.get(dtype, dtype),
+                "group": n,
+                "bytes": ring_bytes(kind, elements, size, n),
+            }
+        )
     return out
 
 
@@ -147,8 +203,10 @@ class CommVolume(L.Callback):
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             from src.utils.config import ConfigError
 
-            raise ConfigError(f"callbacks.comm.every_n_steps={every_n_steps!r} is not valid: use 0 (off) or a "
-                              "number of optimizer steps between two profiled steps.")
+            raise ConfigError(
+                f"callbacks.comm.every_n_steps={every_n_steps!r} is not valid: use 0 (off) or a "
+                "number of optimizer steps between two profiled steps."
+            )
         self.every, self.save_dir = every_n_steps, save_dir
         self.profiler: Optional[profile] = None
         self.range: Optional[record_function] = None
@@ -161,7 +219,9 @@ class CommVolume(L.Callback):
             self.range = record_function(PHASE + phase)
             self.range.__enter__()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         first_micro_batch = batch_idx % trainer.accumulate_grad_batches == 0
         step = trainer.global_step
         if self.profiler is None and self.every and step and step % self.every == 0 and first_micro_batch:
@@ -179,8 +239,9 @@ class CommVolume(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self._open("optimizer")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._open(None)
         if self.profiler is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
@@ -202,9 +263,15 @@ class CommVolume(L.Callback):
         """One JSON line per profiled step, with what bench/comm.py's formulas need about the model."""
         config = getattr(pl_module, "config", None)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters() if p.requires_grad)
-        line = {"rank": trainer.global_rank, "world": trainer.world_size, "step": step, "params": params,
-                "hidden_size": getattr(config, "hidden_size", None), "layers": getattr(config, "num_hidden_layers", None),
-                "collectives": found}
+        line = {
+            "rank": trainer.global_rank,
+            "world": trainer.world_size,
+            "step": step,
+            "params": params,
+            "hidden_size": getattr(config, "hidden_size", None),
+            "layers": getattr(config, "num_hidden_layers", None),
+            "collectives": found,
+        }
         path = Path(self.save_dir) / f"rank{trainer.global_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:

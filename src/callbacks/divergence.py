@@ -35,8 +35,10 @@ from src.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 ACTIONS = ("stop", "skip")
-ADVICE = ("To go on from it, run again with resume=auto (same hydra.run.dir) and a lower model.optimizer.lr or "
-          "trainer.gradient_clip_val; callbacks.divergence.action=skip skips non-finite steps instead")
+ADVICE = (
+    "To go on from it, run again with resume=auto (same hydra.run.dir) and a lower model.optimizer.lr or "
+    "trainer.gradient_clip_val; callbacks.divergence.action=skip skips non-finite steps instead"
+)
 
 
 class DivergenceError(UserError, RuntimeError):
@@ -66,16 +68,21 @@ class Divergence(L.Callback):
             return
         strategy = trainer.strategy
         replicated = isinstance(strategy, SingleDeviceStrategy) or (
-            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy))
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+        )
         if not replicated:
-            raise ValueError(f"callbacks.divergence.action=skip needs gradients that every rank holds whole "
-                             f"(1 device or trainer=ddp), not {type(strategy).__name__}: use action=stop.")
+            raise ValueError(
+                f"callbacks.divergence.action=skip needs gradients that every rank holds whole "
+                f"(1 device or trainer=ddp), not {type(strategy).__name__}: use action=stop."
+            )
         for optimizer in trainer.optimizers:
             # torch's mark for optimizers that take GradScaler's on-device `found_inf` (fused Adam/AdamW/SGD)
             if not getattr(optimizer, "_step_supports_amp_scaling", False):
-                raise ValueError(f"callbacks.divergence.action=skip needs a fused optimizer, not "
-                                 f"{type(optimizer).__name__} without fused=True: set model.optimizer.fused=true "
-                                 f"or use action=stop.")
+                raise ValueError(
+                    f"callbacks.divergence.action=skip needs a fused optimizer, not "
+                    f"{type(optimizer).__name__} without fused=True: set model.optimizer.fused=true "
+                    f"or use action=stop."
+                )
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.action != "skip" or getattr(trainer.precision_plugin, "scaler", None) is not None:
@@ -104,8 +111,9 @@ class Divergence(L.Callback):
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         metrics = trainer.callback_metrics
-        bad = sorted(k for k, v in metrics.items()
-                     if k.startswith("val/") and torch.is_tensor(v) and not torch.isfinite(v).all())
+        bad = sorted(
+            k for k, v in metrics.items() if k.startswith("val/") and torch.is_tensor(v) and not torch.isfinite(v).all()
+        )
         if self._any_rank(trainer, bool(bad) or self._pending(pl_module)):
             what = ", ".join(f"{k}={metrics[k].item():g}" for k in bad) if bad else "the train loss was not finite"
             self._diverged(trainer, pl_module, what, force_stop=bool(bad))
@@ -153,8 +161,14 @@ class Divergence(L.Callback):
             return f"This run saved no checkpoint; it started from {trainer.ckpt_path}."
         return "No checkpoint was saved before it."
 
-    def _diverged(self, trainer: L.Trainer, pl_module: L.LightningModule, what: str, force_stop: bool = False,
-                  saving: bool = False) -> None:
+    def _diverged(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        what: str,
+        force_stop: bool = False,
+        saving: bool = False,
+    ) -> None:
         """Every rank calls this together (the decision was reduced), so the collective below is safe."""
         first = self._first_step(trainer, pl_module)
         pl_module.first_nonfinite = None
@@ -162,12 +176,15 @@ class Divergence(L.Callback):
         if self.action == "skip" and not force_stop:
             skipped = int(self.skipped.item()) if self.skipped is not None else 0
             if trainer.is_global_zero:
-                    log.warning(f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
-                            f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
-                            f"(callbacks.divergence.action=skip).")
+                log.warning(
+                    f"Non-finite train loss at step {first} (checked at step {trainer.global_step}); "
+                    f"{skipped} optimizer update(s) with non-finite gradients skipped so far "
+                    f"(callbacks.divergence.action=skip)."
+                )
             return
         now = "not saving a checkpoint; " if saving else ""
-        message = (f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "
-                   f"{self.last_good_checkpoint(trainer)} {ADVICE}.")
+        message = (
+            f"Training diverged at step {trainer.global_step}: {what} ({since}); {now}stopped. "
+            f"{self.last_good_checkpoint(trainer)} {ADVICE}."
+        )
         raise DivergenceError(message)
-

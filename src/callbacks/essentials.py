@@ -31,8 +31,10 @@ class CpuThreadsPerRank(L.Callback):
         share = max(1, available_cores() // local_ranks)
         if torch.get_num_threads() > share:
             torch.set_num_threads(share)
-        log.info(f"[rank {trainer.global_rank}] pid {os.getpid()}, torch threads: {torch.get_num_threads()} "
-                 f"({available_cores()} cores / {local_ranks} local rank(s))")
+        log.info(
+            f"[rank {trainer.global_rank}] pid {os.getpid()}, torch threads: {torch.get_num_threads()} "
+            f"({available_cores()} cores / {local_ranks} local rank(s))"
+        )
 
 
 class StepsInProgressBar(L.Callback):
@@ -54,7 +56,9 @@ class StepsInProgressBar(L.Callback):
         if trainer.max_steps <= 0 or (trainer.max_epochs or -1) > 0 or not isinstance(bar, RichProgressBar):
             return
         if bar.progress is not None and bar.train_progress_bar_id is not None:
-            bar.progress.update(bar.train_progress_bar_id, description=f"Step {trainer.global_step}/{trainer.max_steps}")
+            bar.progress.update(
+                bar.train_progress_bar_id, description=f"Step {trainer.global_step}/{trainer.max_steps}"
+            )
 
 
 class ConfigInCheckpoint(L.Callback):

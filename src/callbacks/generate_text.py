@@ -32,12 +32,16 @@ class GenerateText(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(trainer.datamodule, "tokenizer") or not hasattr(getattr(pl_module, "model", None), "generate"):
-            rank_zero_warn("callbacks.generate_text is on but this model/data cannot generate text: skipping samples "
-                           "(switch it off with callbacks.generate_text=null).")
+            rank_zero_warn(
+                "callbacks.generate_text is on but this model/data cannot generate text: skipping samples "
+                "(switch it off with callbacks.generate_text=null)."
+            )
             self.prompts = []
         elif not getattr(trainer.strategy, "can_generate", True):  # e.g. pipeline stages: no rank has the whole model
-            rank_zero_warn(f"callbacks.generate_text is on but {type(trainer.strategy).__name__} cannot generate: "
-                           "skipping samples (switch it off with callbacks.generate_text=null).")
+            rank_zero_warn(
+                f"callbacks.generate_text is on but {type(trainer.strategy).__name__} cannot generate: "
+                "skipping samples (switch it off with callbacks.generate_text=null)."
+            )
             self.prompts = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -46,7 +50,8 @@ class GenerateText(L.Callback):
         # Sharded parameters (FSDP, ZeRO-3) are gathered collectively: then every rank generates, in lockstep.
         strategy = trainer.strategy
         sharded = isinstance(strategy, ModelParallelStrategy) or (
-            isinstance(strategy, DeepSpeedStrategy) and strategy.config["zero_optimization"].get("stage") == 3)
+            isinstance(strategy, DeepSpeedStrategy) and strategy.config["zero_optimization"].get("stage") == 3
+        )
         if not (sharded or trainer.is_global_zero):
             return
         texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)
@@ -88,14 +93,20 @@ class GenerateText(L.Callback):
             # position is a prompt token in every row (left padding; after peft's virtual tokens too).
             logits = model(input_ids=input_ids, attention_mask=mask).logits
             if not torch.isfinite(logits[:, -1]).all():
-                rank_zero_warn("callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
-                               "diverged?); skipping samples.")
+                rank_zero_warn(
+                    "callbacks.generate_text: the model's logits are not finite (NaN/inf: the run "
+                    "diverged?); skipping samples."
+                )
             else:
                 generator, inputs, virtual = _prompt_learning_inputs(model, input_ids, mask)
                 room = model.config.max_position_embeddings - virtual - width  # virtual tokens take positions too
                 out = generator.generate(
-                    **inputs, max_new_tokens=max(1, min(self.max_new_tokens, room)),
-                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id, synced_gpus=synced, **self.sampling,
+                    **inputs,
+                    max_new_tokens=max(1, min(self.max_new_tokens, room)),
+                    eos_token_id=tokenizer.eos_id,
+                    pad_token_id=tokenizer.eos_id,
+                    synced_gpus=synced,
+                    **self.sampling,
                 )
                 new_tokens = out if "inputs_embeds" in inputs else out[:, width:]  # with embeddings: only new ones
                 for prompt, row in zip(self.prompts, new_tokens.tolist()):

@@ -49,8 +49,14 @@ class Preemption(L.Callback):
     a validation collective on another rank); the wait sees it within 0.1 s and the run exits 143.
     """
 
-    def __init__(self, checkpoint: str, signal_name: str = "SIGUSR2", check_every_n_steps: int = 10,
-                 resume: Optional[str] = None, wait_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        signal_name: str = "SIGUSR2",
+        check_every_n_steps: int = 10,
+        resume: Optional[str] = None,
+        wait_s: float = 300.0,
+    ) -> None:
         self.checkpoint = checkpoint
         self.signum = signal.Signals[signal_name]
         self.check_every_n_steps = max(1, int(check_every_n_steps))
@@ -97,8 +103,10 @@ class Preemption(L.Callback):
         self.requeued = trainer.strategy.broadcast(self._requeue() if trainer.is_global_zero else False, src=0)
         if not self.requeued:
             signal.signal(signal.SIGTERM, self._lightning_sigterm)
-            log.warning(f"Continuing without a requeue: when SLURM ends this job, resume from {self.checkpoint} "
-                        "(resume=auto in the same run dir).")
+            log.warning(
+                f"Continuing without a requeue: when SLURM ends this job, resume from {self.checkpoint} "
+                "(resume=auto in the same run dir)."
+            )
             self.received = False
             if self.terminated and callable(self._lightning_sigterm):  # SIGTERM came meanwhile: Lightning's
                 self._lightning_sigterm(signal.SIGTERM, None)  # handler has it, now that the ranks agree again
@@ -142,4 +150,3 @@ class Preemption(L.Callback):
         if self._previous is not None:
             signal.signal(self.signum, self._previous)
             self._previous = None
-

@@ -111,8 +111,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
                 throughput.available_flops = self.peak_flops
         if TRAIN in self._throughputs:  # one reading per logging step: a window of `window_size` steps
             readings = max(2, round(self.window_size / max(1, trainer.log_every_n_steps)) + 1)
-            self._throughputs[TRAIN] = Throughput(available_flops=self.available_flops,
-                                                  world_size=trainer.world_size, window_size=readings)
+            self._throughputs[TRAIN] = Throughput(
+                available_flops=self.available_flops, world_size=trainer.world_size, window_size=readings
+            )
 
     @rank_zero_only
     def on_train_start(self, trainer, *args: Any) -> None:
@@ -175,8 +176,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
             counts = {key: float(count) for key, count in self._eval.items()}
             metrics = {f"{stage}/device/{key}_per_sec": count / seconds for key, count in counts.items()}
             if trainer.world_size > 1:  # as Lightning: rank 0's rate times the ranks
-                metrics.update({f"{stage}/{key}_per_sec": count / seconds * trainer.world_size
-                                for key, count in counts.items()})
+                metrics.update(
+                    {f"{stage}/{key}_per_sec": count / seconds * trainer.world_size for key, count in counts.items()}
+                )
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         return seconds
@@ -191,8 +193,12 @@ class TokenThroughputMonitor(ThroughputMonitor):
         self._samples[TRAIN] += pending["samples"]
         self._lengths[TRAIN] += int(pending["items"])  # read after the sync: no extra wait
         self._throughputs[TRAIN].update(
-            time=time.perf_counter() - self._t0s[TRAIN], batches=self._batches[TRAIN],
-            samples=self._samples[TRAIN], lengths=self._lengths[TRAIN], flops=float(pending["flops"]) or None)
+            time=time.perf_counter() - self._t0s[TRAIN],
+            batches=self._batches[TRAIN],
+            samples=self._samples[TRAIN],
+            lengths=self._lengths[TRAIN],
+            flops=float(pending["flops"]) or None,
+        )
         self._pending = dict.fromkeys(pending, 0)
 
     def _log_peak_memory(self, trainer) -> None:

@@ -31,6 +31,7 @@ class ResumableLoader(DataLoader):
 
 def ignore_labels(sample: Any) -> Any:
     """`sample` with every label set to IGNORE_INDEX: a dict's "labels", or a tuple's last item (x, y)."""
+
     def ignored(labels: Any) -> Any:
         if isinstance(labels, torch.Tensor):
             return torch.full_like(labels, IGNORE_INDEX)
@@ -38,15 +39,19 @@ def ignore_labels(sample: Any) -> Any:
             return IGNORE_INDEX
         if isinstance(labels, (np.ndarray, np.generic)):
             return np.full_like(labels, IGNORE_INDEX)
-        raise TypeError(f"Cannot make a padding sample from labels of type {type(labels).__name__}; "
-                        "override ShardedDataModule.padding_sample for this data.")
+        raise TypeError(
+            f"Cannot make a padding sample from labels of type {type(labels).__name__}; "
+            "override ShardedDataModule.padding_sample for this data."
+        )
 
     if isinstance(sample, dict) and "labels" in sample:
         return {**sample, "labels": ignored(sample["labels"])}
     if isinstance(sample, (tuple, list)) and len(sample) >= 2:
         return type(sample)([*sample[:-1], ignored(sample[-1])])
-    raise TypeError(f"Cannot make a padding sample from a {type(sample).__name__} (expected a dict with 'labels' "
-                    "or an (inputs, labels) tuple); override ShardedDataModule.padding_sample for this data.")
+    raise TypeError(
+        f"Cannot make a padding sample from a {type(sample).__name__} (expected a dict with 'labels' "
+        "or an (inputs, labels) tuple); override ShardedDataModule.padding_sample for this data."
+    )
 
 
 class PaddedSplit(Dataset):
@@ -79,8 +84,14 @@ def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_ba
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
-    def __init__(self, global_batch_size: int, eval_batch_size: Optional[int], num_workers: int,
-                 seed: Optional[int], overfit_batches: int = 0) -> None:
+    def __init__(
+        self,
+        global_batch_size: int,
+        eval_batch_size: Optional[int],
+        num_workers: int,
+        seed: Optional[int],
+        overfit_batches: int = 0,
+    ) -> None:
         super().__init__()
         if overfit_batches < 0:
             raise ValueError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
@@ -114,8 +125,10 @@ class ShardedDataModule(L.LightningDataModule):
         """
         n = self.overfit_batches * self.global_batch_size
         if n > len(train):
-            raise ValueError(f"data.overfit_batches={self.overfit_batches} x data.global_batch_size="
-                             f"{self.global_batch_size} = {n} samples, but the training split has {len(train)}.")
+            raise ValueError(
+                f"data.overfit_batches={self.overfit_batches} x data.global_batch_size="
+                f"{self.global_batch_size} = {n} samples, but the training split has {len(train)}."
+            )
         subset = Subset(train, range(n))
         log.info(f"data.overfit_batches={self.overfit_batches}: train, val and test are the first {n} training samples")
         return {"train": subset, "val": subset, "test": subset}
@@ -144,9 +157,16 @@ class ShardedDataModule(L.LightningDataModule):
         dataset = self.splits["train"]
         sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
         sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
-        return ResumableLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True, collate_fn=self.collate_fn(),
-                               num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                               pin_memory=torch.cuda.is_available())
+        return ResumableLoader(
+            dataset,
+            batch_size=batch,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=self.collate_fn(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
 
     def eval_loader(self, split: str) -> DataLoader:
         """Evaluation's loader of any split: each sample once over all ranks, every rank the same number of batches
@@ -155,9 +175,16 @@ class ShardedDataModule(L.LightningDataModule):
         sampler = ShardSampler(len(dataset))
         if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
             dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
-        return DataLoader(dataset, batch_size=self.eval_batch_size or self.batch_size, sampler=sampler, drop_last=False,
-                          collate_fn=self.collate_fn(), num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+        return DataLoader(
+            dataset,
+            batch_size=self.eval_batch_size or self.batch_size,
+            sampler=sampler,
+            drop_last=False,
+            collate_fn=self.collate_fn(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self.eval_loader("val")

@@ -65,8 +65,10 @@ def find_files(path: str) -> list[Path]:
 
 def _not_text(file: Path, where: str, data: bytes, e: UnicodeDecodeError) -> CorpusError:
     kind = "binary data (NUL bytes)" if b"\0" in data else f"not UTF-8 text (byte 0x{data[e.start]:02x})"
-    return CorpusError(f"{file}: {where} is {kind}. data.path takes UTF-8 text: convert the file "
-                       "(e.g. iconv -f latin1 -t utf-8) or move it out of data.path.")
+    return CorpusError(
+        f"{file}: {where} is {kind}. data.path takes UTF-8 text: convert the file "
+        "(e.g. iconv -f latin1 -t utf-8) or move it out of data.path."
+    )
 
 
 def utf8_text(file: Path) -> str:
@@ -127,8 +129,7 @@ def txt_pieces(file: Path, chunk_chars: int = TXT_CHUNK_CHARS) -> Iterator[tuple
                 return
 
 
-def read_pieces(file: Path, text_field: str = "text", chunk_chars: int = TXT_CHUNK_CHARS
-                ) -> Iterator[tuple[str, bool]]:
+def read_pieces(file: Path, text_field: str = "text", chunk_chars: int = TXT_CHUNK_CHARS) -> Iterator[tuple[str, bool]]:
     """(text, ends_document): a .txt file is one document in pieces; a .jsonl file one document per line."""
     if file.suffix != ".jsonl":
         yield from txt_pieces(file, chunk_chars)
@@ -165,19 +166,28 @@ class Corpus:
 
     @classmethod
     def from_config(
-        cls, path: Optional[str], hf_dataset: Optional[str], hf_split: str, text_field: str,
-        hf_streaming: bool = False, txt_chunk_chars: int = TXT_CHUNK_CHARS,
+        cls,
+        path: Optional[str],
+        hf_dataset: Optional[str],
+        hf_split: str,
+        text_field: str,
+        hf_streaming: bool = False,
+        txt_chunk_chars: int = TXT_CHUNK_CHARS,
     ) -> "Corpus":
         if path and hf_dataset:
             raise CorpusError("Set either data.path or data.hf_dataset, not both.")
         if hf_dataset:
-            return cls(files=[], text_field=text_field,
-                       hf_dataset=_load_hf(hf_dataset, hf_split, text_field, hf_streaming),
-                       description=f"hf:{hf_dataset}[{hf_split}]" + (" (streaming)" if hf_streaming else ""))
+            return cls(
+                files=[],
+                text_field=text_field,
+                hf_dataset=_load_hf(hf_dataset, hf_split, text_field, hf_streaming),
+                description=f"hf:{hf_dataset}[{hf_split}]" + (" (streaming)" if hf_streaming else ""),
+            )
         if path:
             return cls(find_files(path), text_field, description=str(path), txt_chunk_chars=txt_chunk_chars)
-        return cls(stdlib_files(), text_field, description="python-stdlib (embedded default)",
-                   txt_chunk_chars=txt_chunk_chars)
+        return cls(
+            stdlib_files(), text_field, description="python-stdlib (embedded default)", txt_chunk_chars=txt_chunk_chars
+        )
 
     def fingerprint(self, index_dir: Optional[Path] = None) -> str:
         """Hash of the content; with `index_dir`, files unchanged since they were hashed are only stat'ed."""
@@ -194,8 +204,10 @@ class Corpus:
         if self.hf_dataset is not None:
             for batch in self.hf_dataset.iter(batch_size=HF_BATCH):
                 if self.text_field not in batch:
-                    raise CorpusError(f"{self.description} has no column {self.text_field!r}; columns: "
-                                      f"{list(batch)}. Set data.text_field.")
+                    raise CorpusError(
+                        f"{self.description} has no column {self.text_field!r}; columns: "
+                        f"{list(batch)}. Set data.text_field."
+                    )
                 for text in batch[self.text_field]:
                     yield text, True
             return
@@ -217,8 +229,13 @@ def _load_hf(name: str, split: str, text_field: str, streaming: bool = False):
         import datasets
     except ImportError as e:
         raise CorpusError("data.hf_dataset needs the `datasets` package: pip install -e '.[hf]'") from e
-    ds = datasets.load_dataset(name, split=split, streaming=True) if streaming else datasets.load_dataset(name, split=split)
+    ds = (
+        datasets.load_dataset(name, split=split, streaming=True)
+        if streaming
+        else datasets.load_dataset(name, split=split)
+    )
     if ds.column_names is not None and text_field not in ds.column_names:  # a stream may not know them yet
-        raise CorpusError(f"HF dataset {name!r} has no column {text_field!r}; columns: {ds.column_names}. "
-                          "Set data.text_field.")
+        raise CorpusError(
+            f"HF dataset {name!r} has no column {text_field!r}; columns: {ds.column_names}. Set data.text_field."
+        )
     return ds

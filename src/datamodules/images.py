@@ -50,8 +50,10 @@ def load_mnist(path: str) -> tuple[tuple[np.ndarray, np.ndarray], Optional[tuple
     root = Path(path).expanduser()
     test_x, test_y = find_idx(root, "t10k-images-idx3-ubyte"), find_idx(root, "t10k-labels-idx1-ubyte")
     if test_x is None or test_y is None:
-        raise FileNotFoundError(f"data.path={path!r} has no t10k-images-idx3-ubyte[.gz] / t10k-labels-idx1-ubyte[.gz]. "
-                                "Point data.path at a dir with the MNIST IDX files, or use data=digits (offline).")
+        raise FileNotFoundError(
+            f"data.path={path!r} has no t10k-images-idx3-ubyte[.gz] / t10k-labels-idx1-ubyte[.gz]. "
+            "Point data.path at a dir with the MNIST IDX files, or use data=digits (offline)."
+        )
     test = (read_idx(test_x), read_idx(test_y))
     train_x, train_y = find_idx(root, "train-images-idx3-ubyte"), find_idx(root, "train-labels-idx1-ubyte")
     train = (read_idx(train_x), read_idx(train_y)) if train_x and train_y else None

@@ -28,11 +28,15 @@ from src.utils.config import ConfigError, check_sequence_data
 
 log = logging.getLogger(__name__)
 
-ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
-          "Write a response that appropriately completes the request.\n\n"
-          "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes "
+    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 FIELDS = ("instruction", "input", "output")
 
 
@@ -64,10 +68,14 @@ def read_records(path: str) -> list[dict]:
     """Alpaca records; errors name the record (or line)."""
     records = read_json_records(path, "an Alpaca-style")
     for i, record in enumerate(records):
-        bad = [k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)]
+        bad = [
+            k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)
+        ]
         if bad or not isinstance(record.get("input", ""), str):
-            raise CorpusError(f"{Path(path).expanduser()}: record {i} needs string fields 'instruction' and 'output' "
-                              f"(and optional 'input'); got {record!r:.200}")
+            raise CorpusError(
+                f"{Path(path).expanduser()}: record {i} needs string fields 'instruction' and 'output' "
+                f"(and optional 'input'); got {record!r:.200}"
+            )
     return records
 
 
@@ -168,13 +176,20 @@ class InstructDataModule(ShardedDataModule):
         n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
         n_train = len(items) - n_val - n_test
         if n_train < 1:
-            raise CorpusError(f"{self.path}: {len(items)} usable record(s) are too few for a train split plus {n_val} "
-                              f"val and {n_test} test record(s). Add records or lower data.val_fraction / "
-                              "data.test_fraction.")
-        log.info(f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
-                 f"{n_train}/{n_val}/{n_test} train/val/test")
-        return {"train": Records(items[:n_train]), "val": Records(items[n_train : n_train + n_val]),
-                "test": Records(items[n_train + n_val :])}
+            raise CorpusError(
+                f"{self.path}: {len(items)} usable record(s) are too few for a train split plus {n_val} "
+                f"val and {n_test} test record(s). Add records or lower data.val_fraction / "
+                "data.test_fraction."
+            )
+        log.info(
+            f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
+            f"{n_train}/{n_val}/{n_test} train/val/test"
+        )
+        return {
+            "train": Records(items[:n_train]),
+            "val": Records(items[n_train : n_train + n_val]),
+            "test": Records(items[n_train + n_val :]),
+        }
 
     def collate_fn(self):
         return pad_collate(self.tokenizer.eos_id)

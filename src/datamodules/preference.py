@@ -44,8 +44,10 @@ def message(turn: Any, where: str) -> Message:
         role, text = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
         if role in ROLES and isinstance(text, str):
             return {"role": ROLES[role], "content": text}
-    raise CorpusError(f"{where}: {turn!r:.120} is not a turn ({{'from': 'human'|'gpt'|'system', 'value': str}} or "
-                      "{'role': ..., 'content': str}).")
+    raise CorpusError(
+        f"{where}: {turn!r:.120} is not a turn ({{'from': 'human'|'gpt'|'system', 'value': str}} or "
+        "{'role': ..., 'content': str})."
+    )
 
 
 def answer_text(value: Any, where: str) -> str:
@@ -61,16 +63,22 @@ def parse(record: Any, where: str) -> tuple[list[Message] | str, str, str]:
         raise CorpusError(f"{where} is a {type(record).__name__}, not a record with 'chosen' and 'rejected'.")
     missing = [k for k in ("chosen", "rejected") if k not in record]
     if missing:
-        raise CorpusError(f"{where} has no {' or '.join(repr(k) for k in missing)} answer: every record needs a "
-                          "'chosen' and a 'rejected' answer (see conf/data/preference.yaml for the formats).")
+        raise CorpusError(
+            f"{where} has no {' or '.join(repr(k) for k in missing)} answer: every record needs a "
+            "'chosen' and a 'rejected' answer (see conf/data/preference.yaml for the formats)."
+        )
     prompt = record.get("conversations", record.get("messages", record.get("prompt")))
     if isinstance(prompt, list):
         prompt = [message(turn, where) for turn in prompt]
     elif not isinstance(prompt, str):
-        raise CorpusError(f"{where} has no prompt: give 'conversations' (ShareGPT), 'prompt' (text or messages) or "
-                          "'messages'.")
-    return prompt, answer_text(record["chosen"], f"{where} 'chosen'"), answer_text(record["rejected"],
-                                                                                  f"{where} 'rejected'")
+        raise CorpusError(
+            f"{where} has no prompt: give 'conversations' (ShareGPT), 'prompt' (text or messages) or 'messages'."
+        )
+    return (
+        prompt,
+        answer_text(record["chosen"], f"{where} 'chosen'"),
+        answer_text(record["rejected"], f"{where} 'rejected'"),
+    )
 
 
 class Renderer:
@@ -88,7 +96,7 @@ class Renderer:
             head = self.chat.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             whole = self.chat.apply_chat_template([*prompt, {"role": "assistant", "content": answer}], tokenize=False)
             if whole.startswith(head):
-                return head, whole[len(head):]
+                return head, whole[len(head) :]
             return head, answer
         if len(prompt) == 1 and prompt[0]["role"] == "user":
             return self.template.format(instruction=prompt[0]["content"]), answer
@@ -123,6 +131,7 @@ class Pairs(Dataset):
 
 def pair_collate(pad_id: int):
     """2B rows right-padded to the longest of the batch: the B chosen sequences, then the B rejected ones."""
+
     def collate(batch: list[tuple]) -> dict[str, torch.Tensor]:
         rows = [(item[1], item[2]) for item in batch] + [(item[3], item[4]) for item in batch]
         longest = max(len(ids) for ids, _ in rows)
@@ -160,8 +169,10 @@ class PreferenceDataModule(ShardedDataModule):
         max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
         check_int("data.max_prompt_len", max_prompt_len)
         if max_prompt_len >= seq_len:
-            raise ConfigError(f"data.max_prompt_len={max_prompt_len} leaves no room for the answers in data.seq_len="
-                              f"{seq_len}: lower it below seq_len.")
+            raise ConfigError(
+                f"data.max_prompt_len={max_prompt_len} leaves no room for the answers in data.seq_len="
+                f"{seq_len}: lower it below seq_len."
+            )
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
@@ -196,7 +207,7 @@ class PreferenceDataModule(ShardedDataModule):
         keep = min(len(prompt), max(room - longest, self.max_prompt_len))
         self.counts["prompt_cut"] += keep < len(prompt)
         self.counts["answer_cut"] += keep + longest > room
-        prompt = prompt[len(prompt) - keep:]
+        prompt = prompt[len(prompt) - keep :]
         return prompt, chosen[: room - keep], rejected[: room - keep]
 
     def build_splits(self) -> dict[str, Dataset]:
@@ -214,23 +225,33 @@ class PreferenceDataModule(ShardedDataModule):
                 continue
             items.append((len(items), *sequence(fitted[0], fitted[1]), *sequence(fitted[0], fitted[2])))
         if self.counts["identical"]:
-            log.warning(f"{self.path}: {self.counts['identical']} pair(s) have the same chosen and rejected answer; "
-                        "they teach nothing (their DPO gradient is zero)")
+            log.warning(
+                f"{self.path}: {self.counts['identical']} pair(s) have the same chosen and rejected answer; "
+                "they teach nothing (their DPO gradient is zero)"
+            )
         if not items:
-            raise CorpusError(f"No pair of {self.path} fits data.seq_len={self.seq_len}: raise it or use "
-                              "data.overlong=truncate.")
+            raise CorpusError(
+                f"No pair of {self.path} fits data.seq_len={self.seq_len}: raise it or use data.overlong=truncate."
+            )
         n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
         n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
         n_train = len(items) - n_val - n_test
         if n_train < 1:
-            raise CorpusError(f"{self.path}: {len(items)} usable pair(s) are too few for a train split plus {n_val} "
-                              f"val and {n_test} test pair(s). Add pairs or lower data.val_fraction / "
-                              "data.test_fraction.")
+            raise CorpusError(
+                f"{self.path}: {len(items)} usable pair(s) are too few for a train split plus {n_val} "
+                f"val and {n_test} test pair(s). Add pairs or lower data.val_fraction / "
+                "data.test_fraction."
+            )
         c = self.counts
-        log.info(f"{c['pairs']} pairs: {c['prompt_cut']} prompts cut from the left, {c['answer_cut']} answers cut, "
-                 f"{c['dropped']} dropped at seq_len {self.seq_len} -> {n_train}/{n_val}/{n_test} train/val/test")
-        return {"train": Pairs(items[:n_train]), "val": Pairs(items[n_train: n_train + n_val]),
-                "test": Pairs(items[n_train + n_val:])}
+        log.info(
+            f"{c['pairs']} pairs: {c['prompt_cut']} prompts cut from the left, {c['answer_cut']} answers cut, "
+            f"{c['dropped']} dropped at seq_len {self.seq_len} -> {n_train}/{n_val}/{n_test} train/val/test"
+        )
+        return {
+            "train": Pairs(items[:n_train]),
+            "val": Pairs(items[n_train : n_train + n_val]),
+            "test": Pairs(items[n_train + n_val :]),
+        }
 
     def padding_sample(self, sample: tuple) -> tuple:
         """Evaluation padding: the pair's inputs, no targets (so it counts in no metric)."""

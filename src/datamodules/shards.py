@@ -79,8 +79,9 @@ def read_documents(path: str, text_field: str) -> Iterator[str]:
                 yield "".join(doc)
 
 
-def tokenize_file(path: str, tokenizer: str, seq_len: int, text_field: str = "text",
-                  batch_docs: int = 256) -> Iterator[np.ndarray]:
+def tokenize_file(
+    path: str, tokenizer: str, seq_len: int, text_field: str = "text", batch_docs: int = 256
+) -> Iterator[np.ndarray]:
     """litdata `optimize` fn: one input file -> its packed blocks (run in litdata's worker processes)."""
     tok = load_tokenizer(tokenizer)
     eos = np.array([tok.eos_id], dtype=np.int32)
@@ -104,8 +105,16 @@ class ShardBlocks(Dataset):
     shifted, PAD positions ignored). The litdata reader is opened on first use, so the object pickles
     cheaply into DataLoader workers."""
 
-    def __init__(self, input_dir: str, seq_len: int, first: int, count: int, eos_id: int,
-                 targets: np.ndarray, cache_dir: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        input_dir: str,
+        seq_len: int,
+        first: int,
+        count: int,
+        eos_id: int,
+        targets: np.ndarray,
+        cache_dir: Optional[str] = None,
+    ) -> None:
         self.input_dir, self.seq_len, self.first, self.count = input_dir, seq_len, first, count
         self.eos_id, self.targets, self.cache_dir = eos_id, targets, cache_dir
         self._reader = None
@@ -141,8 +150,9 @@ def open_reader(input_dir: str, seq_len: int, cache_dir: Optional[str] = None):
     from litdata import StreamingDataset
     from litdata.streaming.item_loader import TokensLoader
 
-    return StreamingDataset(input_dir, item_loader=TokensLoader(block_size=seq_len + 1), shuffle=False,
-                            drop_last=False, cache_dir=cache_dir)
+    return StreamingDataset(
+        input_dir, item_loader=TokensLoader(block_size=seq_len + 1), shuffle=False, drop_last=False, cache_dir=cache_dir
+    )
 
 
 def is_remote(input_dir: str) -> bool:
@@ -180,10 +190,20 @@ def chunk_cache(input_dir: str, cache_dir: Optional[str], meta: dict) -> Optiona
 class LitDataModule(ShardedDataModule):
     """`data=litdata`: train on shards built by `python -m src.tools.shards build` (see module docstring)."""
 
-    def __init__(self, input_dir: Optional[str] = None, tokenizer: str = "bytes", seq_len: int = 128, global_batch_size: int = 32,
-                 eval_batch_size: Optional[int] = None, val_fraction: float = 0.05, test_fraction: float = 0.05,
-                 num_workers: int = 0, cache_dir: Optional[str] = None, seed: int = 42,
-                 overfit_batches: int = 0) -> None:
+    def __init__(
+        self,
+        input_dir: Optional[str] = None,
+        tokenizer: str = "bytes",
+        seq_len: int = 128,
+        global_batch_size: int = 32,
+        eval_batch_size: Optional[int] = None,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        num_workers: int = 0,
+        cache_dir: Optional[str] = None,
+        seed: int = 42,
+        overfit_batches: int = 0,
+    ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.input_dir, self.tokenizer_name, self.seq_len = input_dir, tokenizer, seq_len
@@ -204,21 +224,29 @@ class LitDataModule(ShardedDataModule):
     def check_meta(self) -> dict:
         """The shards must have been built for this seq_len and tokenizer: say which rebuild is needed."""
         if not self.input_dir:  # checked here, not in __init__, so that the config composes without shards
-            raise ConfigError("data.input_dir is not set: point it at shards written by "
-                              "`python -m src.tools.shards build --output DIR` (a local dir or s3://...).")
+            raise ConfigError(
+                "data.input_dir is not set: point it at shards written by "
+                "`python -m src.tools.shards build --output DIR` (a local dir or s3://...)."
+            )
         self.input_dir = str(self.input_dir)
         raw = read_small_file(self.input_dir, META)
         if raw is None:
-            raise ConfigError(f"data.input_dir={self.input_dir!r} has no {META}: build the shards there with "
-                              "`python -m src.tools.shards build --input ... --output DIR`.")
+            raise ConfigError(
+                f"data.input_dir={self.input_dir!r} has no {META}: build the shards there with "
+                "`python -m src.tools.shards build --input ... --output DIR`."
+            )
         meta = json.loads(raw)
         if meta["seq_len"] != self.seq_len:
-            raise ConfigError(f"The shards in {self.input_dir!r} hold blocks for seq_len={meta['seq_len']}, not "
-                              f"data.seq_len={self.seq_len}: set data.seq_len={meta['seq_len']} or rebuild them "
-                              f"with --seq-len {self.seq_len}.")
+            raise ConfigError(
+                f"The shards in {self.input_dir!r} hold blocks for seq_len={meta['seq_len']}, not "
+                f"data.seq_len={self.seq_len}: set data.seq_len={meta['seq_len']} or rebuild them "
+                f"with --seq-len {self.seq_len}."
+            )
         if meta["tokenizer"] != self.tokenizer.fingerprint:
-            raise ConfigError(f"The shards in {self.input_dir!r} were tokenized with {meta['tokenizer_name']!r}, "
-                              f"not data.tokenizer={self.tokenizer_name!r}: set data.tokenizer to it or rebuild.")
+            raise ConfigError(
+                f"The shards in {self.input_dir!r} were tokenized with {meta['tokenizer_name']!r}, "
+                f"not data.tokenizer={self.tokenizer_name!r}: set data.tokenizer to it or rebuild."
+            )
         return meta
 
     def prepare_data(self) -> None:
@@ -228,12 +256,16 @@ class LitDataModule(ShardedDataModule):
         meta = self.check_meta()
         targets = np.load(io.BytesIO(read_small_file(self.input_dir, TARGETS)))
         n_train, n_val, n_test = split_blocks(len(targets), self.val_fraction, self.test_fraction)
-        log.info(f"{self.input_dir}: {int(targets.sum()):,} target tokens in {len(targets):,} blocks of "
-                 f"{self.seq_len} -> {n_train}/{n_val}/{n_test} train/val/test; micro-batch {self.batch_size}, "
-                 f"global batch {self.global_batch_size}")
+        log.info(
+            f"{self.input_dir}: {int(targets.sum()):,} target tokens in {len(targets):,} blocks of "
+            f"{self.seq_len} -> {n_train}/{n_val}/{n_test} train/val/test; micro-batch {self.batch_size}, "
+            f"global batch {self.global_batch_size}"
+        )
         cache = chunk_cache(self.input_dir, self.cache_dir, meta)
-        make = lambda first, count: ShardBlocks(self.input_dir, self.seq_len, first, count,  # noqa: E731
-                                                self.tokenizer.eos_id, targets, cache)
+
+        def make(first: int, count: int) -> ShardBlocks:
+            return ShardBlocks(self.input_dir, self.seq_len, first, count, self.tokenizer.eos_id, targets, cache)
+
         return {"train": make(0, n_train), "val": make(n_train, n_val), "test": make(n_train + n_val, n_test)}
 
 

@@ -164,8 +164,14 @@ class TextDataModule(ShardedDataModule):
         return self.tokenizer.vocab_size
 
     def tokens(self, path: Optional[str] = None) -> np.ndarray:
-        corpus = Corpus.from_config(path or self.path, None if path else self.hf_dataset, self.hf_split,
-                                    self.text_field, self.hf_streaming, self.txt_chunk_chars)
+        corpus = Corpus.from_config(
+            path or self.path,
+            None if path else self.hf_dataset,
+            self.hf_split,
+            self.text_field,
+            self.hf_streaming,
+            self.txt_chunk_chars,
+        )
         return load_or_build(corpus, self.tokenizer, self.cache_dir)
 
     def prepare_data(self) -> None:
@@ -183,12 +189,15 @@ class TextDataModule(ShardedDataModule):
 
     def _splits_of(self, path: Optional[str]) -> dict[str, PackedBlocks]:
         tokens = self.tokens(path)
-        n_train, n_val, n_test = split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction,
-                                              self.test_fraction)
+        n_train, n_val, n_test = split_blocks(
+            count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction
+        )
         eos = self.tokenizer.eos_id
-        log.info(f"{path or self.path or 'corpus'}: {len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} "
-                 f"train/val/test blocks of {self.seq_len}; micro-batch {self.batch_size}, "
-                 f"global batch {self.global_batch_size}")
+        log.info(
+            f"{path or self.path or 'corpus'}: {len(tokens):,} tokens -> {n_train}/{n_val}/{n_test} "
+            f"train/val/test blocks of {self.seq_len}; micro-batch {self.batch_size}, "
+            f"global batch {self.global_batch_size}"
+        )
         return {
             "train": PackedBlocks(tokens, self.seq_len, 0, n_train, eos),
             "val": PackedBlocks(tokens, self.seq_len, n_train, n_val, eos),
@@ -200,6 +209,8 @@ class TextDataModule(ShardedDataModule):
             return self._splits_of(None)
         parts = [self._splits_of(m["path"]) for m in self.mix]
         # Training follows the weights; val and test keep every block of every source, once.
-        return {"train": WeightedMix([p["train"] for p in parts], [float(m["weight"]) for m in self.mix],
-                                     self.seed or 0),
-                "val": ConcatDataset([p["val"] for p in parts]), "test": ConcatDataset([p["test"] for p in parts])}
+        return {
+            "train": WeightedMix([p["train"] for p in parts], [float(m["weight"]) for m in self.mix], self.seed or 0),
+            "val": ConcatDataset([p["val"] for p in parts]),
+            "test": ConcatDataset([p["test"] for p in parts]),
+        }

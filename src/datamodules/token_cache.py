@@ -54,8 +54,10 @@ def load_or_build(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Path
         (cache_dir / f".write_test{os.getpid()}").touch()
         (cache_dir / f".write_test{os.getpid()}").unlink()
     except OSError as e:
-        raise ConfigError(f"The token cache dir {cache_dir} cannot be written ({e.strerror}): set paths.cache_dir "
-                          "(or data.cache_dir) to a writable dir.") from None
+        raise ConfigError(
+            f"The token cache dir {cache_dir} cannot be written ({e.strerror}): set paths.cache_dir "
+            "(or data.cache_dir) to a writable dir."
+        ) from None
     key = cache_key(corpus, tokenizer, cache_dir / "file-hashes")
     bin_path, meta_path = cache_dir / f"{key}.bin", cache_dir / f"{key}.json"
     if not meta_path.exists():  # the meta file is written last: its presence means the cache is complete
@@ -75,8 +77,10 @@ def build_lock(path: Path) -> Iterator[None]:
         lock.acquire()
     except OSError as e:
         excl = Path(f"{path}.excl")
-        log.warning(f"flock on {path} failed ({e.strerror or e}): locking with the O_EXCL file {excl} instead. "
-                    f"If a job was killed while building this cache and nothing else is building it, delete {excl}.")
+        log.warning(
+            f"flock on {path} failed ({e.strerror or e}): locking with the O_EXCL file {excl} instead. "
+            f"If a job was killed while building this cache and nothing else is building it, delete {excl}."
+        )
         lock = SoftFileLock(str(excl))
         lock.acquire()
     try:
@@ -96,11 +100,17 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, bin_path: Path, meta_path: Path
         raise
     if n_docs == 0:
         tmp.unlink()
-        raise CorpusError(f"The corpus {corpus.description!r} is empty: it has no non-blank document. "
-                          "Point data.path at text.")
+        raise CorpusError(
+            f"The corpus {corpus.description!r} is empty: it has no non-blank document. Point data.path at text."
+        )
     os.replace(tmp, bin_path)
-    meta = {"n_tokens": n_tokens, "n_docs": n_docs, "dtype": dtype.name, "source": corpus.description,
-            "tokenizer": tokenizer.fingerprint}
+    meta = {
+        "n_tokens": n_tokens,
+        "n_docs": n_docs,
+        "dtype": dtype.name,
+        "source": corpus.description,
+        "tokenizer": tokenizer.fingerprint,
+    }
     meta_path.write_text(json.dumps(meta, indent=1))
     log.info(f"Tokenized {n_docs} documents into {n_tokens:,} tokens in {time.perf_counter() - t0:.1f}s -> {bin_path}")
 

@@ -58,8 +58,10 @@ class HFTokenizer:
         if special_tokens:  # new ids at the end of the vocabulary; the model resizes its embeddings to match
             self.hf.add_special_tokens({"additional_special_tokens": list(special_tokens)})
         if self.hf.eos_token_id is None:
-            raise ConfigError(f"data.tokenizer={name_or_path!r} has no EOS token, so documents could not be "
-                              "separated: use a tokenizer with one (e.g. GPT-2's) or data.tokenizer=bytes.")
+            raise ConfigError(
+                f"data.tokenizer={name_or_path!r} has no EOS token, so documents could not be "
+                "separated: use a tokenizer with one (e.g. GPT-2's) or data.tokenizer=bytes."
+            )
         self.vocab_size = len(self.hf)
         self.eos_id = int(self.hf.eos_token_id)
         state = self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
@@ -102,9 +104,11 @@ def load_hf_tokenizer(name_or_path: str):
 
     local = Path(name_or_path).expanduser()
     if name_or_path.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub name
-        raise PathNotFound(f"data.tokenizer={name_or_path!r} is not an existing dir (data.tokenizer follows "
-                           "model.pretrained unless set). Pass a dir with tokenizer.json (or vocab.json + merges.txt), "
-                           "or data.tokenizer=bytes.")
+        raise PathNotFound(
+            f"data.tokenizer={name_or_path!r} is not an existing dir (data.tokenizer follows "
+            "model.pretrained unless set). Pass a dir with tokenizer.json (or vocab.json + merges.txt), "
+            "or data.tokenizer=bytes."
+        )
     if local.is_dir() and not (local / "tokenizer.json").exists() and (local / "merges.txt").exists():
         return GPT2TokenizerFast.from_pretrained(str(local))
     try:
@@ -126,7 +130,8 @@ def load_hf_tokenizer(name_or_path: str):
 def load_tokenizer(name: str, special_tokens: Sequence[str] = ()) -> Tokenizer:
     if name == "bytes":
         if special_tokens:
-            raise ConfigError("data.special_tokens needs a Hugging Face tokenizer; the byte tokenizer has no vocabulary "
-                             "to extend.")
+            raise ConfigError(
+                "data.special_tokens needs a Hugging Face tokenizer; the byte tokenizer has no vocabulary to extend."
+            )
         return ByteTokenizer()
     return HFTokenizer(name, special_tokens)

@@ -98,7 +98,9 @@ def save_sharded(strategy: Any, write: Callable[[Path], None], filepath: str | P
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's torch.save checkpoint IO, but a local file is written as `<path>.tmp` and renamed."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Optional[Any] = None
+    ) -> None:
         if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
@@ -116,6 +118,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 # ---- reading: is a checkpoint complete, and which one is the newest complete one ----
+
 
 def _zip_problem(path: Path) -> Optional[str]:
     """torch.save writes a zip whose index is at the end: a truncated or foreign file has none."""
@@ -195,5 +198,7 @@ class SameResumeOnAllRanks(Callback):
         rank0 = trainer.strategy.broadcast(mine, src=0)
         if trainer.strategy.reduce_boolean_decision(mine != rank0, all=False):
             who = f"rank {trainer.global_rank} chose {mine}" if mine != rank0 else "another rank chose differently"
-            raise RuntimeError(f"resume=auto: {who} but rank 0 chose {rank0} (their views of the file system differ); "
-                               f"pass ckpt_path={rank0} so every rank starts from the same checkpoint.")
+            raise RuntimeError(
+                f"resume=auto: {who} but rank 0 chose {rank0} (their views of the file system differ); "
+                f"pass ckpt_path={rank0} so every rank starts from the same checkpoint."
+            )

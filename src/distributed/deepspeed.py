@@ -29,26 +29,37 @@ OURS = {  # DeepSpeed key -> the config keys that decide it here
 }
 
 
-def derive_config(user: dict[str, Any], stage: int, micro: int, accumulation: int, world: int,
-                  clip: Optional[float], precision: str) -> dict[str, Any]:
+def derive_config(
+    user: dict[str, Any], stage: int, micro: int, accumulation: int, world: int, clip: Optional[float], precision: str
+) -> dict[str, Any]:
     """The user's DeepSpeed config, filled in from ours; ConfigError on any contradiction."""
     config = json.loads(json.dumps(user))  # deep copy
-    derived = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
-               "train_batch_size": micro * accumulation * world, "gradient_clipping": float(clip or 0.0)}
+    derived = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world,
+        "gradient_clipping": float(clip or 0.0),
+    }
     for key, value in derived.items():
         theirs = config.get(key, "auto")
         if theirs != "auto" and theirs != value:
-            raise ConfigError(f"ds_config {key}={theirs!r} contradicts this run's {value!r} (from {OURS[key]}). "
-                              f"Remove it from the JSON (or set it to \"auto\") and change {OURS[key]} instead.")
+            raise ConfigError(
+                f"ds_config {key}={theirs!r} contradicts this run's {value!r} (from {OURS[key]}). "
+                f'Remove it from the JSON (or set it to "auto") and change {OURS[key]} instead.'
+            )
         config[key] = value
     zero = config.setdefault("zero_optimization", {})
     if zero.get("stage", "auto") not in ("auto", stage):
-        raise ConfigError(f"ds_config zero_optimization.stage={zero['stage']} contradicts trainer.strategy.stage={stage}.")
+        raise ConfigError(
+            f"ds_config zero_optimization.stage={zero['stage']} contradicts trainer.strategy.stage={stage}."
+        )
     zero["stage"] = stage
     for key in ("optimizer", "scheduler"):
         if key in config:
-            raise ConfigError(f"ds_config has an {key!r} section: set it in model.{key} instead, so one config "
-                              "decides it (offload gets DeepSpeed's CPU Adam automatically).")
+            raise ConfigError(
+                f"ds_config has an {key!r} section: set it in model.{key} instead, so one config "
+                "decides it (offload gets DeepSpeed's CPU Adam automatically)."
+            )
     wants = {"16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-true": "fp16"}.get(precision)
     for kind in ("fp16", "bf16"):
         enabled = config.get(kind, {}).get("enabled", "auto")
@@ -62,8 +73,14 @@ def derive_config(user: dict[str, Any], stage: int, micro: int, accumulation: in
 class DeepSpeedStrategy(LightningDeepSpeed):
     requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
 
-    def __init__(self, stage: int = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
-                 config: Optional[Union[str, dict]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        config: Optional[Union[str, dict]] = None,
+        **kwargs: Any,
+    ) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"trainer.strategy.stage={stage}: DeepSpeed ZeRO has stages 1, 2 and 3.")
         if offload_parameters and stage != 3:
@@ -78,8 +95,9 @@ class DeepSpeedStrategy(LightningDeepSpeed):
                 config = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from e
-        super().__init__(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
-                         **kwargs)
+        super().__init__(
+            stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, **kwargs
+        )
         self.user_config = dict(config or {})
         # With optimizer offload, ZeRO steps on the CPU with DeepSpeed's own Adam (read by LitModule).
         self.optimizer_class = None
@@ -101,17 +119,33 @@ class DeepSpeedStrategy(LightningDeepSpeed):
     def _format_config(self) -> None:
         trainer = self.lightning_module.trainer
         base = {**self.config, **self.user_config}  # Lightning's defaults for the stage/offload, then the user's
-        base["zero_optimization"] = {**self.config.get("zero_optimization", {}),
-                                     **self.user_config.get("zero_optimization", {})}
-        self.config = derive_config(base, self.config["zero_optimization"]["stage"], trainer.datamodule.batch_size,
-                                    trainer.accumulate_grad_batches, trainer.world_size, trainer.gradient_clip_val,
-                                    str(self.precision_plugin.precision))
-        _format_precision_config(config=self.config, precision=self.precision_plugin.precision,
-                                 loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window,
-                                 min_loss_scale=self.min_loss_scale, initial_scale_power=self.initial_scale_power,
-                                 hysteresis=self.hysteresis)
+        base["zero_optimization"] = {
+            **self.config.get("zero_optimization", {}),
+            **self.user_config.get("zero_optimization", {}),
+        }
+        self.config = derive_config(
+            base,
+            self.config["zero_optimization"]["stage"],
+            trainer.datamodule.batch_size,
+            trainer.accumulate_grad_batches,
+            trainer.world_size,
+            trainer.gradient_clip_val,
+            str(self.precision_plugin.precision),
+        )
+        _format_precision_config(
+            config=self.config,
+            precision=self.precision_plugin.precision,
+            loss_scale=self.loss_scale,
+            loss_scale_window=self.loss_scale_window,
+            min_loss_scale=self.min_loss_scale,
+            initial_scale_power=self.initial_scale_power,
+            hysteresis=self.hysteresis,
+        )
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """The ZeRO dir is written beside `filepath` and renamed into place once every rank's part is on disk."""
-        save_sharded(self, lambda tmp: super(DeepSpeedStrategy, self).save_checkpoint(checkpoint, str(tmp),
-                                                                                      storage_options), filepath)
+        save_sharded(
+            self,
+            lambda tmp: super(DeepSpeedStrategy, self).save_checkpoint(checkpoint, str(tmp), storage_options),
+            filepath,
+        )

@@ -63,9 +63,11 @@ def parallelize(
         fully_shard(block, reshard_after_forward=reshard_after_forward, **policy)
     for network in module.networks():  # the trained network; frozen ones (DPO's reference) are roots of their own
         fully_shard(network, reshard_after_forward=reshard_after_forward, **policy)
-    log.info(f"FSDP2: {len(blocks)} blocks + root sharded over {mesh.size()} rank(s); "
-             f"reshard_after_forward={reshard_after_forward}, activation_checkpointing={activation_checkpointing}, "
-             f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, cpu_offload={cpu_offload}")
+    log.info(
+        f"FSDP2: {len(blocks)} blocks + root sharded over {mesh.size()} rank(s); "
+        f"reshard_after_forward={reshard_after_forward}, activation_checkpointing={activation_checkpointing}, "
+        f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, cpu_offload={cpu_offload}"
+    )
     return module
 
 
@@ -92,8 +94,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout=timeout)
         self.meta_init = meta_init  # read by train.py
         self.save_distributed_checkpoint = save_distributed_checkpoint
-        self.options = dict(reshard_after_forward=reshard_after_forward, activation_checkpointing=activation_checkpointing,
-                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+        self.options = dict(
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+        )
 
     def setup_environment(self) -> None:
         # One data-parallel dim over every rank (Lightning's default would use the devices for tensor parallelism).
@@ -111,5 +118,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The DCP dir is written beside `filepath` and renamed into place once every shard is on disk."""
         if not self.save_distributed_checkpoint:  # one file on rank 0, via trainer.plugins' AtomicCheckpointIO
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options),
-                     filepath)
+        save_sharded(
+            self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
+        )

@@ -25,8 +25,10 @@ def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
     rank, world = rank_and_world()
     per_rank, real = -(-n_samples // world), len(range(rank, n_samples, world))
     if local.shape[0] not in (per_rank, real):
-        raise ValueError(f"gather_shards: rank {rank} holds {real} of the {n_samples} samples (+{per_rank - real} "
-                         f"padding) but was given {local.shape[0]} rows; pass n_samples = the split's length.")
+        raise ValueError(
+            f"gather_shards: rank {rank} holds {real} of the {n_samples} samples (+{per_rank - real} "
+            f"padding) but was given {local.shape[0]} rows; pass n_samples = the split's length."
+        )
     if world == 1:
         return local
     padded = local.new_zeros((per_rank, *local.shape[1:]))  # all_gather needs equal shapes

@@ -36,8 +36,15 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 
 from src.distributed import launcher_env, timeouts
 
-RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS",
-                   "TORCHELASTIC_USE_AGENT_STORE")
+RENDEZVOUS_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 FAILED_JOB_GRACE_S = 5.0  # after a failed job, its ranks get this long to print their own error, then SIGKILL
 log = logging.getLogger(__name__)
 
@@ -101,11 +108,14 @@ def prepare_slurm(devices: Any = None) -> None:
         return
     nodes, per_node = num_nodes(), launcher_env.slurm_tasks_per_node() or 1
     if launcher_env.slurm_starts_ranks():
-        log.info(f"SLURM job {job}: one task per rank ({per_node} per node x {nodes} node(s)): "
-                 f"SLURM started {per_node * nodes} ranks")
+        log.info(
+            f"SLURM job {job}: one task per rank ({per_node} per node x {nodes} node(s)): "
+            f"SLURM started {per_node * nodes} ranks"
+        )
         return
     env["MASTER_ADDR"] = env.get("MASTER_ADDR") or SLURMEnvironment.resolve_root_node_address(
-        env.get("SLURM_NODELIST", "127.0.0.1"))
+        env.get("SLURM_NODELIST", "127.0.0.1")
+    )
     env.setdefault("MASTER_PORT", str(15000 + int(job.replace("_", "")[-4:])))  # Lightning's choice for SLURM
     env["NODE_RANK"] = env.get("SLURM_NODEID", "0")
     env.pop("SLURM_NTASKS", None)
@@ -113,8 +123,10 @@ def prepare_slurm(devices: Any = None) -> None:
     if nodes * ranks == 1:
         log.info(f"SLURM job {job}: one task, one process (trainer.devices={devices})")
     else:
-        log.info(f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts {ranks} rank(s) on each node "
-                 f"(trainer.devices={devices}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+        log.info(
+            f"SLURM job {job}: one task per node ({nodes} node(s)): Lightning starts {ranks} rank(s) on each node "
+            f"(trainer.devices={devices}), rendezvous at {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        )
 
 
 @contextmanager

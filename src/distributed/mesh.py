@@ -20,15 +20,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from src.utils.config import ConfigError
 
 DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
-KEYS = {"data_parallel": "trainer.strategy.data_parallel_size",
-        "pipeline_parallel": "trainer.strategy.pipeline_parallel_size",
-        "tensor_parallel": "trainer.strategy.tensor_parallel_size"}
+KEYS = {
+    "data_parallel": "trainer.strategy.data_parallel_size",
+    "pipeline_parallel": "trainer.strategy.pipeline_parallel_size",
+    "tensor_parallel": "trainer.strategy.tensor_parallel_size",
+}
 
 _DATA_MESH: Optional[DeviceMesh] = None  # the 1-D data-parallel mesh of this process, once a strategy set it
 
 
-def mesh_sizes(world_size: int, data_parallel: Union[int, str] = "auto", pipeline_parallel: int = 1,
-               tensor_parallel: int = 1) -> dict[str, int]:
+def mesh_sizes(
+    world_size: int, data_parallel: Union[int, str] = "auto", pipeline_parallel: int = 1, tensor_parallel: int = 1
+) -> dict[str, int]:
     """The size of each dim; data_parallel="auto" takes what the others leave. One sentence if they do not fit."""
     for dim, size in (("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -36,17 +39,21 @@ def mesh_sizes(world_size: int, data_parallel: Union[int, str] = "auto", pipelin
     model = pipeline_parallel * tensor_parallel
     if data_parallel == "auto":
         if world_size % model:
-            raise ConfigError(f"{world_size} process(es) do not divide into pipeline_parallel_size={pipeline_parallel} x "
-                              f"tensor_parallel_size={tensor_parallel} = {model}: set trainer.devices (x trainer.num_nodes) "
-                              f"to a multiple of {model}.")
+            raise ConfigError(
+                f"{world_size} process(es) do not divide into pipeline_parallel_size={pipeline_parallel} x "
+                f"tensor_parallel_size={tensor_parallel} = {model}: set trainer.devices (x trainer.num_nodes) "
+                f"to a multiple of {model}."
+            )
         data_parallel = world_size // model
     sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"{KEYS['data_parallel']}={data_parallel!r} is not valid: use an integer >= 1 or auto.")
     if data_parallel * model != world_size:
-        raise ConfigError(f"The world size {world_size} is not data_parallel_size={data_parallel} x pipeline_parallel_size="
-                          f"{pipeline_parallel} x tensor_parallel_size={tensor_parallel} = {data_parallel * model}: change "
-                          "trainer.devices (x trainer.num_nodes) or the sizes so that the product is the world size.")
+        raise ConfigError(
+            f"The world size {world_size} is not data_parallel_size={data_parallel} x pipeline_parallel_size="
+            f"{pipeline_parallel} x tensor_parallel_size={tensor_parallel} = {data_parallel * model}: change "
+            "trainer.devices (x trainer.num_nodes) or the sizes so that the product is the world size."
+        )
     return sizes
 
 

@@ -34,8 +34,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining import ScheduleLoopedBFS
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.tensor import DTensor
 
 from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
@@ -57,21 +62,29 @@ def check_config(cfg: DictConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"trainer.strategy.{key}={value!r} is not valid: use an integer >= {low}.")
     if (schedule in MULTI_STAGE) != (v > 1):
-        raise ConfigError(f"trainer.strategy.stages_per_rank={v} does not fit schedule={schedule}: use stages_per_rank>=2 "
-                          "with Interleaved1F1B only, and stages_per_rank=1 with GPipe or 1F1B.")
+        raise ConfigError(
+            f"trainer.strategy.stages_per_rank={v} does not fit schedule={schedule}: use stages_per_rank>=2 "
+            "with Interleaved1F1B only, and stages_per_rank=1 with GPipe or 1F1B."
+        )
     if schedule == "1F1B" and m < pp:
-        raise ConfigError(f"trainer.strategy.n_microbatches={m} is fewer than the {pp} pipeline stages, which 1F1B "
-                          f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%).")
+        raise ConfigError(
+            f"trainer.strategy.n_microbatches={m} is fewer than the {pp} pipeline stages, which 1F1B "
+            f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%)."
+        )
     config = architecture(cfg.model)
     if config is None:
-        raise ConfigError("trainer=pipeline splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or "
-                          "causal_lm), and this model is not one.")
+        raise ConfigError(
+            "trainer=pipeline splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or "
+            "causal_lm), and this model is not one."
+        )
     stage_class(config)  # one sentence for a model without a pipeline plan
     n_layer = config.num_hidden_layers
     if n_layer % (pp * v):
         key = "model.n_layer" if "n_layer" in cfg.model else "model.config.num_hidden_layers"
-        raise ConfigError(f"{key}={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
-                          f"{v} = {pp * v} stages of equal size: pick a layer count that is a multiple of {pp * v}.")
+        raise ConfigError(
+            f"{key}={n_layer} does not divide into pipeline_parallel_size={pp} x stages_per_rank="
+            f"{v} = {pp * v} stages of equal size: pick a layer count that is a multiple of {pp * v}."
+        )
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
@@ -80,21 +93,31 @@ def check_config(cfg: DictConfig) -> None:
 
         check_plan(config)
         check_divisible(config, tp)
-    unsupported = [(key, value) for key, value in (
-        ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
-        ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
-        ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),
-        ("model.gradient_checkpointing", OmegaConf.select(cfg, "model.gradient_checkpointing", default=False)))
-        if value]
+    unsupported = [
+        (key, value)
+        for key, value in (
+            ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
+            ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
+            ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),
+            ("model.gradient_checkpointing", OmegaConf.select(cfg, "model.gradient_checkpointing", default=False)),
+        )
+        if value
+    ]
     if unsupported:
-        raise ConfigError(f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA, compile and "
-                          "gradient checkpointing are not): switch it off, or use trainer=ddp or trainer=fsdp.")
+        raise ConfigError(
+            f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA, compile and "
+            "gradient checkpointing are not): switch it off, or use trainer=ddp or trainer=fsdp."
+        )
     if cfg.trainer.get("gradient_clip_val"):
-        raise ConfigError(f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val} does not apply to trainer=pipeline "
-                          "(its optimizer step is its own): set trainer.strategy.gradient_clip_val instead.")
+        raise ConfigError(
+            f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val} does not apply to trainer=pipeline "
+            "(its optimizer step is its own): set trainer.strategy.gradient_clip_val instead."
+        )
     if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
-        raise ConfigError("trainer.accumulate_grad_batches must be 1 with trainer=pipeline: its micro-batches are the "
-                          "accumulation; raise trainer.strategy.n_microbatches instead.")
+        raise ConfigError(
+            "trainer.accumulate_grad_batches must be 1 with trainer=pipeline: its micro-batches are the "
+            "accumulation; raise trainer.strategy.n_microbatches instead."
+        )
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     batch = OmegaConf.select(cfg, "data.global_batch_size")
     if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
@@ -102,8 +125,10 @@ def check_config(cfg: DictConfig) -> None:
 
         dp = mesh_sizes(devices * nodes, pipeline_parallel=pp, tensor_parallel=tp)["data_parallel"]
         if isinstance(batch, int) and batch % (dp * m):
-            raise ConfigError(f"data.global_batch_size={batch} does not divide into {dp} data-parallel replica(s) x "
-                              f"n_microbatches={m} = {dp * m}: pick a multiple of {dp * m}.")
+            raise ConfigError(
+                f"data.global_batch_size={batch} does not divide into {dp} data-parallel replica(s) x "
+                f"n_microbatches={m} = {dp * m}: pick a multiple of {dp * m}."
+            )
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +145,17 @@ def squared_norm(grad: torch.Tensor) -> torch.Tensor:
 class Pipeline:
     """This rank's stages and the schedules that run them, for training and for evaluation."""
 
-    def __init__(self, stages: list[nn.Module], indices: list[int], n_stages: int, mesh: DeviceMesh, schedule: str,
-                 n_microbatches: int, device: torch.device, token_loss) -> None:
+    def __init__(
+        self,
+        stages: list[nn.Module],
+        indices: list[int],
+        n_stages: int,
+        mesh: DeviceMesh,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+        token_loss,
+    ) -> None:
         self.token_loss = token_loss  # (logits, labels) -> (sum of token losses, targets): the module's own
         self.modules, self.indices, self.n_stages = stages, indices, n_stages
         self.group = mesh["pipeline_parallel"].get_group()
@@ -163,11 +197,14 @@ class Pipeline:
         if key not in self._schedules:
             if len(self._schedules) >= 8:  # e.g. instruction data: one shape per padded length
                 self._schedules.pop(next(iter(self._schedules)))
-            stages = [PipelineStage(mod, i, self.n_stages, self.device, group=self.group)
-                      for mod, i in zip(self.modules, self.indices)]
+            stages = [
+                PipelineStage(mod, i, self.n_stages, self.device, group=self.group)
+                for mod, i in zip(self.modules, self.indices)
+            ]
             single = cls in (ScheduleGPipe, Schedule1F1B)
-            self._schedules[key] = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=self.loss,
-                                       scale_grads=False)
+            self._schedules[key] = cls(
+                stages[0] if single else stages, n_microbatches=m, loss_fn=self.loss, scale_grads=False
+            )
         return self._schedules[key]
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor, training: bool, scale: float = 1.0) -> torch.Tensor:
@@ -190,7 +227,9 @@ class Pipeline:
         """This rank's copy of the tied input/output embedding (first or last stage), if the model ties them."""
         if not self.tied:
             return []
-        found = [m.weight for mod in self.modules for m in (mod.input_embedding(), mod.output_embedding()) if m is not None]
+        found = [
+            m.weight for mod in self.modules for m in (mod.input_embedding(), mod.output_embedding()) if m is not None
+        ]
         return list({id(p): p for p in found}.values())
 
     def sync_grads(self, params: list[nn.Parameter]) -> None:
@@ -205,15 +244,19 @@ class Pipeline:
             dist.all_reduce(flat, group=self.data_group)  # a sum: each replica's loss is its share of the global mean
             offset = 0
             for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
     def clip_grads(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, as torch.nn.utils.clip_grad_norm_ on one process:
         squares summed over this pipeline group's stages, the tied weight counted once (on the first stage)."""
-        skip = {id(mod.output_embedding().weight) for mod in self.modules if mod.last and self.tied and not self.has_first}
-        squares = sum((squared_norm(p.grad) for p in params if p.grad is not None and id(p) not in skip),
-                      torch.zeros((), dtype=torch.float64, device=self.device))
+        skip = {
+            id(mod.output_embedding().weight) for mod in self.modules if mod.last and self.tied and not self.has_first
+        }
+        squares = sum(
+            (squared_norm(p.grad) for p in params if p.grad is not None and id(p) not in skip),
+            torch.zeros((), dtype=torch.float64, device=self.device),
+        )
         dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt().float()
         if max_norm:
@@ -224,8 +267,9 @@ class Pipeline:
         return norm
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int,
-                device: torch.device) -> Pipeline:
+def parallelize(
+    module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
+) -> Pipeline:
     """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
@@ -233,8 +277,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatch
     layers = module.blocks()[0][0]  # the model's decoder-layer list (the parent of every block)
     n_layer = len(layers)
     if n_layer % n_stages:
-        raise ConfigError(f"The model's {n_layer} layers do not divide into {n_stages} pipeline stages of equal size: "
-                          f"pick a layer count that is a multiple of {n_stages}.")
+        raise ConfigError(
+            f"The model's {n_layer} layers do not divide into {n_stages} pipeline stages of equal size: "
+            f"pick a layer count that is a multiple of {n_stages}."
+        )
     rank = pp.get_local_rank()
     indices = [rank + k * pp.size() for k in range(stages_per_rank)]
     ranges = stage_ranges(n_layer, n_stages)
@@ -249,6 +295,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatch
         from src.distributed.tensor_parallel import parallelize as split_blocks
 
         split_blocks(module, tp, blocks=[layers[b] for b in sorted(keep)])
-    log.info(f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
-             f"{n_microbatches} micro-batches; this rank holds stages {indices}")
+    log.info(
+        f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
+        f"{n_microbatches} micro-batches; this rank holds stages {indices}"
+    )
     return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.summed_token_loss)

@@ -75,14 +75,15 @@ class DecoderStage(nn.Module):
         self.first, self.last = first, last
         self.inputs = nn.ModuleDict({n: getattr(body, n) for n in names[:split]}) if first else None
         self.layers = nn.ModuleList(getattr(body, names[split])[lo:hi])
-        self.outputs = nn.ModuleDict({n: getattr(body, n) for n in names[split + 1:]}) if last else None
+        self.outputs = nn.ModuleDict({n: getattr(body, n) for n in names[split + 1 :]}) if last else None
         self.lm_head = hf.get_output_embeddings() if last else None
         self.rotary = getattr(body, "rotary_emb", None)  # no parameters: every stage computes its positions' angles
         types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         # Mistral: every layer slides when sliding_window is set; Qwen2 and others say per layer (layer_types)
-        self.windows = [window if (types[i] == "sliding_attention" if types else window) else None
-                        for i in range(lo, hi)]
+        self.windows = [
+            window if (types[i] == "sliding_attention" if types else window) else None for i in range(lo, hi)
+        ]
         self.eager = config._attn_implementation == "eager"  # HF's own field for the choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +117,10 @@ def layers_name(hf: nn.Module) -> str:
     plan = getattr(hf.config, "base_model_pp_plan", None) or {}
     lists = [name for name in plan if isinstance(getattr(hf.base_model, name, None), nn.ModuleList)]
     if len(lists) != 1:
-        raise ConfigError(f"{hf.config.model_type}'s pipeline plan {list(plan)} does not name one layer list: "
-                          "train it with trainer=fsdp or trainer=ddp.")
+        raise ConfigError(
+            f"{hf.config.model_type}'s pipeline plan {list(plan)} does not name one layer list: "
+            "train it with trainer=fsdp or trainer=ddp."
+        )
     return lists[0]
 
 
@@ -127,9 +130,11 @@ def stage_class(config) -> type[nn.Module]:
         return DecoderStage
     if config.model_type == "gpt2":
         return GPT2Stage
-    raise ConfigError(f"trainer=pipeline needs a pipeline plan and {config.model_type}'s config has none "
-                      "(base_model_pp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers ships a "
-                      "plan for work; train this one with trainer=fsdp or trainer=ddp.")
+    raise ConfigError(
+        f"trainer=pipeline needs a pipeline plan and {config.model_type}'s config has none "
+        "(base_model_pp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers ships a "
+        "plan for work; train this one with trainer=fsdp or trainer=ddp."
+    )
 
 
 def prune(hf: nn.Module, layers: nn.ModuleList, keep: set[int], first: bool, last: bool) -> None:
@@ -142,7 +147,7 @@ def prune(hf: nn.Module, layers: nn.ModuleList, keep: set[int], first: bool, las
     if getattr(hf.config, "base_model_pp_plan", None):
         names = list(hf.config.base_model_pp_plan)
         split = names.index(layers_name(hf))
-        before, after = names[:split], names[split + 1:]
+        before, after = names[:split], names[split + 1 :]
     else:  # GPT-2
         before, after = ["wte", "wpe"], ["ln_f"]
     for name in before if not first else []:

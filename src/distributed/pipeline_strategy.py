@@ -51,7 +51,11 @@ class PipelineStrategy(ModelParallelStrategy):
         timeout: timedelta = default_pg_timeout,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, timeout=timeout)
-        self.pipeline_parallel_size, self.schedule, self.n_microbatches = pipeline_parallel_size, schedule, n_microbatches
+        self.pipeline_parallel_size, self.schedule, self.n_microbatches = (
+            pipeline_parallel_size,
+            schedule,
+            n_microbatches,
+        )
         self.tensor_parallel_size = tensor_parallel_size
         self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
         self.mesh = None
@@ -69,14 +73,24 @@ class PipelineStrategy(ModelParallelStrategy):
         # Lightning's own (world x 1) mesh is built and unused; ours has the pipeline dim.
         self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
-        self.mesh = meshes.build_mesh(self.world_size, self.root_device.type, pipeline_parallel=self.pipeline_parallel_size,
-                                      tensor_parallel=self.tensor_parallel_size)
+        self.mesh = meshes.build_mesh(
+            self.world_size,
+            self.root_device.type,
+            pipeline_parallel=self.pipeline_parallel_size,
+            tensor_parallel=self.tensor_parallel_size,
+        )
         meshes.split_data_over(self.mesh)
 
     def setup(self, trainer) -> None:
         if self.pipeline is None:  # setup runs again for test after fit
-            self.pipeline = parallelize(self.lightning_module, self.mesh, self.schedule, self.n_microbatches,
-                                        self.stages_per_rank, self.root_device)
+            self.pipeline = parallelize(
+                self.lightning_module,
+                self.mesh,
+                self.schedule,
+                self.n_microbatches,
+                self.stages_per_rank,
+                self.root_device,
+            )
         super().setup(trainer)
 
     def teardown(self) -> None:
@@ -123,8 +137,10 @@ class PipelineStrategy(ModelParallelStrategy):
         self._evaluate(batch, self.lightning_module.test_metrics)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("trainer=pipeline does not predict: export the checkpoint (src.tools.checkpoints "
-                                  "export-hf) and predict with one process.")
+        raise NotImplementedError(
+            "trainer=pipeline does not predict: export the checkpoint (src.tools.checkpoints "
+            "export-hf) and predict with one process."
+        )
 
     # ---- checkpoints: one DCP dir, each rank writing its stages' tensors under their plain HF names ----
 
@@ -143,14 +159,19 @@ class PipelineStrategy(ModelParallelStrategy):
             entry = layout(self.lightning_module.config, self.tensor_parallel_size)
             if entry is not None:
                 checkpoint[LAYOUT_KEY] = entry
-        save_sharded(self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
-                     filepath)
+        save_sharded(
+            self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
+        )
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
         """Each rank reads its stages' weights and optimizer state; returns the rest (loops, LR schedule, ...)."""
         from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module

@@ -102,8 +102,10 @@ class ShardSampler(Sampler[int]):
     def __init__(self, dataset_len: int) -> None:
         self.rank, self.world = rank_and_world()
         if dataset_len < self.world:
-            raise ValueError(f"An evaluation split of {dataset_len} sample(s) cannot give each of "
-                             f"{self.world} ranks at least one; use a larger val/test split or fewer devices.")
+            raise ValueError(
+                f"An evaluation split of {dataset_len} sample(s) cannot give each of "
+                f"{self.world} ranks at least one; use a larger val/test split or fewer devices."
+            )
         self.dataset_len = dataset_len
         self.per_rank = -(-dataset_len // self.world)  # ceil: the longest shard
         self.real = range(self.rank, dataset_len, self.world)

@@ -52,8 +52,13 @@ LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads
 def qkv_order(n_embd: int, n_head: int, tp: int) -> torch.Tensor:
     """Row order of the Linear c_attn: position i of the new layout holds HF row order[i]."""
     per_rank = n_embd // tp  # n_head / tp heads of head_dim each
-    return torch.cat([torch.arange(part * n_embd + r * per_rank, part * n_embd + (r + 1) * per_rank)
-                      for r in range(tp) for part in range(3)])
+    return torch.cat(
+        [
+            torch.arange(part * n_embd + r * per_rank, part * n_embd + (r + 1) * per_rank)
+            for r in range(tp)
+            for part in range(3)
+        ]
+    )
 
 
 def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linear:
@@ -80,8 +85,10 @@ def layer_plan(config: Any) -> Optional[dict[str, str]]:
         return dict(GPT2_PLAN) if config.model_type == "gpt2" else None
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
-        raise ConfigError(f"{config.model_type}'s tensor-parallel plan uses the style(s) {unknown}, which trainer=tp "
-                          f"does not implement ({', '.join(STYLES)}): train it with trainer=fsdp or trainer=ddp.")
+        raise ConfigError(
+            f"{config.model_type}'s tensor-parallel plan uses the style(s) {unknown}, which trainer=tp "
+            f"does not implement ({', '.join(STYLES)}): train it with trainer=fsdp or trainer=ddp."
+        )
     return plan
 
 
@@ -90,9 +97,11 @@ def check_plan(config: Any) -> dict[str, str]:
 
     plan = layer_plan(config)
     if plan is None:
-        raise ConfigError(f"trainer=tp needs a tensor-parallel plan and {config.model_type}'s config has none "
-                          "(base_model_tp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers "
-                          "ships a plan for work; train this one with trainer=fsdp or trainer=ddp.")
+        raise ConfigError(
+            f"trainer=tp needs a tensor-parallel plan and {config.model_type}'s config has none "
+            "(base_model_tp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers "
+            "ships a plan for work; train this one with trainer=fsdp or trainer=ddp."
+        )
     return plan
 
 
@@ -126,8 +135,10 @@ def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]]
     for network in module.networks():
         replicate_the_rest(network, mesh)
     heads, kv_heads, _ = head_counts(config)
-    log.info(f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks ({heads // tp} query and {kv_heads // tp} "
-             f"key/value heads per rank)")
+    log.info(
+        f"Tensor parallel: {len(blocks)} blocks split over {tp} ranks ({heads // tp} query and {kv_heads // tp} "
+        f"key/value heads per rank)"
+    )
     return module
 
 
@@ -150,8 +161,12 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def to_dtensor(_module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-                     if torch.is_tensor(x) and not isinstance(x, DTensor) else x for x in inputs)
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            if torch.is_tensor(x) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
 
     def to_local(_module, output, _mesh):
         return output.to_local() if isinstance(output, DTensor) else output
@@ -160,8 +175,10 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
     for mod in network.modules():
         for name, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod, name))
-    todo = [(mod, [(name, p) for name, p in mod.named_parameters(recurse=False) if not isinstance(p, DTensor)])
-            for mod in network.modules()]
+    todo = [
+        (mod, [(name, p) for name, p in mod.named_parameters(recurse=False) if not isinstance(p, DTensor)])
+        for mod in network.modules()
+    ]
     for mod, plain in todo:
         if not plain:
             continue
@@ -180,14 +197,18 @@ def check_divisible(config: Any, tp: int) -> None:
     key = "trainer.strategy.tensor_parallel_size"
     if config.model_type == "gpt2" and not getattr(config, "base_model_tp_plan", None):
         if heads % tp or hidden % tp:
-            raise ConfigError(f"model.n_head={heads} and model.n_embd={hidden} must both divide by {key}={tp}: pick a "
-                              "tensor-parallel size that divides them.")
+            raise ConfigError(
+                f"model.n_head={heads} and model.n_embd={hidden} must both divide by {key}={tp}: pick a "
+                "tensor-parallel size that divides them."
+            )
         return
     width = getattr(config, "intermediate_size", None) or 0
     if heads % tp or kv_heads % tp or width % tp:
-        raise ConfigError(f"model.config.num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
-                          f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "
-                          "that divides them.")
+        raise ConfigError(
+            f"model.config.num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
+            f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "
+            "that divides them."
+        )
 
 
 def hf_layout(state_dict: dict[str, torch.Tensor], size: int, n_head: int) -> dict[str, torch.Tensor]:
@@ -215,9 +236,11 @@ def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, i
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size!r}: use a positive integer.")
     if world % tensor_parallel_size:
-        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
-                          f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
-                          "tensor_parallel; change one of them.")
+        raise ConfigError(
+            f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
+            f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
+            "tensor_parallel; change one of them."
+        )
     return world // tensor_parallel_size, tensor_parallel_size
 
 
@@ -259,8 +282,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
         entry = layout(self.lightning_module.config, self.tp_size)
         if entry is not None:
             checkpoint[LAYOUT_KEY] = entry
-        save_sharded(self, lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp,
-                                                                                           storage_options), filepath)
+        save_sharded(
+            self,
+            lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
+            filepath,
+        )
 
 
 def check_config(cfg: Any) -> None:
@@ -279,10 +305,14 @@ def check_config(cfg: Any) -> None:
         check_plan(config)
         if isinstance(tp, int) and tp > 0:
             check_divisible(config, tp)
-    unsupported = {"model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
-                   "model/peft": model.get("peft") is not None, "model.compile=true": model.get("compile", False),
-                   "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False)}
+    unsupported = {
+        "model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
+        "model/peft": model.get("peft") is not None,
+        "model.compile=true": model.get("compile", False),
+        "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False),
+    }
     for key, on in unsupported.items():
         if on:
-            raise ConfigError(f"{key} is not supported with trainer=tp yet: turn it off, or train with "
-                              "trainer=ddp / trainer=fsdp.")
+            raise ConfigError(
+                f"{key} is not supported with trainer=tp yet: turn it off, or train with trainer=ddp / trainer=fsdp."
+            )

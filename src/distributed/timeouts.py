@@ -36,8 +36,11 @@ SIGTERM_EXIT = 128 + signal.SIGTERM  # a job stopped by SIGTERM: 143, as a shell
 log = logging.getLogger(__name__)
 
 TIMED_OUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
-PEER_LOST = re.compile(r"closed by peer|connection reset|broken pipe|connection refused|remote worker crash|"
-                       r"socket closed|end of file", re.IGNORECASE)
+PEER_LOST = re.compile(
+    r"closed by peer|connection reset|broken pipe|connection refused|remote worker crash|"
+    r"socket closed|end of file",
+    re.IGNORECASE,
+)
 MILLISECONDS = re.compile(r"(?:waiting |Timeout\(ms\)=)(\d+)\s*(?:ms)?")
 
 
@@ -57,9 +60,13 @@ def _frames(tb: Optional[TracebackType]) -> list[tuple[str, str]]:
 def collective_name(exc: BaseException) -> Optional[str]:
     """The collective `exc` came out of, or None when it did not come out of one."""
     frames = _frames(exc.__traceback__)
-    c10d = [name for file, name in frames
-            if file.endswith(os.path.join("distributed", "distributed_c10d.py")) and not name.startswith("_")
-            and name != "wrapper"]  # torch's logging decorators
+    c10d = [
+        name
+        for file, name in frames
+        if file.endswith(os.path.join("distributed", "distributed_c10d.py"))
+        and not name.startswith("_")
+        and name != "wrapper"
+    ]  # torch's logging decorators
     if c10d:
         return c10d[-1]
     if any(name == "run_backward" or name == "_engine_run_backward" for _, name in frames):
@@ -80,14 +87,20 @@ def describe(exc: BaseException) -> Optional[str]:
         ms = MILLISECONDS.search(text)
         after = f" after {int(ms.group(1)) / 1000:g} s" if ms else ""
         if name == "init_process_group":
-            return (f"Rank {rank}: the other ranks did not all start within {KEY} (init_process_group). "
-                    f"Check that every rank was launched, or raise {KEY}.minutes.")
-        return (f"Rank {rank}: {where} timed out{after} ({KEY}): another rank is stuck, died or called a different "
-                f"collective. If it was only busy (e.g. saving a checkpoint), raise {KEY}.minutes. "
-                f"Full trace: HYDRA_FULL_ERROR=1.")
+            return (
+                f"Rank {rank}: the other ranks did not all start within {KEY} (init_process_group). "
+                f"Check that every rank was launched, or raise {KEY}.minutes."
+            )
+        return (
+            f"Rank {rank}: {where} timed out{after} ({KEY}): another rank is stuck, died or called a different "
+            f"collective. If it was only busy (e.g. saving a checkpoint), raise {KEY}.minutes. "
+            f"Full trace: HYDRA_FULL_ERROR=1."
+        )
     if PEER_LOST.search(text):
-        return (f"Rank {rank}: {where} failed: another rank exited or was killed (its own error, if any, is "
-                f"above). Full trace: HYDRA_FULL_ERROR=1.")
+        return (
+            f"Rank {rank}: {where} failed: another rank exited or was killed (its own error, if any, is "
+            f"above). Full trace: HYDRA_FULL_ERROR=1."
+        )
     return f"Rank {rank}: {where} failed: {text.splitlines()[0][:300]} Full trace: HYDRA_FULL_ERROR=1."
 
 

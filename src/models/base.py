@@ -181,8 +181,12 @@ class LitModule(L.LightningModule):
             metric.reset()
         return values
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
         """Clip gradients for fused optimizers under AMP too (our AdamW is fused by default).
 
         Lightning's AMP plugin refuses to clip when the optimizer unscales inside its own step, as
@@ -213,8 +217,10 @@ class LitModule(L.LightningModule):
         global_batch = self.trainer.datamodule.global_batch_size
         lr = scaled_lr(base_lr, self.lr_scaling, global_batch, self.base_batch_size)
         if self.lr_scaling != "none":
-            log.info(f"LR {base_lr:g} at batch {self.base_batch_size} -> {lr:g} at global batch {global_batch} "
-                     f"({self.lr_scaling} scaling)")
+            log.info(
+                f"LR {base_lr:g} at batch {self.base_batch_size} -> {lr:g} at global batch {global_batch} "
+                f"({self.lr_scaling} scaling)"
+            )
         make = self.optimizer_fn
         replacement = getattr(self.trainer.strategy, "optimizer_class", None)  # e.g. DeepSpeed's CPU Adam for offload
         if replacement is not None:

@@ -53,8 +53,10 @@ class CausalLMLitModule(LitModule):
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
-            raise ConfigError(f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
-                              f"model={size_for} with it, or a {model_type} size (conf/model/size/).")
+            raise ConfigError(
+                f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
+                f"model={size_for} with it, or a {model_type} size (conf/model/size/)."
+            )
         if objective not in ("sft", "dpo"):
             raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
         self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None
@@ -63,8 +65,10 @@ class CausalLMLitModule(LitModule):
         if use_lora and peft is not None:
             raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
         if not pretrained and not model_type:
-            raise ConfigError("model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
-                              "or load one with model.pretrained=DIR_OR_HUB_NAME.")
+            raise ConfigError(
+                "model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
+                "or load one with model.pretrained=DIR_OR_HUB_NAME."
+            )
         # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
         self._deferred = init.init_is_deferred() and peft is None and not use_lora
@@ -79,8 +83,9 @@ class CausalLMLitModule(LitModule):
             else:
                 model = self._load_pretrained()
         else:
-            model = hf.build_on_meta(self.new_config(vocab_size, seq_len, model_type, dict(config or {}),
-                                                     attn_implementation))
+            model = hf.build_on_meta(
+                self.new_config(vocab_size, seq_len, model_type, dict(config or {}), attn_implementation)
+            )
             if not self._deferred:
                 init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
         self.config: PretrainedConfig = model.config
@@ -89,7 +94,9 @@ class CausalLMLitModule(LitModule):
         if self.dpo is not None and peft is None and not use_lora and not self.dpo.precompute:
             self.reference = frozen(copy.deepcopy(model))  # (with an adapter, the reference is the model without it)
             # Lightning warns of modules in eval mode at the start of fit: the reference's are, on purpose
-            warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning
+            )
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile
         model = self._prepare(model, compile=compile and peft is None and not use_lora)
@@ -109,30 +116,43 @@ class CausalLMLitModule(LitModule):
 
     # ---- what an architecture may decide (src/models/gpt2.py overrides these) ----
 
-    def new_config(self, vocab_size: int, seq_len: int, model_type: str, fields: dict[str, Any],
-                   attn_implementation: str) -> PretrainedConfig:
+    def new_config(
+        self, vocab_size: int, seq_len: int, model_type: str, fields: dict[str, Any], attn_implementation: str
+    ) -> PretrainedConfig:
         """A config built from `model.model_type` and `model.config` (any field of that architecture's config);
         the vocabulary comes from the tokenizer and the context from data.seq_len unless the fields set it."""
-        fields = {"max_position_embeddings": seq_len, "bos_token_id": vocab_size - 1, "eos_token_id": vocab_size - 1,
-                  **fields, "vocab_size": vocab_size}
+        fields = {
+            "max_position_embeddings": seq_len,
+            "bos_token_id": vocab_size - 1,
+            "eos_token_id": vocab_size - 1,
+            **fields,
+            "vocab_size": vocab_size,
+        }
         config = hf.new_config(model_type, attn_implementation, **fields)
         if seq_len > hf.context_length(config):
-            raise ConfigError(f"data.seq_len={seq_len} exceeds model.config.max_position_embeddings="
-                              f"{hf.context_length(config)}: raise it or lower data.seq_len.")
+            raise ConfigError(
+                f"data.seq_len={seq_len} exceeds model.config.max_position_embeddings="
+                f"{hf.context_length(config)}: raise it or lower data.seq_len."
+            )
         return config
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
         """One sentence for a pretrained model that cannot take this data."""
         if seq_len > hf.context_length(config):
-            raise ConfigError(f"data.seq_len={seq_len} exceeds {self._pretrained}'s context of "
-                              f"{hf.context_length(config)}.")
+            raise ConfigError(
+                f"data.seq_len={seq_len} exceeds {self._pretrained}'s context of {hf.context_length(config)}."
+            )
         if self._vocab_size < config.vocab_size:
-            raise ConfigError(f"The tokenizer has {self._vocab_size} tokens but {self._pretrained} was trained with "
-                              f"{config.vocab_size}: use its own tokenizer (data.tokenizer={self._pretrained}).")
+            raise ConfigError(
+                f"The tokenizer has {self._vocab_size} tokens but {self._pretrained} was trained with "
+                f"{config.vocab_size}: use its own tokenizer (data.tokenizer={self._pretrained})."
+            )
         if self._vocab_size > config.vocab_size and not self._resize_embeddings:
-            raise ConfigError(f"The tokenizer has {self._vocab_size} tokens and {self._pretrained}'s embeddings "
-                              f"{config.vocab_size}: set model.resize_embeddings=true to add rows for the new tokens, "
-                              f"or use the model's own tokenizer (data.tokenizer={self._pretrained}).")
+            raise ConfigError(
+                f"The tokenizer has {self._vocab_size} tokens and {self._pretrained}'s embeddings "
+                f"{config.vocab_size}: set model.resize_embeddings=true to add rows for the new tokens, "
+                f"or use the model's own tokenizer (data.tokenizer={self._pretrained})."
+            )
         return config
 
     def fill(self, model: torch.nn.Module) -> init.Fill:
@@ -157,8 +177,10 @@ class CausalLMLitModule(LitModule):
 
         virtual = getattr(peft, "num_virtual_tokens", 0) or 0  # prompt tuning prepends these to the input
         if virtual and seq_len + virtual > hf.context_length(model.config):
-            raise ConfigError(f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
-                              f"{hf.context_length(model.config)}; lower data.seq_len.")
+            raise ConfigError(
+                f"data.seq_len={seq_len} + {virtual} virtual tokens exceed the model's context of "
+                f"{hf.context_length(model.config)}; lower data.seq_len."
+            )
         model = get_peft_model(model, peft)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -203,7 +225,9 @@ class CausalLMLitModule(LitModule):
             return
         if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
             for name in ("model", "reference") if self.reference is not None else ("model",):
-                model = AutoModelForCausalLM.from_config(self.config)  # DPO's reference: the same values, partitioned alike
+                model = AutoModelForCausalLM.from_config(
+                    self.config
+                )  # DPO's reference: the same values, partitioned alike
                 init.materialize_zero3(model, self.fill(model), self._base_seed)
                 setattr(self, name, self._prepare(model, compile=self._compile) if name == "model" else frozen(model))
         else:
@@ -224,7 +248,9 @@ class CausalLMLitModule(LitModule):
 
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
         hf_models = [self.hf_model] + ([self.reference] if self.reference is not None else [])
-        return [(layers, str(i), block) for layers in map(hf.decoder_layers, hf_models) for i, block in enumerate(layers)]
+        return [
+            (layers, str(i), block) for layers in map(hf.decoder_layers, hf_models) for i, block in enumerate(layers)
+        ]
 
     def train(self, mode: bool = True) -> "CausalLMLitModule":
         super().train(mode)
@@ -245,8 +271,12 @@ class CausalLMLitModule(LitModule):
 
     summed_token_loss = staticmethod(summed_token_loss)  # what the pipeline schedule computes on its last stage
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ):
         """The model's output; with `labels` (already shifted, see summed_token_loss) its `.loss` is their
         token mean. Training normalises differently: by the whole optimizer step's targets."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask)
@@ -257,8 +287,9 @@ class CausalLMLitModule(LitModule):
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                            **self.cache_kwargs()).logits
+        logits = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **self.cache_kwargs()
+        ).logits
         return summed_token_loss(logits, batch["labels"])
 
     def cache_kwargs(self) -> dict[str, bool]:
@@ -299,7 +330,9 @@ class CausalLMLitModule(LitModule):
     def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
         if self.dpo is not None:
             stats = self.dpo.val_stats if stage == "val" else self.dpo.test_stats
-            self.log_dict({f"{stage}/{name}": value for name, value in stats.compute().items()}, prog_bar=stage == "val")
+            self.log_dict(
+                {f"{stage}/{name}": value for name, value in stats.compute().items()}, prog_bar=stage == "val"
+            )
             stats.reset()
             return
         loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]
@@ -322,4 +355,3 @@ class CausalLMLitModule(LitModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test", self.test_metrics)
-

@@ -37,12 +37,19 @@ class ConvNetLitModule(LitModule):
             c = width
         self.features = nn.Sequential(*blocks)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
+
         # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks; label
         # IGNORE_INDEX (evaluation padding, see src/datamodules/base.py) counts in neither; a NaN loss (a
         # diverged model) stays NaN instead of being dropped (the divergence callback reads it). Not
         # nan_strategy="disable": torchmetrics then replaces the weights by ones.
-        make = lambda: nn.ModuleDict({"loss": MeanMetric(nan_strategy=float("nan")), "acc": MulticlassAccuracy(  # noqa
-            num_classes, average="micro", ignore_index=IGNORE_INDEX)})
+        def make() -> nn.ModuleDict:
+            return nn.ModuleDict(
+                {
+                    "loss": MeanMetric(nan_strategy=float("nan")),
+                    "acc": MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX),
+                }
+            )
+
         self.val_metrics, self.test_metrics = make(), make()
 
     def blocks(self) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -36,15 +36,23 @@ log = logging.getLogger(__name__)
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 # Per-pair statistics, summed over pairs and logged as their mean (train steps and evaluation alike)
-STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-         "logps/rejected")
+STATS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the target tokens' log-probabilities, number of targets) per row, in fp32; labels already shifted."""
-    logits = logits[:, -labels.shape[1]:]  # prompt tuning prepends virtual tokens
-    token = -F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="none").view(labels.shape)
+    logits = logits[:, -labels.shape[1] :]  # prompt tuning prepends virtual tokens
+    token = -F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
     return token.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 
 
@@ -74,23 +82,38 @@ def means(sums: torch.Tensor, pairs: torch.Tensor) -> dict[str, torch.Tensor]:
 class DPO(nn.Module):
     """The objective's settings, its evaluation metrics and the precomputed reference table."""
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 sft_weight: float = 0.0, precompute_reference: bool = False, disable_dropout: bool = True) -> None:
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        sft_weight: float = 0.0,
+        precompute_reference: bool = False,
+        disable_dropout: bool = True,
+    ) -> None:
         super().__init__()
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-            raise ConfigError(f"model.dpo.beta={beta!r} is not valid: use a positive number (0.1 is usual; smaller "
-                              "lets the policy move further from the reference).")
+            raise ConfigError(
+                f"model.dpo.beta={beta!r} is not valid: use a positive number (0.1 is usual; smaller "
+                "lets the policy move further from the reference)."
+            )
         if loss_type not in LOSS_TYPES:
             raise ConfigError(f"model.dpo.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}.")
         if not 0 <= label_smoothing < 0.5:
-            raise ConfigError(f"model.dpo.label_smoothing={label_smoothing!r}: use a probability in [0, 0.5) that a "
-                              "pair's preference is flipped (conservative DPO), or 0.")
+            raise ConfigError(
+                f"model.dpo.label_smoothing={label_smoothing!r}: use a probability in [0, 0.5) that a "
+                "pair's preference is flipped (conservative DPO), or 0."
+            )
         if label_smoothing and loss_type != "sigmoid":
             raise ConfigError(f"model.dpo.label_smoothing applies to loss_type=sigmoid only, not {loss_type}.")
         if not sft_weight >= 0:
             raise ConfigError(f"model.dpo.sft_weight={sft_weight!r}: use 0 (off) or a positive weight (RPO uses 1).")
         self.beta, self.loss_type, self.label_smoothing = float(beta), loss_type, float(label_smoothing)
-        self.sft_weight, self.precompute, self.disable_dropout = float(sft_weight), precompute_reference, disable_dropout
+        self.sft_weight, self.precompute, self.disable_dropout = (
+            float(sft_weight),
+            precompute_reference,
+            disable_dropout,
+        )
         self.val_stats, self.test_stats = PairStats(), PairStats()
         self.table: Optional[torch.Tensor] = None  # (pairs, 2) reference log-probs of chosen and rejected
         self.fingerprint: Optional[str] = None  # of the data the table was computed on
@@ -115,14 +138,17 @@ class DPO(nn.Module):
             loss = loss - self.sft_weight * chosen / n_chosen
         rewards = self.beta * torch.stack([chosen_ratio, rejected_ratio]).detach()
         margin = rewards[0] - rewards[1]
-        return torch.stack([loss, rewards[0], rewards[1], (margin > 0).to(loss.dtype), margin, chosen.detach(),
-                            rejected.detach()], dim=1)
+        return torch.stack(
+            [loss, rewards[0], rewards[1], (margin > 0).to(loss.dtype), margin, chosen.detach(), rejected.detach()],
+            dim=1,
+        )
 
     def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
         pairs; evaluation's padding pairs (no targets) left out. `module` is the CausalLMLitModule."""
-        logits = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              **module.cache_kwargs()).logits
+        logits = module.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
+        ).logits
         logps, counts = answer_logps(logits, batch["labels"])
         stats = self.pair_stats(logps, counts, self.reference_logps(module, batch))
         real = counts.chunk(2)[0] > 0
@@ -141,11 +167,13 @@ class DPO(nn.Module):
             model, reference = module.model, module.reference
             if reference is None:  # a peft adapter: the reference is the model without it
                 with model.disable_adapter():
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                   **module.cache_kwargs()).logits
+                    logits = model(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
+                    ).logits
             else:
-                logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                   **module.cache_kwargs()).logits
+                logits = reference(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
+                ).logits
             return answer_logps(logits, batch["labels"])[0]
 
     @torch.no_grad()
@@ -156,9 +184,11 @@ class DPO(nn.Module):
         fingerprint = data_fingerprint(datamodule)
         if self.table is not None:
             if self.fingerprint != fingerprint:
-                raise ConfigError("model.dpo.precompute_reference: the checkpoint's reference log-probs were computed "
-                                  "on other preference pairs than this run reads (data.path, the tokenizer, seq_len or "
-                                  "the splits changed); resume with the same data, or start a new run.")
+                raise ConfigError(
+                    "model.dpo.precompute_reference: the checkpoint's reference log-probs were computed "
+                    "on other preference pairs than this run reads (data.path, the tokenizer, seq_len or "
+                    "the splits changed); resume with the same data, or start a new run."
+                )
             return
         splits = datamodule.splits
         # indexed by the pair's number among the file's pairs (a Subset's pairs keep their numbers)
@@ -168,11 +198,15 @@ class DPO(nn.Module):
         for split in (name for name, pairs in splits.items() if len(pairs)):  # data.val_fraction=0: no val split
             for batch in datamodule.eval_loader(split):
                 batch = module.transfer_batch_to_device(batch, module.device, 0)
-                logps, counts = answer_logps(module.model(input_ids=batch["input_ids"],
-                                                          attention_mask=batch["attention_mask"],
-                                                          **module.cache_kwargs()).logits, batch["labels"])
-                rows = torch.stack([*logps.chunk(2), counts.chunk(2)[0].to(logps.dtype),
-                                    batch["pair_index"].to(logps.dtype)], dim=1)
+                logps, counts = answer_logps(
+                    module.model(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
+                    ).logits,
+                    batch["labels"],
+                )
+                rows = torch.stack(
+                    [*logps.chunk(2), counts.chunk(2)[0].to(logps.dtype), batch["pair_index"].to(logps.dtype)], dim=1
+                )
                 rows = module.all_gather(rows).reshape(-1, 4).cpu()
                 real = rows[:, 2] > 0  # padding pairs have no targets
                 table[rows[real, 3].long()] = rows[real, :2].float()

@@ -73,12 +73,16 @@ def _trains(module: torch.nn.Module) -> bool:
 def _projections(attention: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention module's projections in order (GPT-2: c_attn, c_proj; Llama: q, k, v, o_proj), each
     possibly wrapped by a LoRA layer: its direct children that hold a matmul."""
-    return [child for child in attention.children()
-            if any(isinstance(m, (torch.nn.Linear, Conv1D)) for m in child.modules())]
+    return [
+        child
+        for child in attention.children()
+        if any(isinstance(m, (torch.nn.Linear, Conv1D)) for m in child.modules())
+    ]
 
 
-def count_flops(hf_model: torch.nn.Module, layers: torch.nn.ModuleList, trainable_input: bool = False,
-                virtual_tokens: int = 0) -> FlopCount:
+def count_flops(
+    hf_model: torch.nn.Module, layers: torch.nn.ModuleList, trainable_input: bool = False, virtual_tokens: int = 0
+) -> FlopCount:
     """Walk a decoder-only HF model in forward order, counting each matmul's backward by whether its input
     needs a gradient (something trainable below it) and whether its weight trains. Any architecture: within
     a layer, a child with several projections (attention: GPT-2's c_attn, c_proj; Llama's q, k, v, o_proj;
@@ -88,7 +92,7 @@ def count_flops(hf_model: torch.nn.Module, layers: torch.nn.ModuleList, trainabl
     `trainable_input`: something trainable outside the model feeds it (a peft prompt or prefix)."""
     body = next(m for m in hf_model.modules() if any(c is layers for c in m.children()))  # owns the layer list
     children = list(body.children())
-    before, after = children[:children.index(layers)], children[children.index(layers) + 1:]
+    before, after = children[: children.index(layers)], children[children.index(layers) + 1 :]
     grad = trainable_input or any(_trains(m) for m in before)  # embeddings (GPT-2: and positions)
     per_token = per_context = 0
     config = hf_model.config

@@ -67,24 +67,56 @@ class GPT2LitModule(CausalLMLitModule):
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
         if model_type != "gpt2":
-            raise ConfigError(f"model.model_type={model_type!r} with model=gpt2: pick the architecture with "
-                              f"model={model_type} (or model=causal_lm model.model_type={model_type}).")
+            raise ConfigError(
+                f"model.model_type={model_type!r} with model=gpt2: pick the architecture with "
+                f"model={model_type} (or model=causal_lm model.model_type={model_type})."
+            )
         if not pretrained and n_embd % n_head:
-            raise ConfigError(f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
-                              "n_embd as a multiple of n_head.")
+            raise ConfigError(
+                f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
+                "n_embd as a multiple of n_head."
+            )
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ConfigError(f"model.dropout={dropout!r} is not valid: use a probability in [0, 1).")
-        config = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "resid_pdrop": dropout,
-                  "embd_pdrop": dropout, "attn_pdrop": dropout, "activation_function": activation_function,
-                  **(config or {})}
-        super().__init__(vocab_size, seq_len, "gpt2", config, optimizer, scheduler, weight_decay, lr_scaling,
-                         base_batch_size, pretrained, gradient_checkpointing, lora, peft, compile, attn_implementation,
-                         resize_embeddings, tokenizer, objective, dpo, size_for)
+        config = {
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "n_embd": n_embd,
+            "resid_pdrop": dropout,
+            "embd_pdrop": dropout,
+            "attn_pdrop": dropout,
+            "activation_function": activation_function,
+            **(config or {}),
+        }
+        super().__init__(
+            vocab_size,
+            seq_len,
+            "gpt2",
+            config,
+            optimizer,
+            scheduler,
+            weight_decay,
+            lr_scaling,
+            base_batch_size,
+            pretrained,
+            gradient_checkpointing,
+            lora,
+            peft,
+            compile,
+            attn_implementation,
+            resize_embeddings,
+            tokenizer,
+            objective,
+            dpo,
+            size_for,
+        )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
         if config.model_type != "gpt2":
-            raise ConfigError(f"model.pretrained={self._pretrained!r} is a {config.model_type!r} model and model=gpt2 "
-                              f"builds GPT-2: use model=causal_lm model.pretrained={self._pretrained}.")
+            raise ConfigError(
+                f"model.pretrained={self._pretrained!r} is a {config.model_type!r} model and model=gpt2 "
+                f"builds GPT-2: use model=causal_lm model.pretrained={self._pretrained}."
+            )
         return super().check_pretrained(config, seq_len)
 
     def fill(self, model: torch.nn.Module) -> init.Fill:

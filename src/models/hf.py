@@ -28,10 +28,15 @@ def check_decoder_only(config: PretrainedConfig, source: str) -> None:
     """One sentence if `config` is not a decoder-only causal LM (BERT-like encoders have a causal-LM head in
     transformers too, but are trained as masked LMs; T5-like models are encoder-decoders)."""
     kind = config.model_type
-    if (kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-            or getattr(config, "is_encoder_decoder", False)):
-        raise ConfigError(f"{source} is a {kind!r} model, not a decoder-only causal LM: use a GPT-2, Llama, Qwen2, "
-                          "Mistral or other AutoModelForCausalLM checkpoint.")
+    if (
+        kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        or getattr(config, "is_encoder_decoder", False)
+    ):
+        raise ConfigError(
+            f"{source} is a {kind!r} model, not a decoder-only causal LM: use a GPT-2, Llama, Qwen2, "
+            "Mistral or other AutoModelForCausalLM checkpoint."
+        )
 
 
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -43,15 +48,19 @@ def pretrained_config(name_or_path: str, attn_implementation: str = "sdpa") -> P
         config = AutoConfig.from_pretrained(name_or_path, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
-                          "config.json + model.safetensors, or a hub name such as gpt2 when online.") from e
+        raise ConfigError(
+            f"model.pretrained={name_or_path!r} could not be loaded ({first}). Pass a local dir with "
+            "config.json + model.safetensors, or a hub name such as gpt2 when online."
+        ) from e
     check_decoder_only(config, f"model.pretrained={name_or_path!r}")
     local = Path(name_or_path)
     if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
         # checked here, when the module is built: under FSDP2/ZeRO-3 the weights are read only after the ranks start
-        raise ConfigError(f"model.pretrained={name_or_path!r} holds a config but no weights (no *.safetensors or "
-                          "pytorch_model*.bin): pass the dir that save_pretrained or `python -m src.tools.checkpoints "
-                          "export-hf` wrote.")
+        raise ConfigError(
+            f"model.pretrained={name_or_path!r} holds a config but no weights (no *.safetensors or "
+            "pytorch_model*.bin): pass the dir that save_pretrained or `python -m src.tools.checkpoints "
+            "export-hf` wrote."
+        )
     return config
 
 
@@ -61,7 +70,9 @@ def new_config(model_type: str, attn_implementation: str, **fields: Any) -> Pret
         config = AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **fields)
     except ValueError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"model.model_type={model_type!r} is not a model type transformers knows ({first}).") from None
+        raise ConfigError(
+            f"model.model_type={model_type!r} is not a model type transformers knows ({first})."
+        ) from None
     check_decoder_only(config, f"model.model_type={model_type!r}")
     return config
 
@@ -73,8 +84,10 @@ def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> Pre
         return AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"model.pretrained={name_or_path!r} has no weights that load ({first}): pass a dir that "
-                          "save_pretrained wrote (config.json + model.safetensors).") from e
+        raise ConfigError(
+            f"model.pretrained={name_or_path!r} has no weights that load ({first}): pass a dir that "
+            "save_pretrained wrote (config.json + model.safetensors)."
+        ) from e
 
 
 def build_on_meta(config: PretrainedConfig) -> PreTrainedModel:
@@ -95,8 +108,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in names:
             return module
-    raise ConfigError(f"{type(model).__name__} lists no decoder layers (its _no_split_modules is {sorted(names)}): "
-                      "it cannot be sharded or split; train it with trainer=default or trainer=ddp.")
+    raise ConfigError(
+        f"{type(model).__name__} lists no decoder layers (its _no_split_modules is {sorted(names)}): "
+        "it cannot be sharded or split; train it with trainer=default or trainer=ddp."
+    )
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -109,9 +124,12 @@ def standard_fill(model: nn.Module, std: float) -> init.Fill:
     """transformers' default initialisation (PreTrainedModel._init_weights, which Llama, Qwen2 and Mistral use):
     N(0, std) for linear and embedding weights, ones for norm gains, zeros for biases; drawn per parameter.
     The parameter's kind is read from its module in `model`, so the rule holds for any architecture."""
-    norms = {f"{prefix}.{name}" if prefix else name
-             for prefix, module in model.named_modules() if is_norm(module)
-             for name, _ in module.named_parameters(recurse=False)}
+    norms = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if is_norm(module)
+        for name, _ in module.named_parameters(recurse=False)
+    }
 
     def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name.endswith(".bias"):
@@ -141,8 +159,10 @@ def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int, tokeni
         return
     extension = json.loads(record.read_text(encoding="utf-8"))
     if extension["base_vocab_size"] != old:
-        raise ConfigError(f"{tokenizer} extends a tokenizer of {extension['base_vocab_size']} tokens and the model has "
-                          f"{old} embeddings: extend the model's own tokenizer (src.tools.vocab extend --tokenizer).")
+        raise ConfigError(
+            f"{tokenizer} extends a tokenizer of {extension['base_vocab_size']} tokens and the model has "
+            f"{old} embeddings: extend the model's own tokenizer (src.tools.vocab extend --tokenizer)."
+        )
     tables = [model.get_input_embeddings().weight]
     head = model.get_output_embeddings()
     if head is not None and head.weight is not tables[0]:
@@ -160,12 +180,21 @@ def lora_config(r: int, alpha: int, dropout: float, target_modules: Optional[lis
     from peft import LoraConfig
     from transformers.pytorch_utils import Conv1D
 
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                     if isinstance(m, (nn.Linear, Conv1D)) and name})
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and name}
+    )
     missing = [t for t in target_modules or [] if t not in linear]
     if missing:
-        raise ConfigError(f"model.lora.target_modules={list(target_modules)} names {missing}, which "
-                          f"{type(model).__name__} does not have: pick from {linear}.")
+        raise ConfigError(
+            f"model.lora.target_modules={list(target_modules)} names {missing}, which "
+            f"{type(model).__name__} does not have: pick from {linear}."
+        )
     fan_in_fan_out = any(isinstance(m, Conv1D) for m in model.modules())  # GPT-2 stores its weights transposed
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out,
-                      target_modules=list(target_modules) if target_modules else None)
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        task_type="CAUSAL_LM",
+        fan_in_fan_out=fan_in_fan_out,
+        target_modules=list(target_modules) if target_modules else None,
+    )

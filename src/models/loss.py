@@ -16,8 +16,9 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     exactly (0, 0), never NaN, so it can be added to any sum; a NaN logit still gives NaN.
     """
     logits = logits[:, -labels.shape[1] :]  # prompt tuning prepends virtual tokens to the logits
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return loss, (labels != IGNORE_INDEX).sum()
 
 

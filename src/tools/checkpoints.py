@@ -42,16 +42,23 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     are gathered into full fp32 weights, without their optimizer state."""
     path = Path(path)
     if not path.exists():
-        old = path.with_name(path.name + ".old")  # a save killed between its two renames (src/distributed/checkpointing.py)
-        hint = f" A save of it was interrupted: {old.name} holds the previous one (resume=auto puts it back)." \
-            if old.exists() else ""
+        old = path.with_name(
+            path.name + ".old"
+        )  # a save killed between its two renames (src/distributed/checkpointing.py)
+        hint = (
+            f" A save of it was interrupted: {old.name} holds the previous one (resume=auto puts it back)."
+            if old.exists()
+            else ""
+        )
         raise CheckpointError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
     from src.distributed.checkpointing import problem
 
     why = problem(path)
     if why is not None:
-        raise CheckpointError(f"{path} cannot be read as a checkpoint: {why}. Point at a .ckpt file or a sharded "
-                              "checkpoint dir written by train.py.")
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint: {why}. Point at a .ckpt file or a sharded "
+            "checkpoint dir written by train.py."
+        )
     if is_deepspeed(path):
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -78,11 +85,13 @@ def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
 
     reader = FileSystemReader(str(path))
     prefix = "state_dict."  # Lightning saves {"state_dict": model, "optimizer_0": ...}; DCP flattens the keys
-    weights = {key: torch.empty(m.size, dtype=m.properties.dtype)
-               for key, m in reader.read_metadata().state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    weights = {
+        key: torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     load(weights, storage_reader=reader, no_dist=True)
-    return {key[len(prefix):]: tensor for key, tensor in weights.items()}
+    return {key[len(prefix) :]: tensor for key, tensor in weights.items()}
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:
@@ -117,13 +126,16 @@ def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
 
 def build_module(checkpoint: dict[str, Any]):
     """The LightningModule and datamodule of a train.py checkpoint, weights loaded."""
-    import src.utils.resolvers  # noqa: F401
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    import src.utils.resolvers  # noqa: F401
+
     if "config" not in checkpoint:
-        raise CheckpointError("This checkpoint has no stored config (it was not written by train.py), so the model "
-                              "cannot be rebuilt from it.")
+        raise CheckpointError(
+            "This checkpoint has no stored config (it was not written by train.py), so the model "
+            "cannot be rebuilt from it."
+        )
     cfg = OmegaConf.create(checkpoint["config"])
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, **datamodule.model_kwargs)
@@ -140,7 +152,9 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
-        raise CheckpointError(f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, qwen2, mistral, causal_lm) export.")
+        raise CheckpointError(
+            f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, qwen2, mistral, causal_lm) export."
+        )
     out_dir = Path(out_dir)
     model = module.model
     if hasattr(model, "peft_config"):
@@ -183,8 +197,10 @@ def as_pretrained(path: str | Path, cache_dir: str | Path) -> Path:
             try:
                 export_hf(path, tmp)
                 if not (tmp / "config.json").is_file():
-                    raise CheckpointError(f"{path} holds a prompt-learning adapter, which does not merge into the "
-                                          "weights: it cannot be model.pretrained; start from its base model instead.")
+                    raise CheckpointError(
+                        f"{path} holds a prompt-learning adapter, which does not merge into the "
+                        "weights: it cannot be model.pretrained; start from its base model instead."
+                    )
                 os.replace(tmp, out)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -40,8 +40,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-SIZES = {"tiny": (4, 4, 128), "small": (12, 12, 768), "medium": (24, 16, 1024), "large": (36, 20, 1280),
-         "xl": (48, 25, 1600)}
+SIZES = {
+    "tiny": (4, 4, 128),
+    "small": (12, 12, 768),
+    "medium": (24, 16, 1024),
+    "large": (36, 20, 1280),
+    "xl": (48, 25, 1600),
+}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -51,8 +56,14 @@ def gpt2_params(n_layer: int, n_embd: int, vocab: int = 50257, n_ctx: int = 1024
     return n_layer * (12 * n_embd**2 + 13 * n_embd) + (vocab + n_ctx) * n_embd + 2 * n_embd
 
 
-def rank_params(n_layer: int, n_embd: int, vocab: int = 50257, n_ctx: int = 1024, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1) -> int:
+def rank_params(
+    n_layer: int,
+    n_embd: int,
+    vocab: int = 50257,
+    n_ctx: int = 1024,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> int:
     """Parameters on the fullest rank: ceil(n_layer / K) blocks whose matrices (12d^2) and column biases (7d)
     are split t ways (row biases and LayerNorms, 6d, replicated), plus the embeddings (whole model or first
     stage) or ln_f and the tied head's copy of wte (last stage), whichever is larger."""
@@ -120,7 +131,7 @@ def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int 
         return sum(p.numel() for m in modules for p in m.parameters())
 
     head = model.get_output_embeddings().weight.numel()
-    first, last = count(children[:at]), count(children[at + 1:]) + head
+    first, last = count(children[:at]), count(children[at + 1 :]) + head
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     blocks = -(-len(layers) // k) * per_layer
     if k == 1:
@@ -141,8 +152,9 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def model_states(psi: int, world: int, strategy: str, mixed: bool,
-                 offload_optimizer: bool = False, offload_param: bool = False) -> tuple[float, float, float, float]:
+def model_states(
+    psi: int, world: int, strategy: str, mixed: bool, offload_optimizer: bool = False, offload_param: bool = False
+) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, cpu) bytes per rank."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
@@ -160,18 +172,33 @@ def model_states(psi: int, world: int, strategy: str, mixed: bool,
     return params, grads, optim, cpu
 
 
-def activations(n_layer: int, n_head: int, n_embd: int, seq: int, micro_batch: int, checkpointing: bool,
-                tp: int = 1) -> float:
+def activations(
+    n_layer: int, n_head: int, n_embd: int, seq: int, micro_batch: int, checkpointing: bool, tp: int = 1
+) -> float:
     per_layer = seq * micro_batch * n_embd * (10 + 24 / tp + 5 * n_head * seq / (n_embd * tp))
     if checkpointing:
         return n_layer * 2 * seq * micro_batch * n_embd + per_layer
     return n_layer * per_layer
 
 
-def estimate(size: str, world: int, strategy: str, precision: str = "bf16-mixed", seq: int = 1024,
-             micro_batch: int = 8, offload_optimizer: bool = False, offload_param: bool = False,
-             checkpointing: bool = False, vocab: int = 50257, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-             schedule: str = "1f1b", microbatches: int = 1, stages_per_rank: int = 1, config=None) -> Estimate:
+def estimate(
+    size: str,
+    world: int,
+    strategy: str,
+    precision: str = "bf16-mixed",
+    seq: int = 1024,
+    micro_batch: int = 8,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    checkpointing: bool = False,
+    vocab: int = 50257,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    stages_per_rank: int = 1,
+    config=None,
+) -> Estimate:
     """Per rank; with pipeline parallelism `micro_batch` is one pipeline micro-batch. `config`: any decoder's
     transformers config instead of the GPT-2 `size`."""
     model_parallel = tensor_parallel * pipeline_parallel
@@ -185,17 +212,23 @@ def estimate(size: str, world: int, strategy: str, precision: str = "bf16-mixed"
         psi = rank_params(n_layer, n_embd, vocab, seq, tensor_parallel, pipeline_parallel)
     layers = n_layer
     if pipeline_parallel > 1:  # one stage's layers, for each micro-batch in flight
-        layers = -(-n_layer // pipeline_parallel) * in_flight(schedule, pipeline_parallel, microbatches, stages_per_rank)
-    p, g, o, cpu = model_states(psi, world // model_parallel, strategy, precision != "32-true", offload_optimizer,
-                                offload_param)
+        layers = -(-n_layer // pipeline_parallel) * in_flight(
+            schedule, pipeline_parallel, microbatches, stages_per_rank
+        )
+    p, g, o, cpu = model_states(
+        psi, world // model_parallel, strategy, precision != "32-true", offload_optimizer, offload_param
+    )
     return Estimate(p, g, o, activations(layers, n_head, n_embd, seq, micro_batch, checkpointing, tensor_parallel), cpu)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=SIZES, default="small", help="GPT-2's sizes (without --model)")
-    ap.add_argument("--model", help="any transformers decoder: a model type (llama, qwen2, mistral, gpt2: its config's "
-                                    "defaults) or a pretrained dir / hub name")
+    ap.add_argument(
+        "--model",
+        help="any transformers decoder: a model type (llama, qwen2, mistral, gpt2: its config's "
+        "defaults) or a pretrained dir / hub name",
+    )
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="config fields set on --model's")
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="zero3 = FSDP full shard")
@@ -214,10 +247,23 @@ def main() -> None:
     try:
         fields = {k: _number(v) for k, v in (item.split("=", 1) for item in a.config)}
         config = model_config(a.model, fields) if a.model else None
-        e = estimate(a.size, a.world_size, a.strategy, a.precision, a.seq_len, a.micro_batch, a.offload_optimizer,
-                     a.offload_param, a.activation_checkpointing, tensor_parallel=a.tensor_parallel,
-                     pipeline_parallel=a.pipeline_parallel, schedule=a.schedule, microbatches=a.microbatches,
-                     stages_per_rank=a.stages_per_rank, config=config)
+        e = estimate(
+            a.size,
+            a.world_size,
+            a.strategy,
+            a.precision,
+            a.seq_len,
+            a.micro_batch,
+            a.offload_optimizer,
+            a.offload_param,
+            a.activation_checkpointing,
+            tensor_parallel=a.tensor_parallel,
+            pipeline_parallel=a.pipeline_parallel,
+            schedule=a.schedule,
+            microbatches=a.microbatches,
+            stages_per_rank=a.stages_per_rank,
+            config=config,
+        )
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError: one sentence each
         ap.error(str(exc).strip().splitlines()[0])
     gib = 2**30
@@ -232,11 +278,15 @@ def main() -> None:
         total = config_rank_params(config)
         print(f"{config.model_type} ({a.model}): {total / 1e6:.1f}M params, {layout}, {a.precision}")
     else:
-        print(f"GPT-2 {a.size}: {gpt2_params(n_layer, n_embd, 50257, a.seq_len) / 1e6:.1f}M params, {layout}, "
-              f"{a.precision}")
+        print(
+            f"GPT-2 {a.size}: {gpt2_params(n_layer, n_embd, 50257, a.seq_len) / 1e6:.1f}M params, {layout}, "
+            f"{a.precision}"
+        )
     for name in ("params", "grads", "optimizer", "activations"):
         print(f"  {name:<12}{getattr(e, name) / gib:9.2f} GiB per rank")
-    print(f"  {'total':<12}{e.device_total / gib:9.2f} GiB per rank on the device, plus {e.cpu / gib:.2f} GiB in CPU memory")
+    print(
+        f"  {'total':<12}{e.device_total / gib:9.2f} GiB per rank on the device, plus {e.cpu / gib:.2f} GiB in CPU memory"
+    )
 
 
 def _number(text: str):

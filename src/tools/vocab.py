@@ -47,8 +47,10 @@ def corpus_texts(path: Path) -> list[str]:
         else:
             records = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise VocabError(f"--corpus {path} is not valid JSON ({e.msg} at line {e.lineno}): pass a .txt file or "
-                         "a JSON array / JSON lines of records.") from None
+        raise VocabError(
+            f"--corpus {path} is not valid JSON ({e.msg} at line {e.lineno}): pass a .txt file or "
+            "a JSON array / JSON lines of records."
+        ) from None
     texts: list[str] = []
 
     def strings(value) -> Iterator[str]:
@@ -79,8 +81,10 @@ def load_base(name_or_path: str):
         raise VocabError(str(e).replace("data.tokenizer=", "--tokenizer ")) from None
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer.is_fast else {}
     if model.get("type") != "BPE":
-        raise VocabError(f"--tokenizer {name_or_path} is not a fast BPE tokenizer (GPT-2, Llama 3, Qwen2 style): "
-                         "extend works on BPE merges.")
+        raise VocabError(
+            f"--tokenizer {name_or_path} is not a fast BPE tokenizer (GPT-2, Llama 3, Qwen2 style): "
+            "extend works on BPE merges."
+        )
     return tokenizer
 
 
@@ -116,8 +120,10 @@ def extend(tokenizer: str, corpus: Path, add: int, out: Path) -> dict:
         if len(new) == add:
             break
     if len(new) < add:
-        raise VocabError(f"The corpus yields only {len(new)} new tokens for this tokenizer, fewer than --add {add}: "
-                         "add fewer, or use a larger corpus.")
+        raise VocabError(
+            f"The corpus yields only {len(new)} new tokens for this tokenizer, fewer than --add {add}: "
+            "add fewer, or use a larger corpus."
+        )
     bpe = base.backend_tokenizer.model  # the base's own merges, on the byte-level strings the new tokens are
     pieces = {str(vocab[token]): [piece.id for piece in bpe.tokenize(token)] for token in new}
     record = {"base": str(tokenizer), "base_vocab_size": len(base), "pieces": pieces}
@@ -130,8 +136,10 @@ def extend(tokenizer: str, corpus: Path, add: int, out: Path) -> dict:
         (tmp / EXTENSION).write_text(json.dumps(record, indent=1, ensure_ascii=False), encoding="utf-8")
         check = load_base(str(tmp))
         if len(check) != len(base) + add or check.eos_token_id != base.eos_token_id:
-            raise VocabError(f"The extended tokenizer did not load back as written ({len(check)} tokens, EOS "
-                             f"{check.eos_token_id}); please report this with the base tokenizer's name.")
+            raise VocabError(
+                f"The extended tokenizer did not load back as written ({len(check)} tokens, EOS "
+                f"{check.eos_token_id}); please report this with the base tokenizer's name."
+            )
         os.replace(tmp, out)
     finally:
         if tmp.exists():

@@ -27,8 +27,10 @@ def check_machine(trainer_cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.devices={devices} is not valid: use a number of devices >= 1, -1 or auto.")
     if torch.cuda.is_available():
         if isinstance(devices, int) and devices > torch.cuda.device_count():
-            raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} visible "
-                              "CUDA GPU(s): lower trainer.devices (or -1 for all), or check CUDA_VISIBLE_DEVICES.")
+            raise ConfigError(
+                f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} visible "
+                "CUDA GPU(s): lower trainer.devices (or -1 for all), or check CUDA_VISIBLE_DEVICES."
+            )
         return
     strategy = trainer_cfg.get("strategy", "auto")
     name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
@@ -37,22 +39,32 @@ def check_machine(trainer_cfg: DictConfig) -> None:
     else:
         needs_cuda = "deepspeed" in name
     if needs_cuda:
-        raise ConfigError("trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
-                          "Use trainer=ddp (2 CPU processes) on this machine.")
+        raise ConfigError(
+            "trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
+            "Use trainer=ddp (2 CPU processes) on this machine."
+        )
     if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):
-        raise ConfigError("Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
-                          "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp.")
+        raise ConfigError(
+            "Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
+            "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp."
+        )
     if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
-        raise ConfigError("trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
-                          "Use trainer=cpu, or trainer=ddp for 2 CPU processes.")
+        raise ConfigError(
+            "trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
+            "Use trainer=cpu, or trainer=ddp for 2 CPU processes."
+        )
     if str(trainer_cfg.get("precision", "32")).startswith("16"):
-        raise ConfigError(f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
-                          "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true.")
+        raise ConfigError(
+            f"trainer.precision={trainer_cfg.precision} needs a GPU: on CPU Lightning would silently "
+            "train in bf16 instead. Use trainer.precision=bf16-mixed or 32-true."
+        )
     if "bf16" in str(trainer_cfg.get("precision", "32")) and fastest_precision("cpu") == "32-true":
         # measured on an AVX2-only AMD EPYC: 40 steps of the 4-layer GPT took 230 s in bf16-mixed, 23 s in fp32
-        log.warning(f"trainer.precision={trainer_cfg.precision} on a CPU without AVX512-BF16 or AMX: bf16 has no fast "
-                    "matmul path here and trains ~10x slower than fp32. Use trainer.precision=32-true (the default "
-                    "on this CPU) unless you need bf16's numerics.")
+        log.warning(
+            f"trainer.precision={trainer_cfg.precision} on a CPU without AVX512-BF16 or AMX: bf16 has no fast "
+            "matmul path here and trains ~10x slower than fp32. Use trainer.precision=32-true (the default "
+            "on this CPU) unless you need bf16's numerics."
+        )
 
 
 def check_top_level_keys(cfg: DictConfig) -> None:
@@ -65,8 +77,10 @@ def check_top_level_keys(cfg: DictConfig) -> None:
     known = {f.name for f in fields(schema)}
     for key in cfg:
         if key not in known and key != "hydra":
-            raise ConfigError(f"Unknown config key '{key}': nothing reads it. Check the spelling (e.g. "
-                              f"trainer.max_steps); top-level keys are: {', '.join(sorted(known))}.")
+            raise ConfigError(
+                f"Unknown config key '{key}': nothing reads it. Check the spelling (e.g. "
+                f"trainer.max_steps); top-level keys are: {', '.join(sorted(known))}."
+            )
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -91,8 +105,10 @@ def check_values(cfg: DictConfig) -> None:
                 check(cfg)
         _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
-            raise ConfigError("trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
-                              "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N.")
+            raise ConfigError(
+                "trainer.max_steps=-1 with trainer.max_epochs=-1 never ends, and the LR schedule "
+                "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N."
+            )
     _check_objective(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
@@ -100,19 +116,26 @@ def check_values(cfg: DictConfig) -> None:
     pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
     is_path = isinstance(pretrained, str) and pretrained.startswith(("/", ".", "~"))  # not a hub name
     if is_path and not Path(pretrained).expanduser().exists():
-        raise PathNotFound(f"model.pretrained={pretrained!r} does not exist: pass a dir with config.json + "
-                           "model.safetensors (save_pretrained's output), a checkpoint of this template (its weights), "
-                           "or a hub name such as gpt2 when online.")
+        raise PathNotFound(
+            f"model.pretrained={pretrained!r} does not exist: pass a dir with config.json + "
+            "model.safetensors (save_pretrained's output), a checkpoint of this template (its weights), "
+            "or a hub name such as gpt2 when online."
+        )
     from src.distributed.checkpointing import problem
 
     ckpt = cfg.get("ckpt_path")
     for key, path in (("ckpt_path", ckpt), ("model.pretrained", pretrained if is_path else None)):
-        why = problem(path) if path and (key == "ckpt_path" or not (Path(path).expanduser() / "config.json").exists()) \
+        why = (
+            problem(path)
+            if path and (key == "ckpt_path" or not (Path(path).expanduser() / "config.json").exists())
             else None
+        )
         if why is not None:
-            raise CheckpointError(f"{key}={path!r} cannot be used: {why}. Point it at a checkpoint written by "
-                                  "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt"
-                                  + (", or a Hugging Face dir." if key == "model.pretrained" else "."))
+            raise CheckpointError(
+                f"{key}={path!r} cannot be used: {why}. Point it at a checkpoint written by "
+                "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt"
+                + (", or a Hugging Face dir." if key == "model.pretrained" else ".")
+            )
     for key in ("log_dir", "cache_dir", "output_dir"):
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
 
@@ -123,15 +146,21 @@ def _check_objective(cfg: DictConfig) -> None:
     data = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
     pairs = data == "PreferenceDataModule"
     if objective == "dpo" and not pairs:
-        raise ConfigError(f"model.objective=dpo trains on preference pairs, but data is {data or 'not set'}: use "
-                          "data=preference (data.path=pairs.json), or model.objective=sft for this data.")
+        raise ConfigError(
+            f"model.objective=dpo trains on preference pairs, but data is {data or 'not set'}: use "
+            "data=preference (data.path=pairs.json), or model.objective=sft for this data."
+        )
     if pairs and objective != "dpo":
-        raise ConfigError(f"data=preference holds preference pairs, which model.objective={objective} does not train "
-                          "on: set model.objective=dpo (or use experiment=gpt2_dpo).")
+        raise ConfigError(
+            f"data=preference holds preference pairs, which model.objective={objective} does not train "
+            "on: set model.objective=dpo (or use experiment=gpt2_dpo)."
+        )
     strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
     if objective == "dpo" and strategy.endswith("PipelineStrategy"):
-        raise ConfigError("model.objective=dpo does not run under trainer=pipeline (its schedule computes the "
-                          "next-token loss only): use trainer=ddp, fsdp, tp or deepspeed.")
+        raise ConfigError(
+            "model.objective=dpo does not run under trainer=pipeline (its schedule computes the "
+            "next-token loss only): use trainer=ddp, fsdp, tp or deepspeed."
+        )
 
 
 def _check_global_batch(cfg: DictConfig) -> None:
@@ -151,15 +180,19 @@ def _check_global_batch(cfg: DictConfig) -> None:
     if model_parallel > 1 and ranks % model_parallel == 0:  # (a world size that does not divide: mesh.py says so)
         data_parallel = ranks // model_parallel
         if batch % (data_parallel * sizes[2]):
-            raise ConfigError(f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel "
-                              f"group(s) x {sizes[2]} accumulation step(s) = {data_parallel * sizes[2]}: pick a multiple "
-                              f"of {data_parallel * sizes[2]}, or change trainer.devices / trainer.accumulate_grad_batches.")
+            raise ConfigError(
+                f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel "
+                f"group(s) x {sizes[2]} accumulation step(s) = {data_parallel * sizes[2]}: pick a multiple "
+                f"of {data_parallel * sizes[2]}, or change trainer.devices / trainer.accumulate_grad_batches."
+            )
         return
     per_step = sizes[0] * sizes[1] * sizes[2]
     if batch % per_step:
-        raise ConfigError(f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
-                          f"node(s) x {sizes[2]} accumulation step(s) = {per_step}. Pick a multiple of {per_step}, "
-                          "or change trainer.devices / trainer.accumulate_grad_batches.")
+        raise ConfigError(
+            f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
+            f"node(s) x {sizes[2]} accumulation step(s) = {per_step}. Pick a multiple of {per_step}, "
+            "or change trainer.devices / trainer.accumulate_grad_batches."
+        )
 
 
 def _check_writable(key: str, path: Path) -> None:

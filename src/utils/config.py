@@ -139,8 +139,9 @@ def check_fractions(val_key: str, val: Any, test_key: str, test: Any) -> None:
         raise ConfigError(f"{val_key}={val} + {test_key}={test} leave nothing to train on: their sum must be < 1.")
 
 
-def check_sequence_data(seq_len: Any, global_batch_size: Any, eval_batch_size: Any, val_fraction: Any,
-                        test_fraction: Any) -> None:
+def check_sequence_data(
+    seq_len: Any, global_batch_size: Any, eval_batch_size: Any, val_fraction: Any, test_fraction: Any
+) -> None:
     """The checks every sequence datamodule (text, instruct) makes of its shared data.* keys."""
     check_int("data.seq_len", seq_len)
     check_int("data.global_batch_size", global_batch_size)

@@ -75,12 +75,16 @@ def translate(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[s
         key = getattr(exc, "full_key", "") or "a config value"
         return f"{key} could not be resolved: {text.splitlines()[0][:300]}. Check the keys and values it refers to."
     if type(exc).__name__ == "MisconfigurationException":  # Lightning's word for a config it cannot run
-        return (f"Lightning refuses this config: {text.strip().splitlines()[0][:300]} Change the trainer.* or "
-                "callbacks.* keys it names (see conf/).")
+        return (
+            f"Lightning refuses this config: {text.strip().splitlines()[0][:300]} Change the trainer.* or "
+            "callbacks.* keys it names (see conf/)."
+        )
     if isinstance(exc, RuntimeError) and "Error(s) in loading state_dict" in text:
         detail = next((line.strip() for line in text.splitlines()[1:] if line.strip()), "")[:300]
-        return (f"The checkpoint ckpt_path={ckpt_path!r} does not fit this model ({detail}). Use the model "
-                "config it was trained with (its model.* keys), or train without ckpt_path.")
+        return (
+            f"The checkpoint ckpt_path={ckpt_path!r} does not fit this model ({detail}). Use the model "
+            "config it was trained with (its model.* keys), or train without ckpt_path."
+        )
     return None
 
 
@@ -149,6 +153,10 @@ class LogDirCheck(Callback):
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir():
-            print(f"[ERROR] - paths.log_dir={log_dir} is inside {existing}, which is a file, not a directory: pick "
-                  "another paths.log_dir.", file=sys.stderr, flush=True)
+            print(
+                f"[ERROR] - paths.log_dir={log_dir} is inside {existing}, which is a file, not a directory: pick "
+                "another paths.log_dir.",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(EXIT_USER_ERROR)

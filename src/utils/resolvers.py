@@ -76,7 +76,6 @@ def run_dir() -> str:
     """This run's dir (paths.output_dir): Hydra's runtime.output_dir, or where Hydra has made none
     (`python train.py --cfg job --resolve` prints the config without running), the dir a run would use."""
     from hydra.core.hydra_config import HydraConfig
-
     from omegaconf import OmegaConf
 
     hydra_cfg = HydraConfig.get()

@@ -22,7 +22,14 @@ log = logging.getLogger(__name__)
 
 
 # Config values that name files or dirs (model.pretrained also decides data.tokenizer's default).
-PATH_KEYS = ("model.pretrained", "data.path", "data.input_dir", "data.tokenizer", "trainer.strategy.config", "ckpt_path")
+PATH_KEYS = (
+    "model.pretrained",
+    "data.path",
+    "data.input_dir",
+    "data.tokenizer",
+    "trainer.strategy.config",
+    "ckpt_path",
+)
 
 
 def absolute_paths(cfg: DictConfig) -> None:
@@ -55,11 +62,15 @@ def prepare(cfg: DictConfig) -> None:
     absolute_paths(cfg)
     weights_from_checkpoint(cfg)
     if cfg.trainer.get("use_distributed_sampler", True):
-        raise ConfigError("trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
-                          "(Lightning's sampler would pad val/test with repeated samples and shard twice).")
+        raise ConfigError(
+            "trainer.use_distributed_sampler must be false: the datamodules shard the data themselves "
+            "(Lightning's sampler would pad val/test with repeated samples and shard twice)."
+        )
     if cfg.trainer.get("overfit_batches", 0):
-        raise ConfigError(f"trainer.overfit_batches={cfg.trainer.overfit_batches} is not supported (Lightning's makes every "
-                          "rank read the same batches); use data.overfit_batches=N or debug=overfit instead.")
+        raise ConfigError(
+            f"trainer.overfit_batches={cfg.trainer.overfit_batches} is not supported (Lightning's makes every "
+            "rank read the same batches); use data.overfit_batches=N or debug=overfit instead."
+        )
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     save_resolved_config(cfg, Path(cfg.paths.output_dir))
@@ -210,11 +221,15 @@ def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:
         return str(last)
     for ckpt in found:
         if ckpt != last and not ckpt.name.endswith(".consolidated.ckpt") and problem(ckpt) is None:
-            log.warning(f"resume=auto: {last} cannot be resumed from ({why}); continuing from {ckpt}, "
-                        "the newest complete checkpoint in that dir")
+            log.warning(
+                f"resume=auto: {last} cannot be resumed from ({why}); continuing from {ckpt}, "
+                "the newest complete checkpoint in that dir"
+            )
             return str(ckpt)
-    raise ConfigError(f"resume=auto: {last} cannot be resumed from ({why}) and no other checkpoint in {ckpt_dir} is "
-                      f"complete; delete {ckpt_dir} to start this run afresh, or pass ckpt_path=<a good checkpoint>.")
+    raise ConfigError(
+        f"resume=auto: {last} cannot be resumed from ({why}) and no other checkpoint in {ckpt_dir} is "
+        f"complete; delete {ckpt_dir} to start this run afresh, or pass ckpt_path=<a good checkpoint>."
+    )
 
 
 def optimizing_sweeper() -> bool:
@@ -234,8 +249,10 @@ def metric_value(metrics: dict[str, Any], name: Optional[str]) -> Optional[float
     if not name:
         return None
     if name not in metrics:
-        msg = (f"optimized_metric={name!r} was not logged. Logged metrics: {sorted(metrics)}. "
-               "Set optimized_metric to one of them.")
+        msg = (
+            f"optimized_metric={name!r} was not logged. Logged metrics: {sorted(metrics)}. "
+            "Set optimized_metric to one of them."
+        )
         if optimizing_sweeper():
             raise ConfigError(msg)
         log.warning(msg)

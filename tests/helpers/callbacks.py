@@ -23,8 +23,12 @@ class RecordStateBytes(L.Callback):
         record = {
             "params": sum(local_bytes(p) for p in params),
             "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                             if torch.is_tensor(v) and v.dim() > 0),  # m and v; not the scalar step counters
+            "optimizer": sum(
+                local_bytes(v)
+                for s in optimizer.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            ),  # m and v; not the scalar step counters
         }
         path = f"{trainer.default_root_dir}/state_bytes_rank{trainer.global_rank}.json"
         with open(path, "w") as f:

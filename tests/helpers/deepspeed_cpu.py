@@ -29,8 +29,10 @@ def build_cpu_adam_without_debug_info() -> None:
 
     cxx_args = CPUAdamBuilder.cxx_args
     if not getattr(cxx_args, "without_debug_info", False):
+
         def without_g(self):
             return [a for a in cxx_args(self) if a != "-g"]
+
         without_g.without_debug_info = True
         CPUAdamBuilder.cxx_args = without_g
 
@@ -55,9 +57,14 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed
 
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-            model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
-            lr_scheduler=lr_scheduler, dist_init_required=False)
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model) -> None:
@@ -69,7 +76,8 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
         initialize = deepspeed.initialize
         deepspeed.initialize = lambda args, **kwargs: initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), **kwargs)
+            args=argparse.Namespace(device_rank=self.local_rank), **kwargs
+        )
         try:
             super()._initialize_deepspeed_inference(model)
         finally:

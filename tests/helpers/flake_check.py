@@ -47,9 +47,21 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.runs + 1):
             report = Path(tmp) / f"run{i}.xml"
             t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   f"--junitxml={report}", *args.pytest_args], cwd=ROOT, capture_output=True,
-                                  text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--junitxml={report}",
+                    *args.pytest_args,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if not report.exists():  # pytest itself failed (a bad option, a collection error)
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
                 return 2
@@ -60,13 +72,19 @@ def main(argv: list[str] | None = None) -> int:
             for test, outcome in bad.items():
                 failures[test] += 1
                 first_message.setdefault(test, outcome)
-            print(f"run {i}/{args.runs}: {len(results)} tests, {len(bad)} failed, {time.monotonic() - t0:.0f} s"
-                  + "".join(f"\n  FAILED {t}" for t in sorted(bad)), flush=True)
+            print(
+                f"run {i}/{args.runs}: {len(results)} tests, {len(bad)} failed, {time.monotonic() - t0:.0f} s"
+                + "".join(f"\n  FAILED {t}" for t in sorted(bad)),
+                flush=True,
+            )
     print(f"\n{len(runs_seen)} tests x {args.runs} runs; failures per test:")
     for test, count in failures.most_common():
         print(f"  {count:3d}/{runs_seen[test]:<3d} {test}  ({first_message[test]})")
-    print(f"{sum(failures.values())} failures in all, {len(failures)} tests failed at least once"
-          if failures else "0 failures")
+    print(
+        f"{sum(failures.values())} failures in all, {len(failures)} tests failed at least once"
+        if failures
+        else "0 failures"
+    )
     return 1 if failures else 0
 
 

@@ -46,15 +46,30 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What a train.py / eval.py run imports before and during its first steps (the server imports them once).
 PRELOAD = [
-    "torch", "lightning", "transformers", "transformers.models.gpt2.modeling_gpt2", "hydra", "omegaconf",
-    "torch.utils.tensorboard", "lightning.pytorch.loggers.tensorboard", "torch.distributed.checkpoint",
-    "src.utils.resolvers", "src.utils.config", "src.utils.run", "src.utils.errors", "src.callbacks.essentials",
-    "src.distributed.hydra_ddp", "src.distributed.timeouts", "src.models.init", "src.models.gpt2",
-    "src.datamodules.text", "src.tools.checkpoints",
+    "torch",
+    "lightning",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "hydra",
+    "omegaconf",
+    "torch.utils.tensorboard",
+    "lightning.pytorch.loggers.tensorboard",
+    "torch.distributed.checkpoint",
+    "src.utils.resolvers",
+    "src.utils.config",
+    "src.utils.run",
+    "src.utils.errors",
+    "src.callbacks.essentials",
+    "src.distributed.hydra_ddp",
+    "src.distributed.timeouts",
+    "src.models.init",
+    "src.models.gpt2",
+    "src.datamodules.text",
+    "src.tools.checkpoints",
 ]
 
 # The stand-in for `python`: stdlib only and run with -S, so it starts in milliseconds.
-STAND_IN = r'''#!{python} -S
+STAND_IN = r"""#!{python} -S
 import json, os, signal, socket, sys
 PYTHON, SERVER = {python!r}, {server!r}
 args = sys.argv[1:]
@@ -92,7 +107,7 @@ if code < 0:  # the run died of a signal: so does its stand-in
         signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
-'''
+"""
 
 # For tests that SIGKILL a job's process group (a node going down): a run is forked from the server, so it is not
 # in the group of the stand-in the test started, and neither are the ranks it starts. With this in the job's
@@ -117,7 +132,11 @@ def interpreter() -> str:
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         _server = subprocess.Popen(  # its stdin is our pipe: it exits when this process is gone
             [sys.executable, "-c", f"from tests.helpers.forkrun import serve; serve({server!r}, {stand_in!r})"],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         assert _server.stdout.readline() == b"ready\n", "the tests' fork server did not start"
         atexit.register(_stop, _server, tmp)
         _stand_in = stand_in
@@ -131,6 +150,7 @@ def _stop(server: subprocess.Popen, tmp: str) -> None:
 
 
 # ---- in the server ----
+
 
 def serve(path: str, stand_in: str) -> None:
     import selectors

@@ -10,11 +10,9 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from src.utils.machine import available_cores
+
 log = logging.getLogger(__name__)
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class CpuThreadsPerRank(L.Callback):

@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.distributed.samplers import ShardSampler, rank_and_world, train_sampler
+from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100  # the label that torch's cross-entropy, HF models and our metrics skip
 
 
 class ResumableLoader(DataLoader):

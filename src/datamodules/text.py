@@ -23,9 +23,9 @@ from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import ConfigError, check_sequence_data
+from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
 
 
 class PackedBlocks(Dataset):

@@ -31,6 +31,8 @@ from typing import Optional
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from src.utils.errors import in_multirun, process_rank
+
 KEY = "trainer.strategy.timeout"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # a job stopped by SIGTERM: 143, as a shell reports it
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ def describe(exc: BaseException) -> Optional[str]:
     is_dist_error = isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
     if name is None and not is_dist_error:
         return None
-    rank = _rank()
+    rank = process_rank()
     where = f"collective {name}" if name else "a collective"
     if TIMED_OUT.search(text) and not PEER_LOST.search(text):
         ms = MILLISECONDS.search(text)
@@ -104,19 +106,6 @@ def describe(exc: BaseException) -> Optional[str]:
     return f"Rank {rank}: {where} failed: {text.splitlines()[0][:300]} Full trace: HYDRA_FULL_ERROR=1."
 
 
-def _rank() -> str:
-    if dist.is_available() and dist.is_initialized():
-        return str(dist.get_rank())
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
-
-
-def _in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
 @contextmanager
 def distributed_errors() -> Iterator[None]:
     """Report a failed collective in one line and exit 1, instead of a long traceback per rank.
@@ -127,7 +116,7 @@ def distributed_errors() -> Iterator[None]:
     try:
         yield
     except SIGTERMException:
-        log.error(f"Rank {_rank()}: stopped by SIGTERM; exiting with status {SIGTERM_EXIT}.")
+        log.error(f"Rank {process_rank()}: stopped by SIGTERM; exiting with status {SIGTERM_EXIT}.")
         raise SystemExit(SIGTERM_EXIT) from None
     except Exception as exc:
         message = describe(exc)
@@ -136,7 +125,7 @@ def distributed_errors() -> Iterator[None]:
         log.error(message)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if _in_multirun():  # let Hydra record this job as failed and run the next one
+        if in_multirun():  # let Hydra record this job as failed and run the next one
             raise CollectiveError(message) from None
         sys.stderr.flush()
         raise SystemExit(1) from None

@@ -10,8 +10,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.models.base import LitModule
-
-IGNORE_INDEX = -100  # a label that counts in no loss or metric
+from src.utils.labels import IGNORE_INDEX
 
 
 def conv_block(c_in: int, c_out: int) -> nn.Sequential:

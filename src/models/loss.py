@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-IGNORE_INDEX = -100  # a label that is no target (prompt, padding): what torch's cross_entropy skips
+from src.utils.labels import IGNORE_INDEX
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,11 +97,18 @@ def _ckpt_path(cfg: Optional[Any]) -> Optional[str]:
         return None
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's global rank: torch.distributed's once it is up, else RANK (torchrun and Lightning's child
+    ranks set it) or LOCAL_RANK, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def _in_multirun() -> bool:
+def in_multirun() -> bool:
+    """Inside a Hydra multirun job (`-m`): a failing job then re-raises for Hydra to record, instead of exiting."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -118,12 +125,12 @@ def user_errors(cfg: Optional[Any] = None) -> Iterator[None]:
         message = translate(exc, _ckpt_path(cfg))
         if message is None:
             raise  # a bug: keep the traceback
-        rank = _rank()
+        rank = process_rank()
         if rank == 0 or not getattr(find_user_error(exc), "same_on_every_rank", False):
             log.error(message if rank == 0 else f"Rank {rank}: {message}")
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if _in_multirun():  # Hydra records this job as failed, with the message, and runs the next one
+        if in_multirun():  # Hydra records this job as failed, with the message, and runs the next one
             raise JobFailed(message) from None
         sys.stderr.flush()
         raise SystemExit(EXIT_USER_ERROR) from None

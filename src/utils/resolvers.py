@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from src.distributed import launcher_env
+from src.utils.machine import available_cores
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,7 @@ def register() -> None:
         "run_stamp": launcher_env.run_stamp,  # run dir name agreed by all ranks (conf/hydra/default.yaml)
         "rank_zero_value": launcher_env.rank_zero_value,
         "log_name": launcher_env.log_name,
-        "cpu_count": lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_count": available_cores,
         "fastest_precision": fastest_precision,
         "fastest_attention": fastest_attention,
         "run_dir": run_dir,

@@ -1,0 +1,103 @@
+"""src/'s imports, read with ast: no import runs against the layer order, and no import circle.
+
+The order, lowest first (README "Code map"): utils (errors, config, logging: imports nothing of ours above it)
+< distributed (what makes N ranks act as 1) < models, datamodules (which know nothing of each other) < callbacks
+< tools; train.py, eval.py and bench/ sit on top. Function-level imports count too: they are how a circle hides.
+
+UPWARD lists the imports that still run against the order, each a debt to pay by moving the code that needs it
+up a layer (the run orchestration in src/utils/run.py and checks.py belongs above distributed and tools). The test
+fails on any other, and on an entry that no longer exists, so the list can only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from conftest import ROOT
+
+LAYER = {"utils": 0, "distributed": 1, "models": 2, "datamodules": 2, "callbacks": 3, "tools": 4}
+UPWARD = {  # (importing module, imported module): known debts
+    ("src.utils.checks", "src.distributed.checkpointing"),
+    ("src.utils.checks", "src.distributed.tensor_parallel"),
+    ("src.utils.resolvers", "src.distributed.launcher_env"),
+    ("src.utils.run", "src.distributed.launcher_env"),
+    ("src.utils.run", "src.tools.checkpoints"),
+    ("src.utils.run", "src.distributed.checkpointing"),
+}
+
+
+def imports() -> dict[str, set[str]]:
+    """Each src module -> the src modules it imports (anywhere in the file)."""
+    files = {
+        ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+        for f in (ROOT / "src").rglob("*.py")
+    }
+    graph = {}
+    for module, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("src"):
+                # `from src.distributed import launcher_env` names a module; `from src.x import name` the module x
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("src")}
+        graph[module] = {m for m in found if m in files and m != module}
+    return graph
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYER.get(parts[1]) if len(parts) > 2 else None
+
+
+def test_no_import_runs_against_the_layer_order():
+    graph = imports()
+    upward = {
+        (a, b)
+        for a, edges in graph.items()
+        for b in edges
+        if layer(a) is not None
+        and layer(b) is not None
+        and (layer(b) > layer(a) or (layer(b) == layer(a) and a.split(".")[1] != b.split(".")[1]))
+    }
+    assert upward - UPWARD == set(), f"imports against the order {LAYER}: {sorted(upward - UPWARD)}"
+    assert UPWARD - upward == set(), f"paid debts: remove {sorted(UPWARD - upward)} from UPWARD"
+
+
+def test_no_import_circle():
+    graph = {a: edges - {b for x, b in UPWARD if x == a} for a, edges in imports().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):
+    """The check bites: a utils module importing a model is reported."""
+    import test_layers
+
+    fake = tmp_path / "src" / "utils"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text("from src.models.loss import IGNORE_INDEX\n")
+    (tmp_path / "src" / "models").mkdir()
+    (tmp_path / "src" / "models" / "loss.py").write_text("IGNORE_INDEX = -100\n")
+    monkeypatch.setattr(test_layers, "ROOT", tmp_path)
+    monkeypatch.setattr(test_layers, "UPWARD", set())
+    try:
+        test_layers.test_no_import_runs_against_the_layer_order()
+    except AssertionError as e:
+        assert "('src.utils.bad', 'src.models.loss')" in str(e)
+    else:
+        raise AssertionError("an upward import went unseen")

@@ -537,15 +537,14 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
             torch.testing.assert_close(value, expected[f"model.{name}"], rtol=0, atol=0, msg=name)
 
 
-def test_precomputed_reference_when_overfitting_a_few_batches(tmp_path):
-    """data.overfit_batches=2: the splits are a Subset of the training pairs, which keep their numbers in the table."""
+def precompute_one_step(tmp_path, **data) -> tuple:
+    """One training step of a 1-layer GPT-2 (SGD at lr 0) with the reference table precomputed on `data`'s splits:
+    (the datamodule, the module)."""
     import functools
 
     import lightning as L
 
-    dm = PreferenceDataModule(
-        str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, global_batch_size=8, overfit_batches=2
-    )
+    dm = PreferenceDataModule(str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, **data)
     module = GPT2LitModule(
         vocab_size=257,
         seq_len=48,
@@ -567,38 +566,17 @@ def test_precomputed_reference_when_overfitting_a_few_batches(tmp_path):
         use_distributed_sampler=False,
         default_root_dir=tmp_path,
     ).fit(module, datamodule=dm)
+    return dm, module
+
+
+def test_precomputed_reference_when_overfitting_a_few_batches(tmp_path):
+    """data.overfit_batches=2: the splits are a Subset of the training pairs, which keep their numbers in the table."""
+    dm, module = precompute_one_step(tmp_path, global_batch_size=8, overfit_batches=2)
     numbers = sorted(dm.splits["train"][i][0] for i in range(16))
     assert (module.dpo.table < 0).all(dim=1).nonzero().flatten().tolist() == numbers  # those 16 pairs, no others
 
 
 def test_precomputed_reference_with_no_validation_split(tmp_path):
     """data.val_fraction=0 and test_fraction=0: the table covers the training pairs (an empty split is skipped)."""
-    import functools
-
-    import lightning as L
-
-    dm = PreferenceDataModule(
-        str(shared(*EN.split("/"))), seq_len=48, max_prompt_len=24, val_fraction=0, test_fraction=0
-    )
-    module = GPT2LitModule(
-        vocab_size=257,
-        seq_len=48,
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        objective="dpo",
-        dpo={"precompute_reference": True},
-        optimizer=functools.partial(torch.optim.SGD, lr=0.0),
-    )
-    L.Trainer(
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=tmp_path,
-    ).fit(module, datamodule=dm)
+    _, module = precompute_one_step(tmp_path, val_fraction=0, test_fraction=0)
     assert module.dpo.table.shape == (300, 2) and (module.dpo.table < 0).all()  # every pair's log-probs, once

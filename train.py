@@ -14,14 +14,14 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import src.utils.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
+import src.distributed.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.timeouts import distributed_errors
 from src.models.init import deferred_init
+from src.run.job import log_hyperparameters, metric_value, prepare, resume_from
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.errors import user_errors
-from src.utils.run import log_hyperparameters, metric_value, prepare, resume_from
 
 register_schemas()
 

@@ -112,7 +112,7 @@ def data_and_model(
 
     layers, heads, width, ctx, batch = SHAPES[shape]
     if attn == "auto":
-        from src.utils.resolvers import fastest_attention
+        from src.utils.machine import fastest_attention
 
         attn = fastest_attention("cpu", precision, ctx)
     dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
@@ -152,7 +152,7 @@ def resolve_precision(precision: str) -> str:
     """auto: what train.py picks on this machine's CPU."""
     if precision != "auto":
         return precision
-    from src.utils.resolvers import fastest_precision
+    from src.utils.machine import fastest_precision
 
     return fastest_precision("cpu")
 
@@ -380,7 +380,7 @@ def main() -> None:
         med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
         for way, m in med.items():
             print(f"{shape:<10}{way:<12}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
-        from src.utils.resolvers import fastest_attention
+        from src.utils.machine import fastest_attention
 
         layers, heads, width, ctx, batch = SHAPES[shape]
         attn = fastest_attention("cpu", args.precision, ctx)

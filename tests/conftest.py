@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail
 # Lightning's launcher keeps a set OMP_NUM_THREADS for its ranks; test_train checks the cap of a larger one.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import src.utils.resolvers  # noqa: E402,F401
+import src.distributed.resolvers  # noqa: E402,F401
 from src.utils.config import register_schemas  # noqa: E402
 from tests.helpers import forkrun  # noqa: E402
 

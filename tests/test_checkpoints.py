@@ -16,9 +16,9 @@ from conftest import ROOT, gone, python, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover
+from src.run.job import decide_resume
 from src.tools.checkpoints import load_checkpoint
 from src.utils.config import ConfigError
-from src.utils.run import decide_resume
 from tests.helpers import forkrun
 
 FSDP = ["trainer=fsdp", "trainer.devices=2"]

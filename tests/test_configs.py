@@ -16,9 +16,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from src.run.job import check_machine
 from src.utils.config import ConfigError, check_targets, instantiate_group
 from src.utils.errors import translate
-from src.utils.run import check_machine
 
 CONF = ROOT / "conf"
 GROUPS = [

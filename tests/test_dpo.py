@@ -160,7 +160,7 @@ def test_bad_records_are_one_sentence_each(tmp_path, caplog):
 def test_objective_and_data_must_agree(overrides, words):
     from test_configs import compose_cfg
 
-    from src.utils.checks import check_values
+    from src.run.checks import check_values
 
     with pytest.raises(ConfigError, match=words):
         check_values(compose_cfg(overrides))
@@ -463,8 +463,8 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     from test_fsdp import last_ckpt
     from test_parity import QUIET
 
+    from src.run.job import prepare
     from src.tools.checkpoints import consolidate, is_dcp, is_deepspeed, load_checkpoint
-    from src.utils.run import prepare
 
     shape = GPT2_SHAPE
     sft = [

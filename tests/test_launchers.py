@@ -117,7 +117,7 @@ def test_global_rank_names_logs_and_hydra_dir(monkeypatch, env, devices, rank):
 
 
 def test_device_count_follows_the_slurm_layout(monkeypatch):
-    from src.utils.resolvers import device_count
+    from src.distributed.launcher_env import device_count
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NAME"):
         monkeypatch.delenv(key, raising=False)

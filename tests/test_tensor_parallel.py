@@ -128,7 +128,7 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
     from test_configs import compose_cfg
     from test_errors import FAST
 
-    from src.utils.checks import check_values
+    from src.run.checks import check_values
     from src.utils.config import ConfigError
 
     cfg = compose_cfg([*FAST, *TP, *override], tmp=tmp_path)

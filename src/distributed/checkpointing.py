@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 log = logging.getLogger(__name__)
+RESUME_ENV = "TEMPLATE_RESUME_DECISION"  # rank 0's resume=auto choice, inherited by the ranks Lightning starts
 STAGING = (".tmp", ".old")  # suffixes of the names beside a checkpoint that are never a checkpoint themselves
 
 
@@ -183,15 +184,13 @@ class SameResumeOnAllRanks(Callback):
     """Stop with one sentence when ranks chose different resume points, before any checkpoint is loaded.
 
     resume=auto is rank 0's decision for the ranks Lightning's launcher starts (they inherit it) and
-    under torchrun (rank 0 posts it in the rendezvous store): src/utils/run.py resume_from. Ranks
+    under torchrun (rank 0 posts it in the rendezvous store): src/run/job.py resume_from. Ranks
     started together by other means (SLURM's srun, one Lightning launcher per node) each looked at
     the file system before any process group existed, and on a shared file system their views may
     differ: mixing two steps would train silently wrong, so once the group is up they compare.
     """
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        from src.utils.run import RESUME_ENV
-
         if stage != "fit" or trainer.world_size == 1 or RESUME_ENV not in os.environ:
             return
         mine = json.loads(os.environ[RESUME_ENV]).get("ckpt")

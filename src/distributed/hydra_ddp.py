@@ -101,12 +101,10 @@ def prepare_slurm(devices: Any = None) -> None:
     """
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from src.utils.resolvers import device_count, num_nodes
-
     env, job = os.environ, launcher_env.slurm_job_id()
     if job is None or "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env:  # not SLURM, torchrun, or a child rank
         return
-    nodes, per_node = num_nodes(), launcher_env.slurm_tasks_per_node() or 1
+    nodes, per_node = launcher_env.num_nodes(), launcher_env.slurm_tasks_per_node() or 1
     if launcher_env.slurm_starts_ranks():
         log.info(
             f"SLURM job {job}: one task per rank ({per_node} per node x {nodes} node(s)): "
@@ -119,7 +117,7 @@ def prepare_slurm(devices: Any = None) -> None:
     env.setdefault("MASTER_PORT", str(15000 + int(job.replace("_", "")[-4:])))  # Lightning's choice for SLURM
     env["NODE_RANK"] = env.get("SLURM_NODEID", "0")
     env.pop("SLURM_NTASKS", None)
-    ranks = launcher_env.count_devices(devices) if devices is not None else device_count()
+    ranks = launcher_env.count_devices(devices) if devices is not None else launcher_env.device_count()
     if nodes * ranks == 1:
         log.info(f"SLURM job {job}: one task, one process (trainer.devices={devices})")
     else:

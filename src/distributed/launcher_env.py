@@ -167,3 +167,32 @@ def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S") -> str:
     if "TORCHELASTIC_RUN_ID" in env and env["TORCHELASTIC_RUN_ID"] not in ("", "none"):
         return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"  # no agent store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
     return now
+
+
+def device_count(cpu_processes: int = 2) -> int:
+    """Processes per node: what a launcher started (torchrun; SLURM with one task per rank), else every
+    visible GPU, else `cpu_processes` CPU ranks (gloo).
+
+    SLURM with one task per node (--ntasks-per-node=1 --gpus-per-node=8) is not a rank count: there
+    Lightning starts a rank per GPU on each node (src/distributed/hydra_ddp.py prepares it).
+    Lightning's own `devices=auto` means 1 process on CPU, which would make `trainer=ddp`
+    a no-op on a laptop; this keeps the same config meaningful on both kinds of machine.
+    """
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if slurm_starts_ranks():  # srun, one task per rank
+        return slurm_tasks_per_node()
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else int(cpu_processes)
+
+
+def num_nodes() -> int:
+    """Nodes in the job, from the launcher's environment (torchrun, SLURM), else NUM_NODES, else 1."""
+    env = os.environ
+    if env.get("WORLD_SIZE", "").isdigit() and env.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun
+        return int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"])
+    for var in ("SLURM_NNODES", "NUM_NODES"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return 1

@@ -53,7 +53,7 @@ MULTI_STAGE = ("Interleaved1F1B",)
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Everything trainer=pipeline needs from the config, checked before any process starts (src/utils/checks.py)."""
+    """Everything trainer=pipeline needs from the config, checked before any process starts (src/run/checks.py)."""
     s = cfg.trainer.strategy
     pp, schedule, m, v = s.pipeline_parallel_size, s.schedule, s.n_microbatches, s.stages_per_rank
     if schedule not in SCHEDULES:

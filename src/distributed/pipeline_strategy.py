@@ -38,7 +38,7 @@ class PipelineStrategy(ModelParallelStrategy):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
-    check_config = staticmethod(check_config)  # run by src/utils/checks.py before any process starts
+    check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(
         self,

@@ -129,7 +129,7 @@ def build_module(checkpoint: dict[str, Any]):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    import src.utils.resolvers  # noqa: F401
+    import src.distributed.resolvers  # noqa: F401
 
     if "config" not in checkpoint:
         raise CheckpointError(

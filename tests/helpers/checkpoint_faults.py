@@ -40,7 +40,7 @@ class HideCheckpointsOnRank(L.Callback):
     def __init__(self, rank: int = 1) -> None:
         import os
 
-        import src.utils.run as run
+        import src.run.job as run
 
         if int(os.environ.get("LOCAL_RANK", 0)) == rank:
             from src.distributed import checkpointing

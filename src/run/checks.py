@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.utils.config import ConfigError, check_int
 from src.utils.errors import CheckpointError, PathNotFound
-from src.utils.resolvers import fastest_precision
+from src.utils.machine import fastest_precision
 
 log = logging.getLogger(__name__)
 

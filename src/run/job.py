@@ -14,7 +14,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import launcher_env
-from src.utils.checks import check_machine, check_top_level_keys, check_values
+from src.distributed.checkpointing import RESUME_ENV
+from src.run.checks import check_machine, check_top_level_keys, check_values
 from src.utils.config import ConfigError, check_targets
 from src.utils.logging import quiet_console
 
@@ -151,7 +152,6 @@ def _flatten(d: dict, prefix: str = ""):
             yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
-RESUME_ENV = "TEMPLATE_RESUME_DECISION"  # rank 0's resume=auto choice, inherited by the ranks Lightning starts
 _RESUME_CALLS: list[Path] = []  # resume=auto decisions taken in this process (one per Hydra job)
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from src.utils.config import ConfigError
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 PHASE = "comm:"  # prefix of the phase ranges this callback opens
@@ -201,8 +202,6 @@ class CommVolume(L.Callback):
 
     def __init__(self, every_n_steps: int = 0, save_dir: Optional[str] = None) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-            from src.utils.config import ConfigError
-
             raise ConfigError(
                 f"callbacks.comm.every_n_steps={every_n_steps!r} is not valid: use 0 (off) or a "
                 "number of optimizer steps between two profiled steps."

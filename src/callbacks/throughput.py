@@ -33,6 +33,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
+from src.distributed.samplers import rank_and_world
+
 TRAIN = RunningStage.TRAINING
 
 
@@ -70,7 +72,6 @@ def replica_share(trainer) -> float:
     pipeline (or tensor-parallel) group all read the same batch, so that the rates over all ranks
     (rank 0's times the world size) count each model replica's batches and samples once, and device/mfu a
     device's work."""
-    from src.distributed.samplers import rank_and_world
 
     return rank_and_world()[1] / max(trainer.world_size, 1)
 

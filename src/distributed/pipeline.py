@@ -43,7 +43,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from src.distributed.mesh import mesh_sizes
 from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
+from src.distributed.tensor_parallel import check_divisible, check_plan
+from src.distributed.tensor_parallel import parallelize as split_blocks
 from src.utils.config import ConfigError
 from src.utils.hf_config import architecture
 
@@ -89,8 +92,6 @@ def check_config(cfg: DictConfig) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
     if tp > 1:
-        from src.distributed.tensor_parallel import check_divisible, check_plan
-
         check_plan(config)
         check_divisible(config, tp)
     unsupported = [
@@ -121,8 +122,6 @@ def check_config(cfg: DictConfig) -> None:
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     batch = OmegaConf.select(cfg, "data.global_batch_size")
     if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
-        from src.distributed.mesh import mesh_sizes
-
         dp = mesh_sizes(devices * nodes, pipeline_parallel=pp, tensor_parallel=tp)["data_parallel"]
         if isinstance(batch, int) and batch % (dp * m):
             raise ConfigError(
@@ -292,8 +291,6 @@ def parallelize(
     prune(hf, layers, keep, first=0 in indices, last=n_stages - 1 in indices)
     tp = mesh["tensor_parallel"]
     if tp.size() > 1:  # then each stage's blocks split over the tensor-parallel ranks (as trainer=tp does)
-        from src.distributed.tensor_parallel import parallelize as split_blocks
-
         split_blocks(module, tp, blocks=[layers[b] for b in sorted(keep)])
     log.info(
         f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from src.distributed import mesh as meshes
 from src.distributed.checkpointing import save_sharded
 from src.distributed.pipeline import Pipeline, check_config, parallelize
+from src.distributed.tensor_parallel import LAYOUT_KEY, layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -154,8 +155,6 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
-            from src.distributed.tensor_parallel import LAYOUT_KEY, layout
-
             entry = layout(self.lightning_module.config, self.tensor_parallel_size)
             if entry is not None:
                 checkpoint[LAYOUT_KEY] = entry

@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
+from src.distributed.mesh import data_group, data_rank_and_size
+
 
 def data_parallel_group() -> Any:
     """The process group over which samples are dealt (None: the default group, all ranks)."""
-    from src.distributed.mesh import data_group
 
     return data_group()
 
 
 def rank_and_world() -> tuple[int, int]:
     """The data-parallel rank and size: all ranks, unless a strategy split data over a mesh dim (mesh.py)."""
-    from src.distributed.mesh import data_rank_and_size
 
     data = data_rank_and_size()
     if data is not None:

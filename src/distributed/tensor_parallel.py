@@ -37,7 +37,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from src.distributed.checkpointing import save_sharded
+from src.distributed.fsdp import parallelize as fully_shard_blocks
 from src.distributed.mesh import split_data_over
+from src.utils.config import ConfigError
 from src.utils.hf_config import architecture, head_counts
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,6 @@ def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linea
 def layer_plan(config: Any) -> Optional[dict[str, str]]:
     """How one decoder layer splits ({"self_attn.q_proj": "colwise", ...}): transformers' plan for the model
     (`base_model_tp_plan`, keys "layers.*.<path>"), GPT-2's own, or None when the model has neither."""
-    from src.utils.config import ConfigError
 
     shipped = getattr(config, "base_model_tp_plan", None) or {}
     plan = {pattern.partition(".*.")[2]: style for pattern, style in shipped.items() if ".*." in pattern}
@@ -93,7 +94,6 @@ def layer_plan(config: Any) -> Optional[dict[str, str]]:
 
 
 def check_plan(config: Any) -> dict[str, str]:
-    from src.utils.config import ConfigError
 
     plan = layer_plan(config)
     if plan is None:
@@ -191,7 +191,6 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
 
 def check_divisible(config: Any, tp: int) -> None:
     """Every rank gets whole heads (query and key/value) and an equal share of the MLP."""
-    from src.utils.config import ConfigError
 
     heads, kv_heads, hidden = head_counts(config)
     key = "trainer.strategy.tensor_parallel_size"
@@ -231,7 +230,6 @@ def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, i
     """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
     dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
     src/distributed/mesh.py's named mesh when that lands."""
-    from src.utils.config import ConfigError
 
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size!r}: use a positive integer.")
@@ -267,8 +265,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if not getattr(module, "_tensor_parallel", False):  # setup runs again for test after fit
             parallelize(module, self.device_mesh["tensor_parallel"])
             if self._data_parallel_size > 1:
-                from src.distributed.fsdp import parallelize as fully_shard_blocks
-
                 fully_shard_blocks(module, self.device_mesh["data_parallel"])
             module._tensor_parallel = True
         super().setup(trainer)
@@ -292,8 +288,6 @@ class TensorParallelStrategy(ModelParallelStrategy):
 def check_config(cfg: Any) -> None:
     """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
     from omegaconf import OmegaConf
-
-    from src.utils.config import ConfigError
 
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)

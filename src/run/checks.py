@@ -11,7 +11,9 @@ from pathlib import Path
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from src.utils.config import ConfigError, check_int
+from src.distributed.checkpointing import problem
+from src.distributed.tensor_parallel import check_config
+from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision
 
@@ -71,8 +73,6 @@ def check_top_level_keys(cfg: DictConfig) -> None:
     """A key added with `+` (`+max_step=5`) bypasses the schema when Hydra composes: refuse it here."""
     from dataclasses import fields
 
-    from src.utils.config import EvalConfig, TrainConfig
-
     schema = TrainConfig if "train" in cfg else EvalConfig
     known = {f.name for f in fields(schema)}
     for key in cfg:
@@ -90,8 +90,6 @@ def check_values(cfg: DictConfig) -> None:
         if value is not None:
             check_int(key, value)
     if str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).endswith("TensorParallelStrategy"):
-        from src.distributed.tensor_parallel import check_config
-
         check_config(cfg)
     trainer = cfg.trainer
     if cfg.get("train", False):
@@ -121,7 +119,6 @@ def check_values(cfg: DictConfig) -> None:
             "model.safetensors (save_pretrained's output), a checkpoint of this template (its weights), "
             "or a hub name such as gpt2 when online."
         )
-    from src.distributed.checkpointing import problem
 
     ckpt = cfg.get("ckpt_path")
     for key, path in (("ckpt_path", ckpt), ("model.pretrained", pretrained if is_path else None)):

@@ -14,8 +14,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import launcher_env
-from src.distributed.checkpointing import RESUME_ENV
+from src.distributed.checkpointing import RESUME_ENV, candidates, problem, recover
 from src.run.checks import check_machine, check_top_level_keys, check_values
+from src.tools.checkpoints import as_pretrained, is_checkpoint, read_config
 from src.utils.config import ConfigError, check_targets
 from src.utils.logging import quiet_console
 
@@ -84,7 +85,6 @@ def weights_from_checkpoint(cfg: DictConfig) -> None:
     optimizer or step, become the start (SFT -> DPO). It is exported once to a Hugging Face dir under
     paths.cache_dir (src.tools.checkpoints.as_pretrained), which model.pretrained then names; data.tokenizer, unless
     set, becomes the checkpoint's own."""
-    from src.tools.checkpoints import as_pretrained, is_checkpoint, read_config
 
     pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
     if not isinstance(pretrained, str) or not Path(pretrained).exists() or not is_checkpoint(pretrained):
@@ -206,7 +206,6 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
 
 def decide_resume(ckpt_dir: Path, may_repair: bool = True) -> Optional[str]:
     """last.ckpt if complete, else the newest complete checkpoint in ckpt_dir, else None (fresh start)."""
-    from src.distributed.checkpointing import candidates, problem, recover
 
     last = ckpt_dir / "last.ckpt"
     if may_repair:

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+import src.distributed.resolvers  # noqa: F401
+from src.distributed.checkpointing import problem
+from src.distributed.tensor_parallel import hf_layout
 from src.utils.errors import EXIT_USER_ERROR, CheckpointError, translate
 
 
@@ -51,7 +54,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             else ""
         )
         raise CheckpointError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
-    from src.distributed.checkpointing import problem
 
     why = problem(path)
     if why is not None:
@@ -71,8 +73,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     weights = dcp_model_weights(path)
     layout = meta.pop("tensor_parallel", None)  # trainer=tp's Linear layout -> GPT-2's own Conv1D one
     if layout is not None:
-        from src.distributed.tensor_parallel import hf_layout
-
         weights = hf_layout(weights, **layout)
     return {**meta, "state_dict": weights}
 
@@ -128,8 +128,6 @@ def build_module(checkpoint: dict[str, Any]):
     """The LightningModule and datamodule of a train.py checkpoint, weights loaded."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
-
-    import src.distributed.resolvers  # noqa: F401
 
     if "config" not in checkpoint:
         raise CheckpointError(

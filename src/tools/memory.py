@@ -40,6 +40,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from src.distributed.tensor_parallel import check_divisible, check_plan
+from src.models.hf import decoder_layers
+
 SIZES = {
     "tiny": (4, 4, 128),
     "small": (12, 12, 768),
@@ -106,9 +109,6 @@ def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int 
     parts after it plus the head (a copy of a tied embedding) on the last."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from src.distributed.tensor_parallel import check_divisible, check_plan
-    from src.models.hf import decoder_layers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from src.datamodules.tokenizers import load_hf_tokenizer
+from src.utils.errors import UserError
+
 EXTENSION = "vocab_extension.json"  # {"base_vocab_size": n, "pieces": {new id: [base ids]}}
 
 
@@ -72,8 +75,6 @@ def corpus_texts(path: Path) -> list[str]:
 
 def load_base(name_or_path: str):
     """The base tokenizer as training loads it (src/datamodules/tokenizers.py: GPT-2's EOS declared)."""
-    from src.datamodules.tokenizers import load_hf_tokenizer
-    from src.utils.errors import UserError
 
     try:
         tokenizer = load_hf_tokenizer(name_or_path)

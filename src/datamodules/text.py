@@ -22,7 +22,7 @@ from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_sequence_data
+from src.utils.config import ConfigError, check_int, check_sequence_data
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class TextDataModule(ShardedDataModule):
         self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
         self.special_tokens = list(special_tokens)
         self.hf_streaming, self.txt_chunk_chars = hf_streaming, txt_chunk_chars
-        if not isinstance(txt_chunk_chars, int) or txt_chunk_chars < 1:
-            raise ConfigError(f"data.txt_chunk_chars={txt_chunk_chars!r} must be a positive number of characters.")
+        check_int("data.txt_chunk_chars", txt_chunk_chars)
         # Who runs prepare_data (the cache build) while the other ranks wait at Lightning's barrier:
         # global rank 0 for a cache dir every node sees, local rank 0 of each node for node-local disks.
         self.prepare_data_per_node = not cache_shared

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_int
 
 DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 KEYS = {
@@ -34,8 +34,7 @@ def mesh_sizes(
 ) -> dict[str, int]:
     """The size of each dim; data_parallel="auto" takes what the others leave. One sentence if they do not fit."""
     for dim, size in (("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"{KEYS[dim]}={size!r} is not valid: use an integer >= 1.")
+        check_int(KEYS[dim], size)
     model = pipeline_parallel * tensor_parallel
     if data_parallel == "auto":
         if world_size % model:

@@ -47,7 +47,7 @@ from src.distributed.mesh import mesh_sizes
 from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
 from src.distributed.tensor_parallel import check_divisible, check_plan
 from src.distributed.tensor_parallel import parallelize as split_blocks
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_int
 from src.utils.hf_config import architecture
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,7 @@ def check_config(cfg: DictConfig) -> None:
     if schedule not in SCHEDULES:
         raise ConfigError(f"trainer.strategy.schedule={schedule!r} is not known: use one of {', '.join(SCHEDULES)}.")
     for key, value, low in (("pipeline_parallel_size", pp, 2), ("n_microbatches", m, 1), ("stages_per_rank", v, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"trainer.strategy.{key}={value!r} is not valid: use an integer >= {low}.")
+        check_int(f"trainer.strategy.{key}", value, low)
     if (schedule in MULTI_STAGE) != (v > 1):
         raise ConfigError(
             f"trainer.strategy.stages_per_rank={v} does not fit schedule={schedule}: use stages_per_rank>=2 "
@@ -89,8 +88,7 @@ def check_config(cfg: DictConfig) -> None:
             f"{v} = {pp * v} stages of equal size: pick a layer count that is a multiple of {pp * v}."
         )
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp!r} is not valid: use an integer >= 1.")
+    check_int("trainer.strategy.tensor_parallel_size", tp)
     if tp > 1:
         check_plan(config)
         check_divisible(config, tp)

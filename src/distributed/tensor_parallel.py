@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from src.distributed.checkpointing import save_sharded
 from src.distributed.fsdp import parallelize as fully_shard_blocks
 from src.distributed.mesh import split_data_over
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_int
 from src.utils.hf_config import architecture, head_counts
 
 log = logging.getLogger(__name__)
@@ -231,8 +231,7 @@ def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, i
     dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
     src/distributed/mesh.py's named mesh when that lands."""
 
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel_size!r}: use a positive integer.")
+    check_int("trainer.strategy.tensor_parallel_size", tensor_parallel_size)
     if world % tensor_parallel_size:
         raise ConfigError(
             f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "

@@ -60,7 +60,11 @@ class StepsInProgressBar(L.Callback):
 
 
 class ConfigInCheckpoint(L.Callback):
-    """Store the model and data config in every checkpoint, so eval.py rebuilds exactly what was trained."""
+    """Store the model and data config in every checkpoint, so eval.py rebuilds exactly what was trained.
+
+    More than `save_hyperparameters()`: the resolved `_target_` configs of both the model and the datamodule (which
+    class, its tokenizer, splits and paths made absolute), so eval.py, export-hf and SFT -> DPO rebuild both from
+    the one file with `instantiate`, whichever LightningModule class it was."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.config = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}

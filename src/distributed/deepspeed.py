@@ -32,7 +32,11 @@ OURS = {  # DeepSpeed key -> the config keys that decide it here
 def derive_config(
     user: dict[str, Any], stage: int, micro: int, accumulation: int, world: int, clip: Optional[float], precision: str
 ) -> dict[str, Any]:
-    """The user's DeepSpeed config, filled in from ours; ConfigError on any contradiction."""
+    """The user's DeepSpeed config, filled in from ours; ConfigError on any contradiction.
+
+    Beside Lightning's own filling-in (the micro-batch from the train loader, accumulation and clipping from the
+    Trainer), this also sets train_batch_size to data.global_batch_size, and checks every such key the user wrote
+    against ours: a contradiction is one sentence naming both values."""
     config = json.loads(json.dumps(user))  # deep copy
     derived = {
         "train_micro_batch_size_per_gpu": micro,

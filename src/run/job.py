@@ -166,6 +166,10 @@ def _launch_rank() -> int:
 def resume_from(cfg: DictConfig) -> Optional[str]:
     """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's newest complete one.
 
+    More than Lightning's `fit(ckpt_path="last")`: "complete" (a save killed half way, a .tmp or a sharded dir
+    without its metadata, is skipped or repaired, src/distributed/checkpointing.py), the same for the file and the
+    sharded forms, and one decision for all ranks, as below.
+
     resume=auto is decided once, by rank 0, and every rank uses that decision: no other rank looks at
     the file system, whose view on a shared file system may lag. The ranks Lightning's launcher starts
     inherit the decision through the environment; under torchrun rank 0 posts it in torchrun's

@@ -113,7 +113,11 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
 
 
 def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
-    """One .ckpt file from a sharded dir, written under a temporary name and renamed: `out` is whole or absent."""
+    """One .ckpt file from a sharded dir, written under a temporary name and renamed: `out` is whole or absent.
+
+    More than torch's `dcp_to_torch_save`: it reads ZeRO dirs too (DeepSpeed's zero_to_fp32), puts trainer=tp's
+    Linear layout back into the model's own (GPT-2's Conv1D), and keeps the stored config, so the file loads like
+    one train.py wrote (eval.py, export-hf)."""
     out = Path(out) if out else Path(str(path).rstrip("/") + ".consolidated.ckpt")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:

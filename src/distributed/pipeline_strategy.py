@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
@@ -149,7 +150,8 @@ class PipelineStrategy(ModelParallelStrategy):
         """Flattened (`state.<param name>.exp_avg`, ...): each rank's keys are its own, so DCP can merge them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if isinstance(optimizer, LightningOptimizer):  # Lightning's wrapper: its public `optimizer` is the torch one
+            optimizer = optimizer.optimizer
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
 

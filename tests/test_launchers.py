@@ -130,6 +130,24 @@ def test_device_count_follows_the_slurm_layout(monkeypatch):
     assert device_count() == 4
 
 
+def test_two_runs_started_in_the_same_second_get_two_dirs(monkeypatch, tmp_path):
+    """A plain launch names its run dir by the second; one that finds that dir taken (another run started in the
+    same second) takes now_2, ... Two eval.py runs a second apart once shared a dir (and a consolidated checkpoint)."""
+    from datetime import datetime, timedelta
+
+    from src.distributed.launcher_env import run_stamp
+
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    start = datetime.now()
+    taken = {(start + timedelta(seconds=s)).strftime("%Y-%m-%d_%H-%M-%S") for s in range(3)}
+    for name in taken:
+        (tmp_path / name).mkdir()
+    stamp = run_stamp.__wrapped__("%Y-%m-%d_%H-%M-%S", str(tmp_path))  # as a new process would: no cache
+    assert stamp.endswith("_2") and stamp[:-2] in taken and not (tmp_path / stamp).exists()
+    assert run_stamp.__wrapped__("%Y-%m-%d_%H-%M-%S", str(tmp_path / "empty")) in taken  # a free name is kept
+
+
 def test_env_cluster_leaves_socket_interface_to_nccl_and_gloo(monkeypatch):
     from test_configs import compose_cfg
 

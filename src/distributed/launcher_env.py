@@ -142,8 +142,8 @@ def log_name(job_name: str, devices: Any = 1) -> str:
     return job_name if rank == 0 else f"{job_name}_rank{rank}"
 
 
-@lru_cache(maxsize=None)
-def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S") -> str:
+@lru_cache(maxsize=None)  # one answer per process: Hydra may resolve the run dir more than once
+def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S", parent: Optional[str] = None) -> str:
     """The run dir's name, the same on every rank of a job (and again after a requeue or an elastic restart).
 
     - SLURM batch job: slurm-<job id>. All tasks share it, and a requeued job keeps its id, so with
@@ -151,7 +151,10 @@ def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S") -> str:
     - torchrun: rank 0's time, handed to the other ranks through torchrun's TCPStore (the one the
       process group will use; it exists before Lightning creates the group). The key stays in the
       store across elastic restarts, so a restarted group comes back to the same dir.
-    - otherwise (one process; Lightning starts the other ranks and passes them the dir): now.
+    - otherwise (one process; Lightning starts the other ranks and passes them the dir): now, and if `parent`
+      already holds a dir of that name (another run started in the same second), now_2, now_3, ...: two runs
+      never share a dir, its checkpoints and its resume=auto. Without this, two eval.py runs a second apart wrote
+      into one dir and the second reused the first's consolidated checkpoint (a flaky test found it).
     """
     job = slurm_job_id()
     if job is not None:
@@ -166,7 +169,11 @@ def run_stamp(pattern: str = "%Y-%m-%d_%H-%M-%S") -> str:
         return store.get(STAMP_KEY).decode()  # waits for rank 0
     if "TORCHELASTIC_RUN_ID" in env and env["TORCHELASTIC_RUN_ID"] not in ("", "none"):
         return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"  # no agent store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    return now
+    stamp, n = now, 1
+    while parent is not None and os.path.exists(os.path.join(parent, stamp)):
+        n += 1
+        stamp = f"{now}_{n}"
+    return stamp
 
 
 def device_count(cpu_processes: int = 2) -> int:

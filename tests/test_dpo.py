@@ -430,7 +430,7 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
             "experiment=gpt2_dpo",
             f"model.pretrained={shared('tiny-gpt2')}",
             f"data.path={shared(*EN.split('/'))}",
-            "data.seq_len=128",
+            "data.seq_len=64",
             "data.overfit_batches=2",
             "model.optimizer.lr=1e-2",
             "model.scheduler.num_warmup_steps=2",
@@ -443,7 +443,7 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_16_pairs(tmp_path):
     (run,) = (tmp_path / "train" / "runs").iterdir()
     events = read_events(run / "tensorboard")
     margins = [e.value for e in events.Scalars("train/rewards/margins")]
-    assert margins[0] == 0 and margins[-1] > 0.3 and margins[-1] > margins[len(margins) // 2] > 0  # 0.49 here
+    assert margins[0] == 0 and margins[-1] > 0.2 and margins[-1] > margins[len(margins) // 2] > 0  # 0.26 here
     assert events.Scalars("train/rewards/accuracies")[-1].value == 1.0
     assert events.Scalars("val/rewards/accuracies")[-1].value == 1.0  # the same 16 pairs (data.overfit_batches)
     assert any(tag.startswith("samples/") for tag in events.Tags()["tensors"])

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 import src.distributed.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
 from src.distributed.hydra_ddp import ddp_job
+from src.distributed.resume import ResumeAnywhere
 from src.distributed.timeouts import distributed_errors
 from src.models.init import deferred_init
 from src.run.job import log_hyperparameters, metric_value, prepare, resume_from
@@ -34,6 +35,7 @@ def train(cfg: DictConfig) -> Optional[float]:
         CpuThreadsPerRank(),
         ConfigInCheckpoint(cfg),
         StepsInProgressBar(),
+        ResumeAnywhere(allow_new_batch=cfg.get("resume_with_new_batch", False)),  # resume on another N or strategy
     ]
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)

@@ -75,10 +75,23 @@ def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_ba
     if global_batch_size % per_step:
         raise ValueError(
             f"data.global_batch_size={global_batch_size} does not divide into {world_size} device(s) x "
-            f"{accumulate_grad_batches} accumulation step(s) = {per_step}. Pick a global batch that is a "
-            f"multiple of {per_step}, or change trainer.devices / trainer.accumulate_grad_batches."
+            f"{accumulate_grad_batches} accumulation step(s) = {per_step}: {working_shapes(global_batch_size, world_size, accumulate_grad_batches)}."
         )
     return global_batch_size // per_step
+
+
+def working_shapes(global_batch_size: int, world_size: int, accumulate: int) -> str:
+    """The nearest device counts (at this accumulation) and accumulation values (on these devices) that divide the
+    global batch, so a resumed run keeps it: "use 2 or 4 device(s), or trainer.accumulate_grad_batches=3"."""
+    devices = [d for d in range(1, global_batch_size + 1) if global_batch_size % (d * accumulate) == 0]
+    nearest = sorted(sorted(devices, key=lambda d: (abs(d - world_size), d))[:2])
+    options = [f"use {' or '.join(map(str, nearest))} device(s)"] if nearest else []
+    accumulations = [a for a in range(1, global_batch_size + 1) if global_batch_size % (world_size * a) == 0]
+    if accumulations:
+        best = min(accumulations, key=lambda a: (abs(a - accumulate), a))
+        options.append(f"trainer.accumulate_grad_batches={best} on {world_size} device(s)")
+    options.append(f"a data.global_batch_size that is a multiple of {world_size * accumulate}")
+    return ", or ".join(options)
 
 
 class ShardedDataModule(L.LightningDataModule):

@@ -20,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from src.distributed import resharding
 from src.distributed.checkpointing import save_sharded
 from src.distributed.sync_batchnorm import apply_layer_sync
 
@@ -121,3 +122,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_sharded(
             self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
         )
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Its own DCP dirs through Lightning's resharding load (any N); files and other strategies' dirs through
+        the full form (src/distributed/resharding.py)."""
+        own = lambda: super(FSDP2Strategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
+        return resharding.load(self, checkpoint_path, ("dcp", None), own)

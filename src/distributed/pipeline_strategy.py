@@ -27,9 +27,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
 from src.distributed import mesh as meshes
+from src.distributed import resharding
 from src.distributed.checkpointing import save_sharded
+from src.distributed.layouts import LAYOUT_KEY, layout
 from src.distributed.pipeline import Pipeline, check_config, parallelize
-from src.distributed.tensor_parallel import LAYOUT_KEY, layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,14 @@ class PipelineStrategy(ModelParallelStrategy):
         )
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+        """Pipeline dirs (the same tensor-parallel layout): each rank reads its stages' weights and optimizer state
+        (DCP reshards across other stage counts); files and other strategies' dirs through the full form."""
+        tp = self.tensor_parallel_size
+        native = ("dcp_flat", layout(self.lightning_module.config, tp) if tp > 1 else None)
+        own = lambda: self.load_own_checkpoint(checkpoint_path)  # noqa: E731
+        return resharding.load(self, checkpoint_path, native, own)
+
+    def load_own_checkpoint(self, checkpoint_path) -> dict[str, Any]:
         """Each rank reads its stages' weights and optimizer state; returns the rest (loops, LR schedule, ...)."""
         from torch.distributed.checkpoint import load
         from torch.distributed.checkpoint.state_dict import (

@@ -26,7 +26,6 @@ keep transformers' own layout: their full state dict is already HF's.
 from __future__ import annotations
 
 import logging
-import re
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -36,31 +35,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from src.distributed import resharding
 from src.distributed.checkpointing import save_sharded
 from src.distributed.fsdp import parallelize as fully_shard_blocks
+from src.distributed.layouts import COLWISE, GPT2_PLAN, LAYOUT_KEY, ROWWISE, STYLES, layout, qkv_order
 from src.distributed.mesh import split_data_over
 from src.utils.config import ConfigError, check_int
 from src.utils.hf_config import architecture, head_counts
 
 log = logging.getLogger(__name__)
-
-# GPT-2's plan: the suffixes of the Conv1D layers that become Linear, and how each is split
-COLWISE, ROWWISE = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
-GPT2_PLAN = {**{name: "colwise" for name in COLWISE}, **{name: "rowwise" for name in ROWWISE}}
-STYLES = ("colwise", "rowwise")  # the plan styles torch's ColwiseParallel / RowwiseParallel implement here
-LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads} when weights are in our layout
-
-
-def qkv_order(n_embd: int, n_head: int, tp: int) -> torch.Tensor:
-    """Row order of the Linear c_attn: position i of the new layout holds HF row order[i]."""
-    per_rank = n_embd // tp  # n_head / tp heads of head_dim each
-    return torch.cat(
-        [
-            torch.arange(part * n_embd + r * per_rank, part * n_embd + (r + 1) * per_rank)
-            for r in range(tp)
-            for part in range(3)
-        ]
-    )
 
 
 def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linear:
@@ -142,14 +125,6 @@ def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]]
     return module
 
 
-def layout(config: Any, tp: int) -> Optional[dict[str, int]]:
-    """The checkpoint's LAYOUT_KEY entry when its weights are in our GPT-2 Linear layout; None for HF's own."""
-    shipped = getattr(config, "base_model_tp_plan", None)
-    if config.model_type == "gpt2" and not shipped:
-        return {"size": tp, "n_head": config.n_head}
-    return None
-
-
 def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
     """Every other parameter (embeddings, LayerNorms, the tied head) as a DTensor replicated on `mesh`.
 
@@ -210,22 +185,6 @@ def check_divisible(config: Any, tp: int) -> None:
         )
 
 
-def hf_layout(state_dict: dict[str, torch.Tensor], size: int, n_head: int) -> dict[str, torch.Tensor]:
-    """A full state dict in our Linear layout -> HF GPT-2's Conv1D layout (same names, [in, out] weights)."""
-    out = dict(state_dict)
-    pattern = re.compile(r"\.(" + "|".join(re.escape(n) for n in COLWISE + ROWWISE) + r")\.(weight|bias)$")
-    for key, tensor in state_dict.items():
-        match = pattern.search(key)
-        if match is None:
-            continue
-        if match.group(1) == "attn.c_attn":
-            n_embd = tensor.shape[-1] if match.group(2) == "weight" else tensor.shape[0] // 3
-            inverse = torch.argsort(qkv_order(n_embd, n_head, size))
-            tensor = tensor[inverse]
-        out[key] = tensor.t().contiguous() if match.group(2) == "weight" else tensor
-    return out
-
-
 def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, int]:
     """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
     dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
@@ -282,6 +241,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
             lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
             filepath,
         )
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Its own DCP dirs (the same layout: any data-parallel size) through Lightning's resharding load; files,
+        other strategies' dirs and GPT-2 dirs of another tensor-parallel size through the full form."""
+        own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
+        native = ("dcp", layout(self.lightning_module.config, self.tp_size))
+        return resharding.load(self, checkpoint_path, native, own)
 
 
 def check_config(cfg: Any) -> None:

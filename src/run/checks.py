@@ -11,6 +11,7 @@ from pathlib import Path
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from src.datamodules.base import working_shapes
 from src.distributed.checkpointing import problem
 from src.distributed.tensor_parallel import check_config
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
@@ -69,12 +70,15 @@ def check_machine(trainer_cfg: DictConfig) -> None:
         )
 
 
+OPT_IN_KEYS = {"resume_with_new_batch"}  # added with `+` on purpose (conf/train.yaml says what each does)
+
+
 def check_top_level_keys(cfg: DictConfig) -> None:
     """A key added with `+` (`+max_step=5`) bypasses the schema when Hydra composes: refuse it here."""
     from dataclasses import fields
 
     schema = TrainConfig if "train" in cfg else EvalConfig
-    known = {f.name for f in fields(schema)}
+    known = {f.name for f in fields(schema)} | OPT_IN_KEYS
     for key in cfg:
         if key not in known and key != "hydra":
             raise ConfigError(
@@ -187,8 +191,8 @@ def _check_global_batch(cfg: DictConfig) -> None:
     if batch % per_step:
         raise ConfigError(
             f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
-            f"node(s) x {sizes[2]} accumulation step(s) = {per_step}. Pick a multiple of {per_step}, "
-            "or change trainer.devices / trainer.accumulate_grad_batches."
+            f"node(s) x {sizes[2]} accumulation step(s) = {per_step}: "
+            f"{working_shapes(batch, ranks, sizes[2])}."
         )
 
 

@@ -11,10 +11,11 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from src.distributed import launcher_env
 from src.distributed.checkpointing import RESUME_ENV, candidates, problem, recover
+from src.distributed.resharding import check_resume
 from src.run.checks import check_machine, check_top_level_keys, check_values
 from src.tools.checkpoints import as_pretrained, is_checkpoint, read_config
 from src.utils.config import ConfigError, check_targets
@@ -164,6 +165,19 @@ def _launch_rank() -> int:
 
 
 def resume_from(cfg: DictConfig) -> Optional[str]:
+    """The checkpoint fit starts from (see `resume_point`), refused in one sentence where no loader of the
+    configured strategy can read it (src/distributed/resharding.py: any strategy reads any form but DeepSpeed's)."""
+    ckpt = resume_point(cfg)
+    if ckpt:
+        target = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
+        devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+        devices = len(devices) if isinstance(devices, (list, ListConfig)) else devices
+        world = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else None
+        check_resume(ckpt, deepspeed="deepspeed" in target.lower(), world=world)
+    return ckpt
+
+
+def resume_point(cfg: DictConfig) -> Optional[str]:
     """The checkpoint fit starts from: ckpt_path, or with resume=auto this run dir's newest complete one.
 
     More than Lightning's `fit(ckpt_path="last")`: "complete" (a save killed half way, a .tmp or a sharded dir

@@ -24,7 +24,7 @@ import torch
 
 import src.distributed.resolvers  # noqa: F401
 from src.distributed.checkpointing import problem
-from src.distributed.tensor_parallel import hf_layout
+from src.distributed.layouts import hf_layout
 from src.utils.errors import EXIT_USER_ERROR, CheckpointError, translate
 
 

@@ -1,0 +1,179 @@
+"""Change N in the middle of a run: a step-4 checkpoint of an 8-step run, resumed on another number of ranks or under
+another strategy, ends as the uninterrupted 1-process run does (train/loss at steps 4-7 and the final parameters
+within 1e-5; fp32, global batch 12, a cosine LR schedule, mid-epoch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import once_per_session, path_overrides, read_events, run_script
+from test_parity import GPT2, QUIET, max_param_diff
+
+from src.tools.checkpoints import load_checkpoint
+
+MID = (  # a mid-epoch checkpoint every n steps, kept beside last.ckpt
+    "+callbacks.mid={_target_:lightning.pytorch.callbacks.ModelCheckpoint,dirpath:${paths.output_dir}/checkpoints,"
+    "filename:'mid_{step}',auto_insert_metric_name:false,every_n_train_steps:%d,save_top_k:-1,monitor:null}"
+)
+ARGS = GPT2 + [
+    "data.global_batch_size=12",  # divides into 1, 2, 3 and 4 ranks
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=8",
+    MID % 4,  # at step 4 (an epoch is ~80 steps)
+]
+SOURCES = {  # the strategies whose step-4 checkpoints are resumed elsewhere
+    "one": [],
+    "ddp2": ["trainer=ddp", "trainer.devices=2"],
+    "fsdp2": ["trainer=fsdp", "trainer.devices=2"],
+    "tp2": ["trainer=tp", "trainer.devices=2"],
+    "pipeline2": ["trainer=pipeline", "trainer.devices=2"],
+}
+
+
+def run(tmp: Path, name: str, args: list[str], base: list[str] = ARGS) -> dict:
+    """train.py with base + args: its train/loss by step, its final parameters (any checkpoint form, gathered) and
+    the path of its step-4 checkpoint."""
+    dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + base + args)
+    (out,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+    loss = {e.step: e.value for e in read_events(out / "tensorboard").Scalars("train/loss")}
+    params = load_checkpoint(out / "checkpoints" / "last.ckpt")["state_dict"]
+    return {"loss": loss, "params": params, "mid": str(out / "checkpoints" / "mid_4.ckpt")}
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory):
+    """source(name): the 8-step run of SOURCES[name], trained once per session (for all xdist workers)."""
+    return lambda name: once_per_session(tmp_path_factory, f"resume-{name}", lambda tmp: run(tmp, name, SOURCES[name]))
+
+
+def assert_like_straight(resumed: dict, straight: dict) -> None:
+    assert sorted(resumed["loss"]) == [4, 5, 6, 7]  # it continued at step 4 and stopped at 8
+    worst = max(abs(resumed["loss"][s] - straight["loss"][s]) for s in resumed["loss"])
+    assert worst <= 1e-5, (resumed["loss"], straight["loss"])
+    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-5
+
+
+CASES = {  # name: (source, the resumed run's overrides)
+    "ddp_2_to_1": ("ddp2", []),
+    "1_to_ddp_2": ("one", ["trainer=ddp", "trainer.devices=2"]),
+    "ddp_2_to_3": ("ddp2", ["trainer=ddp", "trainer.devices=3"]),
+    # the data position is global: 2 ranks x 6 -> 1 rank x 6 x accumulation 2 rescales Lightning's batch counters
+    "ddp_2_to_1_accumulating_2": ("ddp2", ["trainer.accumulate_grad_batches=2"]),
+    "fsdp_2_to_1": ("fsdp2", []),
+    "ddp_2_to_fsdp_2": ("ddp2", ["trainer=fsdp", "trainer.devices=2"]),
+    "tp_2_to_1": ("tp2", []),
+    "pipeline_2_to_1": ("pipeline2", []),
+    "1_to_pipeline_2": ("one", ["trainer=pipeline", "trainer.devices=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_a_step_4_checkpoint_resumed_elsewhere_ends_like_the_straight_run(tmp_path, source, case):
+    from_name, target = CASES[case]
+    straight = source("one")
+    resumed = run(tmp_path, case, target + [f"ckpt_path={source(from_name)['mid']}"])
+    assert_like_straight(resumed, straight)
+
+
+@pytest.mark.slow
+def test_every_source_run_matches_one_process(source):
+    """The sources themselves: N ranks = 1 process (their checkpoints are what the resumes start from)."""
+    straight = source("one")
+    for name in SOURCES:
+        run_ = source(name)
+        worst = max(abs(run_["loss"][s] - straight["loss"][s]) for s in straight["loss"])
+        assert worst <= 1e-5, name
+        assert max_param_diff(run_["params"], straight["params"]) <= 1e-5, name
+
+
+# ---- what cannot be exact is one sentence ----
+
+
+def refusal(tmp: Path, args: list[str]) -> str:
+    """The one [ERROR] line of a run train.py refuses (exit 2), as a user sees it (no HYDRA_FULL_ERROR)."""
+    dirs = {"log_dir": tmp, "cache_dir": tmp / "cache"}
+    proc = run_script(
+        "train.py", QUIET + path_overrides(dirs) + ARGS + args, check=False, env={"HYDRA_FULL_ERROR": "0"}
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if "[ERROR]" in line]
+    return line
+
+
+@pytest.mark.slow
+def test_another_global_batch_is_refused_unless_asked_for(tmp_path, source):
+    mid = source("ddp2")["mid"]
+    line = refusal(tmp_path / "refused", [f"ckpt_path={mid}", "data.global_batch_size=8"])
+    assert "trained with data.global_batch_size=12 and this run has 8" in line and "+resume_with_new_batch" in line
+    dirs = {"log_dir": tmp_path / "asked", "cache_dir": tmp_path / "cache"}
+    proc = run_script(
+        "train.py",
+        QUIET
+        + path_overrides(dirs)
+        + ARGS
+        + [f"ckpt_path={mid}", "data.global_batch_size=8", "+resume_with_new_batch=true"],
+    )
+    assert "+resume_with_new_batch: from step 4 on, batches of 8 samples" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_global_batch_that_does_not_divide_names_the_device_counts_that_do(tmp_path, source):
+    line = refusal(tmp_path, [f"ckpt_path={source('ddp2')['mid']}", "trainer=ddp", "trainer.devices=5"])
+    assert "data.global_batch_size=12 does not divide into 5 device(s)" in line
+    assert "use 4 or 6 device(s)" in line
+
+
+def test_working_shapes_are_the_nearest_divisors():
+    from src.datamodules.base import working_shapes
+
+    assert working_shapes(12, 5, 1).startswith("use 4 or 6 device(s)")
+    assert "trainer.accumulate_grad_batches=6 on 2 device(s)" in working_shapes(12, 2, 5)
+
+
+@pytest.mark.slow
+def test_a_zero_checkpoint_on_another_rank_count_or_strategy_is_one_sentence(tmp_path):
+    """DeepSpeed repartitions no ZeRO optimizer state to another world size: refused before any rank starts."""
+    pytest.importorskip("deepspeed", reason="needs the deepspeed package: pip install -e '.[deepspeed]'")
+    from test_deepspeed import CPU_DS
+
+    zero = run(tmp_path, "zero2", CPU_DS + ["trainer.strategy.stage=2", "trainer.max_steps=4"])
+    line = refusal(
+        tmp_path / "one", CPU_DS + ["trainer.strategy.stage=2", "trainer.devices=1", f"ckpt_path={zero['mid']}"]
+    )
+    assert "DeepSpeed ZeRO checkpoint of 2 ranks and this run has 1" in line and "model.pretrained=" in line
+    line = refusal(tmp_path / "ddp", ["trainer=ddp", f"ckpt_path={zero['mid']}"])
+    assert "resumes only under trainer=deepspeed" in line
+
+
+@pytest.mark.slow
+def test_instruction_data_ddp_2_to_1_keeps_each_steps_token_normaliser(tmp_path):
+    """Padded instruction records (a different number of target tokens per sample): a step-2 checkpoint of 2 DDP
+    ranks resumed on 1 process (accumulating 2) ends as 4 straight steps on 1 process."""
+    from conftest import shared
+    from test_token_loss import tiny_gpt2_without_dropout
+
+    args = [
+        "data=instruct",
+        f"model.pretrained={tiny_gpt2_without_dropout(tmp_path)}",
+        f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+        "data.seq_len=64",
+        "data.global_batch_size=8",
+        "trainer.limit_val_batches=1",
+        "model.optimizer.lr=1e-2",
+        "model.scheduler.num_warmup_steps=1",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "test=false",
+        MID % 2,
+    ]
+    straight = run(tmp_path, "straight", args, base=[])
+    first = run(tmp_path, "ddp2", args + ["trainer=ddp", "trainer.devices=2"], base=[])
+    mid = first["mid"].replace("mid_4", "mid_2")
+    resumed = run(tmp_path, "resumed", args + [f"ckpt_path={mid}", "trainer.accumulate_grad_batches=2"], base=[])
+    assert sorted(resumed["loss"]) == [2, 3]
+    assert max(abs(resumed["loss"][s] - straight["loss"][s]) for s in (2, 3)) <= 1e-5
+    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-5

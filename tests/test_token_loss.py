@@ -171,9 +171,10 @@ def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretraine
 
 @pytest.mark.slow
 def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path):
-    """Stopped after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed to 8
-    steps (so into the next epoch): the same parameters and train/loss as 8 steps straight. Each step's
-    token count is looked up by batch index, which must continue where the checkpoint left off."""
+    """Stopped on 2 DDP ranks after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed
+    on 1 process to 8 steps (so into the next epoch): the same parameters and train/loss as 8 steps straight on 1
+    process. Each step's token count is looked up by batch index, which must continue where the checkpoint left
+    off, whatever the number of ranks (issue 35's instruction-data case)."""
     from test_parity import assert_same_series, max_param_diff, train
 
     pretrained = tiny_gpt2_without_dropout(tmp_path)
@@ -193,12 +194,14 @@ def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path)
         "optimized_metric=train/loss",
         "callbacks.last_checkpoint.every_n_train_steps=1",
     ]
-    train(tmp_path, "first", args + ["trainer.max_steps=3"])
+    train(tmp_path, "first", args + ["trainer.max_steps=3", "trainer=ddp", "trainer.devices=2"])
     (run,) = (tmp_path / "first" / "train" / "runs").iterdir()
     resumed = train(
         tmp_path, "resumed", args + ["trainer.max_steps=8", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"]
     )
     straight = train(tmp_path, "straight", args + ["trainer.max_steps=8"])
-    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-6
+    assert (
+        max_param_diff(resumed["params"], straight["params"]) <= 1e-5
+    )  # 4.3e-6: 2 ranks sum in another order (issue 35: 1e-5)
     straight["scalars"]["train/loss"] = straight["scalars"]["train/loss"][3:]  # the resumed run logs steps 3..7
-    assert_same_series(resumed, straight, "train/loss", 1e-6)
+    assert_same_series(resumed, straight, "train/loss", 1e-5)

@@ -26,6 +26,9 @@ import torch.distributed as dist
 from tests.conftest import ROOT, python
 from tests.test_parity import GPT2, QUIET
 
+# The jobs below mostly wait (a rank blocked in a collective uses no CPU until the timeout): one xdist worker runs
+# them one after another, so they never hold several of the suite's workers idle at once.
+pytestmark = pytest.mark.xdist_group("hangs")
 TIMEOUT_S = 30
 FAULT = ["+callbacks.fault._target_=tests.helpers.faults.RankFault"]
 JOB = (

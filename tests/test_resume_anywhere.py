@@ -4,10 +4,15 @@ within 1e-5; fp32, global batch 12, a cosine LR schedule, mid-epoch)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import once_per_session, path_overrides, read_events, run_script
+from conftest import ROOT, once_per_session, path_overrides, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.tools.checkpoints import load_checkpoint
@@ -145,3 +150,50 @@ def test_a_zero_checkpoint_on_another_rank_count_or_strategy_is_one_sentence(tmp
     assert "DeepSpeed ZeRO checkpoint of 2 ranks and this run has 1" in line and "model.pretrained=" in line
     line = refusal(tmp_path / "ddp", ["trainer=ddp", f"ckpt_path={zero['mid']}"])
     assert "resumes only under trainer=deepspeed" in line
+
+
+@pytest.mark.slow
+def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_ends_like_one_process(tmp_path, source):
+    """torchrun --nnodes=1:2 --max-restarts=1: two agents ("nodes") of 1 process on localhost. At step 3 node 1
+    disappears (its rank SIGKILLs its agent, then itself); node 0's rank fails on the lost peer, its agent restarts
+    the job with the 1 node left (MEMBER 1/1), and resume=auto continues the run dir's step-3 checkpoint of 2 ranks
+    on 1, to the uninterrupted 1-process run's losses and parameters."""
+    from test_scaleout import free_port
+
+    port, run_dir = free_port(), tmp_path / "run"
+    # Workers are real children of their agent (a fresh interpreter each, not the tests' forked stand-in), so that
+    # the lost node's rank can kill its agent; node 0 hosts the rendezvous store and survives.
+    elastic = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+    elastic += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic"]
+    job = ["train.py", "trainer=ddp", "resume=auto", f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'c'}"]
+    job += [
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+        "+callbacks.fault._target_=tests.helpers.faults.RankFault",
+    ]
+    job += ["+callbacks.fault.step=3", "+callbacks.fault.action=kill_node", "+callbacks.fault.only_where_env=LOSE_NODE"]
+    nodes = []
+    for node in (0, 1):  # started together: each waits up to last_call_timeout for the other before the first round
+        conf = f"--rdzv-conf=last_call_timeout=5,is_host={node == 0}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOSE_NODE": str(node)}
+        nodes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *elastic, conf, *job, *QUIET, *ARGS],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        time.sleep(0.5)
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert nodes[1].returncode == -signal.SIGKILL and list(run_dir.glob("fault_rank*"))
+    assert nodes[0].returncode == 0, outs[0][-3000:]
+    assert "MEMBER: 1/2" in outs[0] and "MEMBER: 1/1" in outs[0]  # 2 nodes, then the one left
+    assert "resume=auto: continuing from" in outs[0]
+    straight = source("one")
+    loss = {e.step: e.value for e in read_events(run_dir / "tensorboard").Scalars("train/loss")}
+    assert sorted(loss) == list(range(8))  # steps 0-3 on 2 nodes, 3-7 on 1 (step 3 logged by both: the last wins)
+    assert max(abs(loss[s] - straight["loss"][s]) for s in loss) <= 1e-5
+    params = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    assert max_param_diff(params, straight["params"]) <= 1e-5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -16,21 +17,27 @@ class RankFault(L.Callback):
     """Every rank writes its pid to `pid_rank<r>` in the run dir; at optimizer step `step`, rank `rank` misbehaves.
 
     action="all_reduce": one extra all_reduce the other ranks never call (a mismatched collective);
-    action="kill": SIGKILL itself (a crashed or OOM-killed rank). Before acting it writes `fault_rank<r>`.
+    action="kill": SIGKILL itself (a crashed or OOM-killed rank); action="kill_node": SIGKILL its parent (under
+    torchrun: its node's agent) and then itself, as a node that disappears. Before acting it writes `fault_rank<r>`.
     """
 
-    def __init__(self, step: int, action: str, rank: int = 1) -> None:
-        if action not in ("all_reduce", "kill"):
-            raise ValueError(f"RankFault action {action!r}: use all_reduce or kill.")
-        self.step, self.action, self.rank = step, action, rank
+    def __init__(self, step: int, action: str, rank: int = 1, only_where_env: Optional[str] = None) -> None:
+        """only_where_env: act in the process whose environment has this variable set to 1 (e.g. one torchrun
+        node's), whatever its rank, instead of on `rank`."""
+        if action not in ("all_reduce", "kill", "kill_node"):
+            raise ValueError(f"RankFault action {action!r}: use all_reduce, kill or kill_node.")
+        self.step, self.action, self.rank, self.only_where_env = step, action, rank, only_where_env
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         Path(trainer.default_root_dir, f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+        here = os.environ.get(self.only_where_env) == "1" if self.only_where_env else trainer.global_rank == self.rank
+        if trainer.global_step != self.step or not here:
             return
-        Path(trainer.default_root_dir, f"fault_rank{self.rank}").write_text(self.action)
-        if self.action == "kill":
+        Path(trainer.default_root_dir, f"fault_rank{trainer.global_rank}").write_text(self.action)
+        if self.action == "kill_node":
+            os.kill(os.getppid(), signal.SIGKILL)
+        if self.action in ("kill", "kill_node"):
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(torch.ones(1))

@@ -29,6 +29,17 @@ def test_lightning_trainer_internals():
     assert hasattr(type(trainer._logger_connector), "should_update_logs"), "_logger_connector.should_update_logs"
 
 
+def test_lightning_checkpoint_loop_keys():
+    """src/distributed/resume.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
+    not an API) when a resume changes the batch shape or moves between automatic and manual optimization."""
+    state = L.Trainer(logger=False, enable_checkpointing=False, max_steps=1).fit_loop.state_dict()
+    for key in ("epoch_loop.batch_progress", "epoch_loop.automatic_optimization.optim_progress"):
+        assert key in state, f"Lightning's fit-loop checkpoint has no {key!r}"
+    assert set(state["epoch_loop.batch_progress"]["current"]) == {"ready", "started", "processed", "completed"}
+    assert "step" in state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    assert "total" in state["epoch_loop.manual_optimization.optim_step_progress"]
+
+
 def test_lightning_hydra_subprocess_command():
     """src/distributed/hydra_ddp.py swaps Lightning's `_hydra_subprocess_cmd` for the command of a Hydra job's ranks."""
     from lightning.pytorch.strategies.launchers import subprocess_script

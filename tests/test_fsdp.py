@@ -146,7 +146,7 @@ def test_fsdp_switches(tmp_path, reference):
         "ac",
         GPT2
         + FSDP
-        + ["trainer.strategy.activation_checkpointing=true", "trainer.strategy.reshard_after_forward=false"],
+        + ["model.gradient_checkpointing=true", "model.compile=true", "trainer.strategy.reshard_after_forward=false"],
     )
     assert_same_series(ddp, ac, "train/loss", 1e-5)
     assert max_param_diff(ddp["params"], params_of(last_ckpt(tmp_path, "ac"))) <= 1e-5

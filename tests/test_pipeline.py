@@ -189,7 +189,7 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
 @pytest.mark.slow
 def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 stages x 2 tensor-parallel ranks per stage (each stage's blocks split as trainer=tp splits them, 1 head per
-    rank): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned
+    rank, and checkpointed: src/distributed/parallelize.py's steps 1 and 2): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned
     back into GPT-2's layout) and the HF export's logits equal one process's, with the tied wte/lm_head, clipping by
     the whole model's norm (over stages and tensor-parallel shards) and the LR schedule; resumed from its step-3
     checkpoint, it ends where it ended."""
@@ -199,6 +199,7 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
         + PIPELINE
         + SCHEDULES["1F1B"]
         + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+        + ["model.gradient_checkpointing=true"]  # each stage's blocks recomputed in backward: the same numbers
     )
     pipe = train_pipeline(tmp_path, "pipe", args)
     assert_same_series(one, pipe, "train/loss", 1e-5)
@@ -261,7 +262,6 @@ def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, o
         (["trainer.strategy.stages_per_rank=2"], r"stages_per_rank=2 does not fit schedule=GPipe"),
         (["model.compile=true"], r"model.compile is not supported with trainer=pipeline"),
         (["model.lora.enabled=true"], r"model.lora.enabled is not supported with trainer=pipeline"),
-        (["model.gradient_checkpointing=true"], r"model.gradient_checkpointing is not supported"),
         (["trainer.gradient_clip_val=0.5"], r"set trainer.strategy.gradient_clip_val instead"),
         (["trainer.accumulate_grad_batches=2"], r"raise trainer.strategy.n_microbatches instead"),
         (["model=convnet", "data=digits"], r"splits transformers decoder LMs only"),

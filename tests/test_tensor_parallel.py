@@ -33,6 +33,7 @@ BASE = (
         "callbacks.model_checkpoint.save_top_k=-1",
     ]
 )
+WRAPPERS = ["model.gradient_checkpointing=true"]
 STATE_BYTES = ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
 
 
@@ -71,7 +72,7 @@ def test_tensor_parallel_matches_one_process(one, tp):
 def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 data-parallel groups (FSDP2 over them) x 2 tensor-parallel ranks == 1 process: each group reads
     half of the global batch, both ranks of a group the same half."""
-    dxt = train_sharded(tmp_path, "dxt", BASE + ["trainer=tp", "trainer.devices=4"])
+    dxt = train_sharded(tmp_path, "dxt", BASE + ["trainer=tp", "trainer.devices=4"] + WRAPPERS)
     assert_same_series(one, dxt, "train/loss", 1e-5)
     assert_same_series(one, dxt, "val/loss", 1e-5)
     assert max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "dxt"))["state_dict"]) <= 1e-5
@@ -120,7 +121,10 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
         (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
         (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
         (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
-        (["model.compile=true"], "model.compile=true is not supported with trainer=tp"),
+        (
+            ["model.compile=true", "model.gradient_checkpointing=true"],
+            "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp",
+        ),
         (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
     ],
 )

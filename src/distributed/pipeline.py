@@ -44,9 +44,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from src.distributed.mesh import mesh_sizes
+from src.distributed.parallelize import parallelize as compose
 from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
 from src.distributed.tensor_parallel import check_divisible, check_plan
-from src.distributed.tensor_parallel import parallelize as split_blocks
 from src.utils.config import ConfigError, check_int
 from src.utils.hf_config import architecture
 
@@ -97,15 +97,14 @@ def check_config(cfg: DictConfig) -> None:
         for key, value in (
             ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
             ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
-            ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),
-            ("model.gradient_checkpointing", OmegaConf.select(cfg, "model.gradient_checkpointing", default=False)),
+            ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),  # not tested with the schedules
         )
         if value
     ]
     if unsupported:
         raise ConfigError(
-            f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA, compile and "
-            "gradient checkpointing are not): switch it off, or use trainer=ddp or trainer=fsdp."
+            f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA and compile are not): "
+            "switch it off, or use trainer=ddp or trainer=fsdp."
         )
     if cfg.trainer.get("gradient_clip_val"):
         raise ConfigError(
@@ -271,7 +270,8 @@ def parallelize(
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank
-    layers = module.blocks()[0][0]  # the model's decoder-layer list (the parent of every block)
+    blocks = module.blocks()
+    layers = blocks[0][0]  # the model's decoder-layer list (the parent of every block)
     n_layer = len(layers)
     if n_layer % n_stages:
         raise ConfigError(
@@ -281,15 +281,19 @@ def parallelize(
     rank = pp.get_local_rank()
     indices = [rank + k * pp.size() for k in range(stages_per_rank)]
     ranges = stage_ranges(n_layer, n_stages)
+    keep = {b for i in indices for b in range(*ranges[i])}
+    prune(hf, layers, keep, first=0 in indices, last=n_stages - 1 in indices)
+    tp = mesh["tensor_parallel"]
+    compose(  # this rank's blocks: split over the tensor-parallel ranks (as trainer=tp does), checkpointed, compiled
+        module,
+        tensor_parallel=tp if tp.size() > 1 else None,
+        blocks=[block for block in blocks if int(block[1]) in keep],
+        **module.wrappers(),
+    )
     make = stage_class(hf.config)
     stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
     for stage in stages:
         stage.tied = bool(getattr(hf.config, "tie_word_embeddings", False))  # the first and last stage hold copies
-    keep = {b for i in indices for b in range(*ranges[i])}
-    prune(hf, layers, keep, first=0 in indices, last=n_stages - 1 in indices)
-    tp = mesh["tensor_parallel"]
-    if tp.size() > 1:  # then each stage's blocks split over the tensor-parallel ranks (as trainer=tp does)
-        split_blocks(module, tp, blocks=[layers[b] for b in sorted(keep)])
     log.info(
         f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
         f"{n_microbatches} micro-batches; this rank holds stages {indices}"

@@ -42,6 +42,7 @@ class PipelineStrategy(ModelParallelStrategy):
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
+    parallelizes = True  # applies src/distributed/parallelize.py to its stages (the model's configure_model does not)
 
     def __init__(
         self,

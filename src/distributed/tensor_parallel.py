@@ -26,22 +26,15 @@ keep transformers' own layout: their full state dict is already HF's.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from src.distributed import resharding
-from src.distributed.checkpointing import save_sharded
-from src.distributed.fsdp import parallelize as fully_shard_blocks
-from src.distributed.layouts import COLWISE, GPT2_PLAN, LAYOUT_KEY, ROWWISE, STYLES, layout, qkv_order
-from src.distributed.mesh import split_data_over
-from src.utils.config import ConfigError, check_int
-from src.utils.hf_config import architecture, head_counts
+from src.distributed.layouts import COLWISE, GPT2_PLAN, ROWWISE, STYLES, layout, qkv_order
+from src.utils.config import ConfigError
+from src.utils.hf_config import head_counts
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +93,16 @@ def _gpt2_adapter(blocks: list[nn.Module], config: Any, tp: int) -> None:
         attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
 
 
-def parallelize(module: Any, mesh: DeviceMesh, blocks: Optional[list[nn.Module]] = None) -> Any:
-    """Split the blocks of the LitModule `module` (all, or the `blocks` this rank holds: a pipeline stage's)
-    over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor."""
+def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
+    """Split `blocks` of the LitModule `module` (all of them, or the ones a pipeline stage holds) over the 1-D
+    `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1 of
+    src/distributed/parallelize.py."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh.size()
     config = module.config
     check_divisible(config, tp)
     plan = check_plan(config)
-    blocks = [block for _, _, block in module.blocks()] if blocks is None else blocks
     if layout(config, tp) is not None:
         _gpt2_adapter(blocks, config, tp)
     styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
@@ -183,95 +176,3 @@ def check_divisible(config: Any, tp: int) -> None:
             f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "
             "that divides them."
         )
-
-
-def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
-    dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
-    src/distributed/mesh.py's named mesh when that lands."""
-
-    check_int("trainer.strategy.tensor_parallel_size", tensor_parallel_size)
-    if world % tensor_parallel_size:
-        raise ConfigError(
-            f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
-            f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
-            "tensor_parallel; change one of them."
-        )
-    return world // tensor_parallel_size, tensor_parallel_size
-
-
-class TensorParallelStrategy(ModelParallelStrategy):
-    """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
-
-    Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
-    only). Checkpoints are DCP dirs (each rank its shard), marked with our layout so that
-    src/tools/checkpoints.py can give them back in HF GPT-2 form.
-    """
-
-    def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
-        super().__init__(save_distributed_checkpoint=True, timeout=timeout)
-        self.tp_size = tensor_parallel_size
-
-    def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        self._data_parallel_size, self._tensor_parallel_size = data_and_tensor_sizes(world, self.tp_size)
-        super().setup_environment()  # Lightning's (data_parallel, tensor_parallel) mesh
-        split_data_over(self.device_mesh)  # samplers deal samples over the data-parallel dim only
-
-    def setup(self, trainer) -> None:
-        module = self.lightning_module
-        if not getattr(module, "_tensor_parallel", False):  # setup runs again for test after fit
-            parallelize(module, self.device_mesh["tensor_parallel"])
-            if self._data_parallel_size > 1:
-                fully_shard_blocks(module, self.device_mesh["data_parallel"])
-            module._tensor_parallel = True
-        super().setup(trainer)
-
-    def teardown(self) -> None:
-        split_data_over(None)
-        super().teardown()
-
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""
-        entry = layout(self.lightning_module.config, self.tp_size)
-        if entry is not None:
-            checkpoint[LAYOUT_KEY] = entry
-        save_sharded(
-            self,
-            lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
-            filepath,
-        )
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Its own DCP dirs (the same layout: any data-parallel size) through Lightning's resharding load; files,
-        other strategies' dirs and GPT-2 dirs of another tensor-parallel size through the full form."""
-        own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
-        native = ("dcp", layout(self.lightning_module.config, self.tp_size))
-        return resharding.load(self, checkpoint_path, native, own)
-
-
-def check_config(cfg: Any) -> None:
-    """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
-    from omegaconf import OmegaConf
-
-    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
-        data_and_tensor_sizes(devices * nodes, tp)
-    model = cfg.model
-    config = architecture(model)
-    if config is not None:
-        check_plan(config)
-        if isinstance(tp, int) and tp > 0:
-            check_divisible(config, tp)
-    unsupported = {
-        "model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
-        "model/peft": model.get("peft") is not None,
-        "model.compile=true": model.get("compile", False),
-        "model.gradient_checkpointing=true": model.get("gradient_checkpointing", False),
-    }
-    for key, on in unsupported.items():
-        if on:
-            raise ConfigError(
-                f"{key} is not supported with trainer=tp yet: turn it off, or train with trainer=ddp / trainer=fsdp."
-            )

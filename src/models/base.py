@@ -77,8 +77,12 @@ class LitModule(L.LightningModule):
         Strategies shard each alike; blocks() lists the blocks of all of them."""
         return [self.network()]
 
+    def wrappers(self) -> dict[str, bool]:
+        """The per-block switches src/distributed/parallelize.py applies (activation_checkpointing, compile)."""
+        return {}
+
     def configure_model(self) -> None:
-        """Nothing: sharding is applied from outside, by src/distributed/fsdp.py (Lightning requires the hook).
+        """Nothing: sharding is applied from outside, by src/distributed/parallelize.py (Lightning requires the hook).
         A model built on the meta device (src/models/init.py) materialises itself here or in `materialize`."""
 
     def materialize(self, device: torch.device, sharded: bool) -> None:

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from src.distributed.parallelize import parallelize
 from src.models import hf, init
 from src.models.base import LitModule
 from src.models.dpo import DPO, STATS, disable_dropout, frozen
@@ -98,8 +99,9 @@ class CausalLMLitModule(LitModule):
                 "ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning
             )
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile
-        model = self._prepare(model, compile=compile and peft is None and not use_lora)
+        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
+        self._wrapped = False  # whether configure_model has applied them
+        model = self._prepare(model)
         if use_lora:
             peft = hf.lora_config(**lora, model=model)
         if peft is not None:
@@ -161,14 +163,10 @@ class CausalLMLitModule(LitModule):
 
     # ---- building ----
 
-    def _prepare(self, model: PreTrainedModel, compile: bool) -> PreTrainedModel:
+    def _prepare(self, model: PreTrainedModel) -> PreTrainedModel:
         model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
         if self.dpo is not None and self.dpo.disable_dropout:
             disable_dropout(model)
-        if self._gradient_checkpointing:  # recompute each block's activations in backward: less memory, more compute
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compile:  # in place: parameter names (and so checkpoints) stay those of the plain model
-            model.compile()
         return model
 
     def _add_adapter(self, model: PreTrainedModel, peft: Any, seq_len: int) -> torch.nn.Module:
@@ -185,8 +183,6 @@ class CausalLMLitModule(LitModule):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
-        if self._compile:
-            model.compile()
         return model
 
     def _load_pretrained(self) -> PreTrainedModel:
@@ -219,21 +215,30 @@ class CausalLMLitModule(LitModule):
         """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
         Lightning runs this hook inside deepspeed.zero.Init: the model is built again there, each parameter
         partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
-        model is materialised here."""
+        model is materialised here. Then, where the strategy does not call src/distributed/parallelize.py itself
+        (DDP, one device, DeepSpeed), that function's per-block activation checkpointing and compile."""
         strategy = self.trainer.strategy
-        if not init.has_meta(self.model) or getattr(strategy, "materializes_shards", False):
-            return
+        if init.has_meta(self.model) and not getattr(strategy, "materializes_shards", False):
+            self._materialize_here(strategy)
+        if not getattr(strategy, "parallelizes", False) and not self._wrapped:  # DDP, one device, DeepSpeed
+            parallelize(self, **self.wrappers())  # no mesh: activation checkpointing and compile, per block
+            self._wrapped = True
+
+    def _materialize_here(self, strategy: Any) -> None:
         if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
             for name in ("model", "reference") if self.reference is not None else ("model",):
                 model = AutoModelForCausalLM.from_config(
                     self.config
                 )  # DPO's reference: the same values, partitioned alike
                 init.materialize_zero3(model, self.fill(model), self._base_seed)
-                setattr(self, name, self._prepare(model, compile=self._compile) if name == "model" else frozen(model))
+                setattr(self, name, self._prepare(model) if name == "model" else frozen(model))
         else:
             self.materialize(torch.device("cpu"), sharded=False)
 
     # ---- what strategies, callbacks and tools read ----
+
+    def wrappers(self) -> dict[str, bool]:
+        return {"activation_checkpointing": self._gradient_checkpointing, "compile": self._compile}
 
     @property
     def hf_model(self) -> PreTrainedModel:

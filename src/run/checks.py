@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.datamodules.base import working_shapes
 from src.distributed.checkpointing import problem
-from src.distributed.tensor_parallel import check_config
+from src.distributed.tensor_parallel_strategy import check_config
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision

@@ -1,0 +1,120 @@
+"""The one place that applies parallelism and its companions to a model, from outside it (torchtitan's
+`parallelize`), in this order:
+
+    1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/distributed/tensor_parallel.py)
+    2. activation ckpt    recompute each block's activations in backward instead of storing them
+    3. compile            torch.compile each block, in place
+    4. FSDP2              shard each block, then the rest as one root unit, over the `data_parallel` ranks
+
+Why this order: compile must see the final (tensor-parallel, checkpointed) block to trace it; FSDP2's
+hooks must sit outside the compiled block, where they gather its parameters before it runs.
+
+Every strategy reaches this function: FSDP2Strategy, TensorParallelStrategy and the pipeline (per stage)
+call it with their meshes (they set `parallelizes = True`); under DDP, one device and DeepSpeed the model's
+`configure_model` calls it without meshes (activation checkpointing and compile only). The model only says
+which modules are its repeated blocks (`LitModule.blocks()`) and which networks its steps call
+(`networks()`); the switches come from `model.gradient_checkpointing` and `model.compile`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from src.distributed.tensor_parallel import split_blocks
+
+log = logging.getLogger(__name__)
+
+DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Block = tuple[nn.Module, str, nn.Module]  # (parent, name, block), as LitModule.blocks() lists them
+
+
+def parallelize(
+    module: Any,
+    *,
+    tensor_parallel: Optional[DeviceMesh] = None,
+    data_parallel: Optional[DeviceMesh] = None,
+    blocks: Optional[list[Block]] = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    fsdp: Optional[dict[str, Any]] = None,
+) -> Any:
+    """Apply steps 1-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
+
+    `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.
+    `fsdp`: the options of `shard` (reshard_after_forward, param_dtype, reduce_dtype, cpu_offload).
+    """
+    blocks = module.blocks() if blocks is None else blocks
+    if tensor_parallel is not None:
+        split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
+    if activation_checkpointing:
+        blocks = checkpoint_blocks(module, blocks)
+    if compile:
+        for _, _, block in blocks:
+            block.compile()  # in place: the parameter names (and so checkpoints) stay those of the plain model
+    if data_parallel is not None:
+        shard(module, data_parallel, blocks, **(fsdp or {}))
+    log.info(
+        f"parallelize: {len(blocks)} blocks; tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
+        f"activation checkpointing {activation_checkpointing}, compile {compile}, "
+        f"FSDP2 over {data_parallel.size() if data_parallel is not None else 0} rank(s)"
+    )
+    return module
+
+
+def checkpoint_blocks(module: Any, blocks: list[Block]) -> list[Block]:
+    """Recompute each block's activations in backward. A transformers model does it with its own switch
+    (non-reentrant), which keeps every parameter name and, from transformers 5.24, checkpoints each layer's
+    `forward` so that module hooks (FSDP2's) stay outside; other blocks are wrapped in torch's
+    `checkpoint_wrapper` (which adds `_checkpoint_wrapped_module.` to their names; state dicts drop it again)."""
+    network = module.network()  # a PreTrainedModel, or a peft model that passes the call on to one
+    if hasattr(network, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+        network.activation_checkpointing_enable()
+        return blocks
+    if hasattr(network, "gradient_checkpointing_enable"):
+        network.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return blocks
+    wrapped = []
+    for parent, name, block in blocks:
+        block = checkpoint_wrapper(block)
+        parent.register_module(name, block)
+        wrapped.append((parent, name, block))
+    return wrapped
+
+
+def shard(
+    module: Any,
+    mesh: DeviceMesh,
+    blocks: list[Block],
+    reshard_after_forward: bool = True,
+    param_dtype: Optional[str] = None,
+    reduce_dtype: Optional[str] = None,
+    cpu_offload: bool = False,
+) -> None:
+    """FSDP2: shard each block, then every network (embeddings, head, tied weights) as one root unit.
+
+    Each of `module.networks()` must be a root, or its parameters would never be gathered.
+    reshard_after_forward=True frees gathered parameters after each block's forward (ZeRO-3-like, least
+    memory); False keeps them until backward (ZeRO-2-like, one all-gather less per block).
+    """
+    for dtype in (param_dtype, reduce_dtype):
+        if dtype not in DTYPES:
+            raise ValueError(f"FSDP dtype {dtype!r}: use one of {[k for k in DTYPES if k]} or null.")
+    if not blocks:
+        raise ValueError(f"{type(module).__name__}.blocks() returned no blocks to shard.")
+    policy = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for _, _, block in blocks:
+        fully_shard(block, **policy)
+    for network in module.networks():  # the trained network; frozen ones (DPO's reference) are roots of their own
+        fully_shard(network, **policy)

@@ -10,25 +10,6 @@ import pytest
 import torch
 
 
-def test_lightning_throughput_monitor_internals():
-    """src/callbacks/throughput.py feeds ThroughputMonitor's counters and calls its _compute (it adds tokens, FLOPs
-    and evaluation clocks that the public callback does not count)."""
-    from lightning.pytorch.callbacks import ThroughputMonitor
-
-    monitor = ThroughputMonitor(batch_size_fn=len)
-    for name in ("_throughputs", "_t0s", "_lengths", "_samples", "_batches"):
-        assert isinstance(getattr(monitor, name, None), dict), f"ThroughputMonitor.{name} is gone or changed"
-    assert callable(getattr(monitor, "_compute", None)), "ThroughputMonitor._compute is gone"
-
-
-def test_lightning_trainer_internals():
-    """src/callbacks/throughput.py: `trainer.fit_loop._should_accumulate()` and
-    `trainer._logger_connector.should_update_logs` decide the steps it logs, as Lightning's own callback does."""
-    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=1)
-    assert callable(getattr(trainer.fit_loop, "_should_accumulate", None)), "fit_loop._should_accumulate is gone"
-    assert hasattr(type(trainer._logger_connector), "should_update_logs"), "_logger_connector.should_update_logs"
-
-
 def test_lightning_checkpoint_loop_keys():
     """src/distributed/resume.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
     not an API) when a resume changes the batch shape or moves between automatic and manual optimization."""
@@ -47,6 +28,16 @@ def test_lightning_hydra_subprocess_command():
     assert callable(getattr(subprocess_script, "_hydra_subprocess_cmd", None)), "_hydra_subprocess_cmd is gone"
 
 
+def test_lightning_child_process_observer():
+    """src/distributed/hydra_ddp.py empties the `_child_processes` list of Lightning's observer thread (found by its
+    name) before it reaps a finished Hydra job's ranks itself."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    observer = _ChildProcessObserver(main_pid=0, child_processes=[])
+    assert observer.name == "child-process-observer", "Lightning's observer thread has another name"
+    assert observer._child_processes == [], "_ChildProcessObserver._child_processes is gone"
+
+
 def test_lightning_deepspeed_format_config():
     """src/distributed/deepspeed.py overrides DeepSpeedStrategy._format_config to derive the batch keys itself."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -54,25 +45,21 @@ def test_lightning_deepspeed_format_config():
     assert callable(getattr(DeepSpeedStrategy, "_format_config", None)), "DeepSpeedStrategy._format_config is gone"
 
 
-def test_lightning_module_trainer_reference():
-    """src/models/base.py reads `self._trainer`, which is None outside fit (the public `trainer` raises there)."""
-    module = L.LightningModule()
-    assert hasattr(module, "_trainer") and module._trainer is None, "LightningModule._trainer is gone"
+def test_lightning_deepspeed_precision_config():
+    """src/distributed/deepspeed.py fills DeepSpeed's precision keys with Lightning's `_format_precision_config`, as
+    Lightning's own `_format_config` (which it overrides) does."""
+    from lightning.pytorch.strategies import deepspeed
+
+    assert callable(getattr(deepspeed, "_format_precision_config", None)), "_format_precision_config is gone"
 
 
-def test_omegaconf_get_node():
-    """src/utils/config.py walks `_target_` nodes with DictConfig._get_node, which does not resolve interpolations."""
-    from omegaconf import OmegaConf
+def test_torch_batchnorm_base_class():
+    """src/distributed/sync_batchnorm.py subclasses `torch.nn.modules.batchnorm._BatchNorm` (as torch's SyncBatchNorm
+    does) and finds every BatchNorm by it."""
+    from torch.nn.modules import batchnorm
 
-    cfg = OmegaConf.create({"a": {"_target_": "x"}, "b": "${a}"})
-    assert cfg._get_node("b")._value() == "${a}", "DictConfig._get_node is gone or resolves now"
-
-
-def test_transformers_attn_implementation():
-    """src/distributed/pipeline_stages.py reads config._attn_implementation, where transformers keeps the choice."""
-    from transformers import LlamaConfig
-
-    assert LlamaConfig(attn_implementation="eager")._attn_implementation == "eager", "config._attn_implementation"
+    assert issubclass(torch.nn.BatchNorm2d, batchnorm._BatchNorm), "torch.nn.modules.batchnorm._BatchNorm is gone"
+    assert issubclass(torch.nn.SyncBatchNorm, batchnorm._BatchNorm)
 
 
 @pytest.mark.parametrize("name", ["_is_avx512_bf16_supported", "_is_amx_tile_supported"])

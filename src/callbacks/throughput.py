@@ -1,4 +1,4 @@
-"""Tokens/s, FLOP/s and MFU through Lightning's ThroughputMonitor (rank 0 logs).
+"""Tokens/s, FLOP/s and MFU on Lightning's `Throughput` (rank 0 logs).
 
 Logged keys: `train/items_per_sec` is tokens/s over all ranks (images/s for image data),
 `train/device/items_per_sec` per rank; tokens are the real ones (the attention_mask's ones: a
@@ -28,14 +28,12 @@ import time
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.throughput import Throughput
-from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.distributed.samplers import rank_and_world
-
-TRAIN = RunningStage.TRAINING
 
 
 def _inputs(batch: Any) -> Any:
@@ -97,40 +95,58 @@ def _flops(pl_module: Any, batch: Any) -> Any:
     return getattr(pl_module, "flops_per_batch", 0.0)
 
 
-class TokenThroughputMonitor(ThroughputMonitor):
+# trainer.precision -> the dtype the matmuls run in, for the peak FLOP/s of Lightning's table
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """ "bf16-mixed" -> bfloat16, "16-true" -> float16, "32-true" -> float32, ..."""
+    return COMPUTE_DTYPES.get(str(precision).split("-")[0], torch.float32)
+
+
+class TokenThroughputMonitor(Callback):
+    """Lightning's ThroughputMonitor, rebuilt on its public engine (`lightning.fabric.utilities.throughput.
+    Throughput`) to do what it does not: count real tokens and the model's FLOPs per batch on the device, read the
+    clock on logging steps only, and rate each evaluation as a whole (see the module docstring)."""
+
     def __init__(self, window_size: int = 50, peak_flops: Optional[float] = None) -> None:
-        super().__init__(batch_size_fn=_batch_size, length_fn=_num_items, window_size=max(2, window_size))
+        super().__init__()
         self.window_size, self.peak_flops = window_size, peak_flops
+        self.available_flops: Optional[float] = None
+        self._train: Optional[Throughput] = None
+        self._totals = {"batches": 0, "samples": 0, "items": 0}  # training, since it started
         self._pending = {"batches": 0, "samples": 0, "items": 0, "flops": 0.0}  # training, since the last reading
+        self._t0, self._steps_seen = 0.0, 0
         self._start_eval()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if self.peak_flops:  # overrides Lightning's table (which has no CPUs)
-            self.available_flops = self.peak_flops
-            for throughput in self._throughputs.values():
-                throughput.available_flops = self.peak_flops
-        if TRAIN in self._throughputs:  # one reading per logging step: a window of `window_size` steps
-            readings = max(2, round(self.window_size / max(1, trainer.log_every_n_steps)) + 1)
-            self._throughputs[TRAIN] = Throughput(
-                available_flops=self.available_flops, world_size=trainer.world_size, window_size=readings
-            )
+        # peak_flops overrides Lightning's table (which has no CPUs)
+        device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
+        self.available_flops = self.peak_flops or get_available_flops(device, dtype)
+        readings = max(2, round(self.window_size / max(1, trainer.log_every_n_steps)) + 1)  # one per logging step
+        self._train = Throughput(
+            available_flops=self.available_flops, world_size=trainer.world_size, window_size=readings
+        )
 
     @rank_zero_only
     def on_train_start(self, trainer, *args: Any) -> None:
-        super().on_train_start(trainer, *args)
+        self._train.reset()
+        self._totals = dict.fromkeys(self._totals, 0)
         self._pending = dict.fromkeys(self._pending, 0)
+        self._t0, self._steps_seen = time.perf_counter(), trainer.global_step
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
         share = replica_share(trainer)
         _count(self._pending, batch, share)
         self._pending["flops"] += _scaled(_flops(pl_module, batch), share)
-        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+        stepped, self._steps_seen = trainer.global_step > self._steps_seen, trainer.global_step
+        if not stepped or trainer.global_step % max(1, trainer.log_every_n_steps):  # mid-step, or not a logging step
             return
         self._read_clock(trainer)
-        self._compute(trainer)
-        self._log_peak_memory(trainer)
+        # logged at the step Lightning logs this step's train/loss at (the steps completed before it)
+        self._log(trainer, {f"train/{k}": v for k, v in self._train.compute().items()}, trainer.global_step - 1)
+        self._log(trainer, {"train/device/peak_memory_mib": peak_memory_mib(trainer.strategy.root_device)})
 
     @rank_zero_only
     def on_validation_start(self, trainer, *args: Any) -> None:
@@ -151,7 +167,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
             return
         seconds = self._end_eval(trainer, "validate")
         if trainer.state.fn == TrainerFn.FITTING:
-            self._t0s[TRAIN] += seconds  # the training clock does not run during validation
+            self._t0 += seconds  # the training clock does not run during validation
 
     @rank_zero_only
     def on_test_start(self, trainer, *args: Any) -> None:
@@ -180,8 +196,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
                 metrics.update(
                     {f"{stage}/{key}_per_sec": count / seconds * trainer.world_size for key, count in counts.items()}
                 )
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            self._log(trainer, metrics)
         return seconds
 
     def _read_clock(self, trainer) -> None:
@@ -190,21 +205,22 @@ class TokenThroughputMonitor(ThroughputMonitor):
         if not pending["batches"]:
             return
         wait_for_device(trainer.strategy.root_device)
-        self._batches[TRAIN] += pending["batches"]  # Lightning's running totals, which Throughput takes
-        self._samples[TRAIN] += pending["samples"]
-        self._lengths[TRAIN] += int(pending["items"])  # read after the sync: no extra wait
-        self._throughputs[TRAIN].update(
-            time=time.perf_counter() - self._t0s[TRAIN],
-            batches=self._batches[TRAIN],
-            samples=self._samples[TRAIN],
-            lengths=self._lengths[TRAIN],
+        totals = self._totals  # Throughput takes running totals
+        totals["batches"] += pending["batches"]
+        totals["samples"] += pending["samples"]
+        totals["items"] += int(pending["items"])  # read after the sync: no extra wait
+        self._train.update(
+            time=time.perf_counter() - self._t0,
+            batches=totals["batches"],
+            samples=totals["samples"],
+            lengths=totals["items"],
             flops=float(pending["flops"]) or None,
         )
         self._pending = dict.fromkeys(pending, 0)
 
-    def _log_peak_memory(self, trainer) -> None:
-        # A Python float straight to the loggers: self.log would put it in a device tensor every step,
-        # and a host-to-GPU copy from pageable memory waits for the stream.
-        memory = {"train/device/peak_memory_mib": peak_memory_mib(trainer.strategy.root_device)}
+    @staticmethod
+    def _log(trainer, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        # Python floats straight to the loggers: self.log would put each in a device tensor, and a host-to-GPU
+        # copy from pageable memory waits for the stream.
         for logger in trainer.loggers:
-            logger.log_metrics(memory, step=trainer.global_step)
+            logger.log_metrics(metrics, step=trainer.global_step if step is None else step)

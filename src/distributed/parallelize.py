@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -54,7 +53,7 @@ def parallelize(
     if tensor_parallel is not None:
         split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
     if activation_checkpointing:
-        blocks = checkpoint_blocks(module, blocks)
+        checkpoint_blocks(module)
     if compile:
         for _, _, block in blocks:
             block.compile()  # in place: the parameter names (and so checkpoints) stay those of the plain model
@@ -68,24 +67,18 @@ def parallelize(
     return module
 
 
-def checkpoint_blocks(module: Any, blocks: list[Block]) -> list[Block]:
-    """Recompute each block's activations in backward. A transformers model does it with its own switch
-    (non-reentrant), which keeps every parameter name and, from transformers 5.24, checkpoints each layer's
-    `forward` so that module hooks (FSDP2's) stay outside; other blocks are wrapped in torch's
-    `checkpoint_wrapper` (which adds `_checkpoint_wrapped_module.` to their names; state dicts drop it again)."""
+def checkpoint_blocks(module: Any) -> None:
+    """Recompute each decoder layer's activations in backward: transformers' own switch (non-reentrant
+    `torch.utils.checkpoint`; from transformers 5.24 it wraps each layer's `forward`, so module hooks such as
+    FSDP2's stay outside the checkpoint and every parameter keeps its name). Only transformers models offer the
+    switch here: recomputing a BatchNorm block (the CNN's) would update its running statistics twice."""
     network = module.network()  # a PreTrainedModel, or a peft model that passes the call on to one
     if hasattr(network, "activation_checkpointing_enable"):  # transformers >= 5.24's name
         network.activation_checkpointing_enable()
-        return blocks
-    if hasattr(network, "gradient_checkpointing_enable"):
+    elif hasattr(network, "gradient_checkpointing_enable"):
         network.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return blocks
-    wrapped = []
-    for parent, name, block in blocks:
-        block = checkpoint_wrapper(block)
-        parent.register_module(name, block)
-        wrapped.append((parent, name, block))
-    return wrapped
+    else:
+        raise ValueError(f"{type(network).__name__} has no activation checkpointing switch.")
 
 
 def shard(

@@ -47,7 +47,7 @@ from src.distributed.mesh import mesh_sizes
 from src.distributed.parallelize import parallelize as compose
 from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
 from src.distributed.tensor_parallel import check_divisible, check_plan
-from src.utils.config import ConfigError, check_int
+from src.utils.config import ConfigError, check_int, check_unsupported
 from src.utils.hf_config import architecture
 
 log = logging.getLogger(__name__)
@@ -92,20 +92,7 @@ def check_config(cfg: DictConfig) -> None:
     if tp > 1:
         check_plan(config)
         check_divisible(config, tp)
-    unsupported = [
-        (key, value)
-        for key, value in (
-            ("model.lora.enabled", OmegaConf.select(cfg, "model.lora.enabled", default=False)),
-            ("model/peft", OmegaConf.select(cfg, "model.peft", default=None)),
-            ("model.compile", OmegaConf.select(cfg, "model.compile", default=False)),  # not tested with the schedules
-        )
-        if value
-    ]
-    if unsupported:
-        raise ConfigError(
-            f"{unsupported[0][0]} is not supported with trainer=pipeline yet (peft/LoRA and compile are not): "
-            "switch it off, or use trainer=ddp or trainer=fsdp."
-        )
+    check_unsupported(cfg, "pipeline", ("model.lora.enabled", "model.peft", "model.compile"))  # compile: untested
     if cfg.trainer.get("gradient_clip_val"):
         raise ConfigError(
             f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val} does not apply to trainer=pipeline "
@@ -291,7 +278,8 @@ def parallelize(
         **module.wrappers(),
     )
     make = stage_class(hf.config)
-    stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1) for i in indices]
+    eager = module.attn_implementation == "eager"  # the model's model.attn_implementation
+    stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1, eager=eager) for i in indices]
     for stage in stages:
         stage.tied = bool(getattr(hf.config, "tie_word_embeddings", False))  # the first and last stage hold copies
     log.info(

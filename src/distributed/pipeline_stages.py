@@ -35,14 +35,14 @@ def causal_mask(t: int, dtype: torch.dtype, device: torch.device, window: Option
 class GPT2Stage(nn.Module):
     """Blocks [lo, hi) of a GPT2LMHeadModel, led by the embeddings (first stage) or followed by ln_f + lm_head (last)."""
 
-    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool, eager: bool) -> None:
         super().__init__()
         t = hf.transformer
         self.first, self.last = first, last
         self.blocks = nn.ModuleList(t.h[lo:hi])
         self.embed = nn.ModuleDict({"wte": t.wte, "wpe": t.wpe, "drop": t.drop}) if first else None
         self.head = nn.ModuleDict({"ln_f": t.ln_f, "lm_head": hf.lm_head}) if last else None
-        self.eager = hf.config._attn_implementation == "eager"  # HF's own field for the choice
+        self.eager = eager  # eager attention adds a mask to its scores; SDPA without one is causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # as GPT2Model.forward: token + position embeddings, then dropout
@@ -67,7 +67,7 @@ class DecoderStage(nn.Module):
     """Layers [lo, hi) of a decoder LM whose config has a pipeline plan, with the parts the plan puts before
     the layers (first stage) or after them, plus the LM head (last stage)."""
 
-    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool, eager: bool) -> None:
         super().__init__()
         body, config = hf.base_model, hf.config
         names = list(config.base_model_pp_plan)
@@ -84,7 +84,7 @@ class DecoderStage(nn.Module):
         self.windows = [
             window if (types[i] == "sliding_attention" if types else window) else None for i in range(lo, hi)
         ]
-        self.eager = config._attn_implementation == "eager"  # HF's own field for the choice
+        self.eager = eager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:

@@ -17,7 +17,7 @@ from src.distributed.layouts import LAYOUT_KEY, layout
 from src.distributed.mesh import split_data_over
 from src.distributed.parallelize import parallelize
 from src.distributed.tensor_parallel import check_divisible, check_plan
-from src.utils.config import ConfigError, check_int
+from src.utils.config import ConfigError, check_int, check_unsupported
 from src.utils.hf_config import architecture
 
 
@@ -104,17 +104,9 @@ def check_config(cfg: Any) -> None:
         check_plan(config)
         if isinstance(tp, int) and tp > 0:
             check_divisible(config, tp)
-    unsupported = {
-        "model.lora.enabled=true": OmegaConf.select(cfg, "model.lora.enabled", default=False),
-        "model/peft": model.get("peft") is not None,
-    }
     if model.get("compile", False) and model.get("gradient_checkpointing", False):
         raise ConfigError(
             "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp "
             "(torch.compile cannot yet save a tensor-parallel block for its recompute): turn one of them off."
         )
-    for key, on in unsupported.items():
-        if on:
-            raise ConfigError(
-                f"{key} is not supported with trainer=tp yet: turn it off, or train with trainer=ddp / trainer=fsdp."
-            )
+    check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))

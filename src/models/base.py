@@ -121,7 +121,7 @@ class LitModule(L.LightningModule):
         can sum the per-sample target counts (computed once, numpy) over every global step of the epoch.
         `batch_idx` counts on from a mid-epoch checkpoint, as the sampler skips the batches done.
         """
-        trainer = self._trainer
+        trainer = self.trainer
         datamodule = getattr(trainer, "datamodule", None)
         dataset = getattr(datamodule, "splits", {}).get("train")
         if not hasattr(dataset, "target_counts"):

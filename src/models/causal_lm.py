@@ -28,6 +28,35 @@ from src.utils.config import ConfigError
 log = logging.getLogger(__name__)
 
 
+def check_choices(
+    model_type: Optional[str], pretrained: Optional[str], size_for: Optional[str], objective: str, lora: bool, peft: Any
+) -> None:
+    """One sentence for a combination of model options that cannot work."""
+    if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
+        raise ConfigError(
+            f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
+            f"model={size_for} with it, or a {model_type} size (conf/model/size/)."
+        )
+    if objective not in ("sft", "dpo"):
+        raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
+    if lora and peft is not None:
+        raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
+    if not pretrained and not model_type:
+        raise ConfigError(
+            "model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
+            "or load one with model.pretrained=DIR_OR_HUB_NAME."
+        )
+
+
+def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
+    """FLOPs per token, counted before a strategy shards the parameters (a ZeRO-3 parameter has numel 0)."""
+    base = model.get_base_model() if peft is not None else model
+    inside = {id(p) for p in base.parameters()}
+    prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
+    virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
+    return count_flops(base, hf.decoder_layers(base), prompt, virtual)
+
+
 class CausalLMLitModule(LitModule):
     def __init__(
         self,
@@ -53,68 +82,57 @@ class CausalLMLitModule(LitModule):
         size_for: Optional[str] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
-        if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
-            raise ConfigError(
-                f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
-                f"model={size_for} with it, or a {model_type} size (conf/model/size/)."
-            )
-        if objective not in ("sft", "dpo"):
-            raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
-        self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None
         lora = dict(lora or {})
         use_lora = bool(lora.pop("enabled", False))
-        if use_lora and peft is not None:
-            raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
-        if not pretrained and not model_type:
-            raise ConfigError(
-                "model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
-                "or load one with model.pretrained=DIR_OR_HUB_NAME."
-            )
+        check_choices(model_type, pretrained, size_for, objective, use_lora, peft)
+        self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None
+        adapter = use_lora or peft is not None
         # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
-        self._deferred = init.init_is_deferred() and peft is None and not use_lora
+        self._deferred = init.init_is_deferred() and not adapter
         self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
-        self._pretrained, self._attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
+        self._pretrained, self.attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
         self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
-        if pretrained:  # the checkpoint's shape wins over the config fields
-            config = self.check_pretrained(hf.pretrained_config(pretrained, attn_implementation), seq_len)
-            if self._deferred:  # rank 0 reads the weights when the strategy materialises the shards
-                config.vocab_size = max(vocab_size, config.vocab_size)
-                model = hf.build_on_meta(config)
-            else:
-                model = self._load_pretrained()
-        else:
-            model = hf.build_on_meta(
-                self.new_config(vocab_size, seq_len, model_type, dict(config or {}), attn_implementation)
-            )
-            if not self._deferred:
-                init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
-        self.config: PretrainedConfig = model.config
-        self.seq_len = seq_len
-        self.reference: Optional[PreTrainedModel] = None  # DPO's frozen copy of the starting policy
-        if self.dpo is not None and peft is None and not use_lora and not self.dpo.precompute:
-            self.reference = frozen(copy.deepcopy(model))  # (with an adapter, the reference is the model without it)
-            # Lightning warns of modules in eval mode at the start of fit: the reference's are, on purpose
-            warnings.filterwarnings(
-                "ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning
-            )
-        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
         self._wrapped = False  # whether configure_model has applied them
+        model = self._build(seq_len, model_type, dict(config or {}))
+        self.config: PretrainedConfig = model.config
+        self.seq_len = seq_len
+        self.reference = self._reference_of(model, adapter)
+        self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         model = self._prepare(model)
         if use_lora:
             peft = hf.lora_config(**lora, model=model)
         if peft is not None:
             model = self._add_adapter(model, peft, seq_len)
-        # Counted now, before a strategy shards the parameters (a DeepSpeed stage-3 parameter has numel 0).
-        base = model.get_base_model() if peft is not None else model
-        inside = {id(p) for p in base.parameters()}
-        prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
-        virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
-        self.flop_count: FlopCount = count_flops(base, hf.decoder_layers(base), prompt, virtual)
+        self.flop_count: FlopCount = flops_of(model, peft)
         self.model = model
         self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
         self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+
+    def _build(self, seq_len: int, model_type: Optional[str], fields: dict[str, Any]) -> PreTrainedModel:
+        """The transformers model: pretrained (the checkpoint's shape wins over the config fields) or from a
+        config; on the meta device when a strategy materialises it later."""
+        if self._pretrained:
+            config = self.check_pretrained(hf.pretrained_config(self._pretrained, self.attn_implementation), seq_len)
+            if not self._deferred:
+                return self._load_pretrained()
+            config.vocab_size = max(self._vocab_size, config.vocab_size)  # rank 0 reads the weights later
+            return hf.build_on_meta(config)
+        config = self.new_config(self._vocab_size, seq_len, model_type, fields, self.attn_implementation)
+        model = hf.build_on_meta(config)
+        if not self._deferred:
+            init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
+        return model
+
+    def _reference_of(self, model: PreTrainedModel, adapter: bool) -> Optional[PreTrainedModel]:
+        """DPO's frozen copy of the starting policy (with an adapter, the reference is the model without it;
+        with precomputed reference log-probabilities, none)."""
+        if self.dpo is None or adapter or self.dpo.precompute:
+            return None
+        # Lightning warns of modules in eval mode at the start of fit: the reference's are, on purpose
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
+        return frozen(copy.deepcopy(model))
 
     # ---- what an architecture may decide (src/models/gpt2.py overrides these) ----
 
@@ -187,7 +205,7 @@ class CausalLMLitModule(LitModule):
 
     def _load_pretrained(self) -> PreTrainedModel:
         """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
-        model = hf.load_pretrained(self._pretrained, self._attn_implementation)
+        model = hf.load_pretrained(self._pretrained, self.attn_implementation)
         if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
             hf.resize_vocab(model, self._vocab_size, self._base_seed, self._tokenizer)
         return model

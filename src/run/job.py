@@ -139,7 +139,7 @@ def log_hyperparameters(trainer: Any, model: Any, cfg: DictConfig) -> None:
             from torch.utils.tensorboard.summary import hparams as hparams_summary
 
             flat = dict(_flatten(hparams))
-            writer = logger.experiment._get_file_writer()
+            writer = logger.experiment.file_writer  # SummaryWriter's public FileWriter
             for summary in hparams_summary(flat, {m: 0.0 for m in HPARAM_METRICS}):
                 writer.add_summary(summary)
 

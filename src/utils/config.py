@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object
-from omegaconf import MISSING, DictConfig, ListConfig
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from src.utils.errors import UserError
 
@@ -102,10 +102,10 @@ def check_targets(cfg: Any, key: str = "") -> None:
                         f"Unknown config key '{key}.{name}': {target} does not take '{name}'. "
                         f"Check the spelling; accepted keys are: {known}."
                     )
-    for name in cfg:
+    for name, node in cfg.items_ex(resolve=False):  # interpolations stay strings: nothing is resolved here
         if name == "hydra":
             continue
-        check_targets(cfg._get_node(name), f"{key}.{name}" if key else str(name))
+        check_targets(node, f"{key}.{name}" if key else str(name))
 
 
 def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
@@ -122,6 +122,24 @@ def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
             raise ConfigError(f"{key}.{name} must be a config with a _target_, got: {node}")
         objects.append(instantiate(node))
     return objects
+
+
+# model switches a strategy may not support yet, as the user writes them
+SWITCHES = {
+    "model.lora.enabled": "model.lora.enabled=true",
+    "model.peft": "model/peft",
+    "model.compile": "model.compile=true",
+}
+
+
+def check_unsupported(cfg: DictConfig, strategy: str, keys: tuple[str, ...]) -> None:
+    """One sentence for the first of the `keys` (of SWITCHES) that is on: `trainer={strategy}` does not support it."""
+    for key in keys:
+        if OmegaConf.select(cfg, key, default=None) not in (None, False):
+            raise ConfigError(
+                f"{SWITCHES[key]} is not supported with trainer={strategy} yet: turn it off, or train with "
+                "trainer=ddp or trainer=fsdp."
+            )
 
 
 def check_int(key: str, value: Any, minimum: int = 1) -> None:

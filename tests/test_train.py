@@ -35,6 +35,7 @@ def test_default_experiment_trains_and_writes_a_run_dir(trained):
     assert "val/loss = " in trained["proc"].stdout + trained["proc"].stderr  # the optimized metric is reported
 
 
+@pytest.mark.fresh
 def test_the_console_shows_steps_and_no_library_noise(tmp_path):
     """The progress bar counts steps of max_steps (it read "Epoch 0/-2"), and four lines of Lightning/torch noise are
     gone: the litlogger tip, the `limit_*_batches=1.0` notices, bf16's model-summary warning, pytree's deprecation."""
@@ -130,6 +131,7 @@ def test_optimized_metric_is_returned(tmp_path, dirs):
     assert isinstance(value, float) and 1.0 < value < 257.0  # a perplexity, below the uniform one
 
 
+@pytest.mark.fresh
 def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     # an inherited OMP_NUM_THREADS of twice the cores (a shell profile's), which Lightning's launcher leaves alone
     too_many = {"OMP_NUM_THREADS": str(2 * len(os.sched_getaffinity(0)))}

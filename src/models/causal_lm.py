@@ -319,9 +319,9 @@ class CausalLMLitModule(LitModule):
         """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
         a copy of each layer's keys and values that nothing reads: 1-3% of a step's wall time on a 2-core CPU
         (docs/performance.md). Without it transformers checks the position ids for packed sequences instead
-        (masking_utils.find_packed_sequence_indices): a host sync per forward on an accelerator, and under
-        torch.compile, which cannot read the check's result, a full attention mask. So there the cache stays."""
-        return {"use_cache": False} if self.device.type == "cpu" and not self._compile else {}
+        (masking_utils.find_packed_sequence_indices): a host sync per forward on an accelerator, so there the
+        cache stays. (model.compile compiles each block, not the model's body, where that check runs.)"""
+        return {"use_cache": False} if self.device.type == "cpu" else {}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.dpo is None:

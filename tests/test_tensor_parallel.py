@@ -125,7 +125,10 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
             ["model.compile=true", "model.gradient_checkpointing=true"],
             "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp",
         ),
-        (["trainer.devices=4", "data.global_batch_size=3"], "does not divide into 2 data-parallel group(s)"),
+        (
+            ["trainer.devices=4", "data.global_batch_size=3"],
+            "does not divide into 2 data-parallel replica(s) x accumulate_grad_batches=1",
+        ),
     ],
 )
 def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):

@@ -36,6 +36,27 @@ def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, i
     return world // tensor_parallel_size, tensor_parallel_size
 
 
+def check_config(cfg: Any) -> None:
+    """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
+
+    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
+        data_and_tensor_sizes(devices * nodes, tp)
+    model = cfg.model
+    config = architecture(model)
+    if config is not None:
+        check_plan(config)
+        if isinstance(tp, int) and tp > 0:
+            check_divisible(config, tp)
+    if model.get("compile", False) and model.get("gradient_checkpointing", False):
+        raise ConfigError(
+            "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp "
+            "(torch.compile cannot yet save a tensor-parallel block for its recompute): turn one of them off."
+        )
+    check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))
+
+
 class TensorParallelStrategy(ModelParallelStrategy):
     """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
 
@@ -45,6 +66,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     """
 
     parallelizes = True  # applies src/distributed/parallelize.py itself (the model's configure_model does not)
+    check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=True, timeout=timeout)
@@ -89,24 +111,3 @@ class TensorParallelStrategy(ModelParallelStrategy):
         own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
         native = ("dcp", layout(self.lightning_module.config, self.tp_size))
         return resharding.load(self, checkpoint_path, native, own)
-
-
-def check_config(cfg: Any) -> None:
-    """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
-
-    tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
-        data_and_tensor_sizes(devices * nodes, tp)
-    model = cfg.model
-    config = architecture(model)
-    if config is not None:
-        check_plan(config)
-        if isinstance(tp, int) and tp > 0:
-            check_divisible(config, tp)
-    if model.get("compile", False) and model.get("gradient_checkpointing", False):
-        raise ConfigError(
-            "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp "
-            "(torch.compile cannot yet save a tensor-parallel block for its recompute): turn one of them off."
-        )
-    check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))

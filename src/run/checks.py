@@ -13,7 +13,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.datamodules.base import working_shapes
 from src.distributed.checkpointing import problem
-from src.distributed.tensor_parallel_strategy import check_config
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision
@@ -93,18 +92,16 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None:
             check_int(key, value)
-    if str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).endswith("TensorParallelStrategy"):
-        check_config(cfg)
     trainer = cfg.trainer
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, DictConfig) and "_target_" in strategy:  # a strategy's own checks (trainer=tp, pipeline)
+        check = getattr(get_object(strategy._target_), "check_config", None)
+        if check is not None:
+            check(cfg)
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
             raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
-        strategy = trainer.get("strategy")
-        if isinstance(strategy, DictConfig) and "_target_" in strategy:  # e.g. trainer=pipeline's own checks
-            check = getattr(get_object(strategy._target_), "check_config", None)
-            if check is not None:
-                check(cfg)
         _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError(
@@ -180,11 +177,15 @@ def _check_global_batch(cfg: DictConfig) -> None:
     ranks = sizes[0] * sizes[1]
     if model_parallel > 1 and ranks % model_parallel == 0:  # (a world size that does not divide: mesh.py says so)
         data_parallel = ranks // model_parallel
-        if batch % (data_parallel * sizes[2]):
+        # a replica's share of the batch is split into micro-batches: the pipeline's, or accumulation steps
+        key, split = "accumulate_grad_batches", sizes[2]
+        if isinstance(strategy.get("n_microbatches"), int):
+            key, split = "n_microbatches", strategy.n_microbatches
+        if batch % (data_parallel * split):
             raise ConfigError(
-                f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel "
-                f"group(s) x {sizes[2]} accumulation step(s) = {data_parallel * sizes[2]}: pick a multiple "
-                f"of {data_parallel * sizes[2]}, or change trainer.devices / trainer.accumulate_grad_batches."
+                f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel replica(s) x "
+                f"{key}={split} = {data_parallel * split}: pick a multiple of {data_parallel * split}, or change "
+                f"trainer.devices or {key}."
             )
         return
     per_step = sizes[0] * sizes[1] * sizes[2]

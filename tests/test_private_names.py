@@ -38,6 +38,19 @@ def test_lightning_child_process_observer():
     assert observer._child_processes == [], "_ChildProcessObserver._child_processes is gone"
 
 
+def test_lightning_model_parallel_sizes():
+    """FSDP2Strategy, TensorParallelStrategy and PipelineStrategy set ModelParallelStrategy's `_data_parallel_size` and
+    `_tensor_parallel_size` in setup_environment, where the world size is known (its public arguments are fixed at
+    construction), before Lightning builds its (data_parallel, tensor_parallel) mesh from them."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2)
+    assert (getattr(strategy, "_data_parallel_size", None), getattr(strategy, "_tensor_parallel_size", None)) == (
+        3,
+        2,
+    ), "ModelParallelStrategy._data_parallel_size / _tensor_parallel_size are gone or changed"
+
+
 def test_lightning_deepspeed_format_config():
     """src/distributed/deepspeed.py overrides DeepSpeedStrategy._format_config to derive the batch keys itself."""
     from lightning.pytorch.strategies import DeepSpeedStrategy

@@ -130,6 +130,25 @@ def test_left_padded_prompts_complete_as_greedy_full_forwards(arch):
     assert_batched_generation_is_the_oracles(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["prompt_tuning", "prefix_tuning"])
+def test_prompt_learning_prompts_complete_as_greedy_full_forwards(arch, method):
+    """Prompt and prefix tuning on a rotary, grouped-query model (prefix tuning's key/value cache has the
+    key/value heads' width): left-padded batched generation equals each prompt decoded alone by full forwards."""
+    from peft import PrefixTuningConfig, PromptTuningConfig
+
+    peft = {"prompt_tuning": PromptTuningConfig, "prefix_tuning": PrefixTuningConfig}[method](
+        task_type="CAUSAL_LM", num_virtual_tokens=4
+    )
+    config = {**ARCHS[arch]["config"], "max_position_embeddings": 64}  # room for the virtual tokens
+    model = CausalLMLitModule(vocab_size=V, seq_len=T, model_type=arch, config=config, peft=peft).model
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights, the learned tokens too: the next token depends on every position
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    assert_batched_generation_is_the_oracles(model)
+
+
 def test_lora_defaults_to_the_architectures_projections_and_names_what_a_model_has():
     lora = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": None}
     model = build("llama", lora=lora).model

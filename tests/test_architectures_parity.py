@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_script
 from test_fsdp import last_ckpt, train_sharded
-from test_parity import assert_same_series, max_param_diff, train
+from test_parity import QUIET, assert_same_series, max_param_diff, train
 
 from src.tools.checkpoints import build_module, export_hf, load_checkpoint
 
@@ -130,6 +131,19 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
         assert max(m["optimizer"] for m in measured) == 8 * psi  # Adam's m and v
     if strategy in ("ddp", "tp", "pipeline", "pipeline_tp", "fsdp_lora"):  # HF's layout: the export loads as it is
         assert_export_gives_the_templates_logits(tmp_path, last_ckpt(tmp_path, strategy), one["params"])
+    if strategy == "tp":  # eval.py on one process reads the tensor-parallel dir and gives the run's val loss
+        assert abs(eval_val_loss(tmp_path, last_ckpt(tmp_path, strategy)) - one["scalars"]["val/loss"][-1][1]) <= 5e-5
+
+
+def eval_val_loss(tmp_path: Path, ckpt: Path) -> float:
+    """val/loss as eval.py prints it (to 5 decimals) for `ckpt`, on one process."""
+    proc = run_script(
+        "eval.py",
+        [f"ckpt_path={ckpt}", *QUIET[:3], f"paths.log_dir={tmp_path / 'eval'}", f"paths.cache_dir={tmp_path / 'ec'}"]
+        + ["trainer.precision=32-true"],
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("EVAL "))
+    return dict((k, float(v)) for k, v in (kv.split("=") for kv in line[5:].split()))["val/loss"]
 
 
 def assert_export_gives_the_templates_logits(tmp_path: Path, ckpt: Path, params: dict) -> None:

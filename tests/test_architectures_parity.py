@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import SHARED, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import QUIET, assert_same_series, max_param_diff, train
 
@@ -39,6 +39,15 @@ ARCHS = {
     "llama": ["model=llama", *SHAPE],
     "qwen2": ["model=qwen2", *SHAPE],
     "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"],
+}
+# Mistral's cases train on padded Alpaca records (prompt labels -100, one padded length per batch; byte tokens)
+DATA = {
+    "mistral": [
+        "data=instruct",
+        "data.path=" + str(SHARED / "alpaca" / "alpaca_en_demo.json"),
+        "data.seq_len=256",
+        "trainer.limit_val_batches=2",
+    ]
 }
 STRATEGIES = {
     "ddp": ["trainer=ddp", "trainer.devices=2"],
@@ -103,8 +112,8 @@ CASES = [
 @pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in MATRIX])
 def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     lora = LORA if strategy.endswith("lora") else []
-    one = reference(ARCHS[arch] + RUN + lora)
-    args = ARCHS[arch] + RUN + lora + STRATEGIES[strategy]
+    one = reference(ARCHS[arch] + RUN + DATA.get(arch, []) + lora)
+    args = ARCHS[arch] + RUN + DATA.get(arch, []) + lora + STRATEGIES[strategy]
     if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
         args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
     if strategy in ("ddp", "accumulate"):  # a checkpoint file

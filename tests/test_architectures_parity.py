@@ -83,7 +83,7 @@ MATRIX = (
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
-# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (18 cases against 5 one-process runs).
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (19 cases).
 CORE = [
     ("llama", "ddp"),
     ("llama", "fsdp"),

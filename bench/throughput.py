@@ -1,11 +1,14 @@
 """Training throughput, three ways, same model / data / global batch / optimizer (fused AdamW) / precision:
 (a) the template (train.py itself), (b) a minimal raw PyTorch loop, (c) transformers.Trainer; and
-(d) `hf_default`: transformers.Trainer as it comes, fp32 and SDPA attention unless told otherwise.
+(d) `hf_default`: transformers.Trainer as it comes, fp32 and SDPA attention unless told otherwise;
+(e) `hf_compile`: (c) with TrainingArguments(torch_compile=True). On a GPU (`--device`, default: one if torch sees
+it) every way trains there and a step is timed after torch.cuda.synchronize().
 
     python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
     python -m bench.throughput --model llama --ways template,raw,hf      # Llama (qwen2, mistral) of each shape
+    python -m bench.throughput --shapes gpu --ways template,raw,hf,hf_compile --variants compile=model.compile=true
     python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
                                                       # as it comes (no biases) and with GPT-2's biases
 
@@ -39,6 +42,7 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer k
     "ctx512": (6, 6, 384, 512, 8),  # longer contexts, same tokens per step: where SDPA starts to pay on a CPU
     "ctx1024": (6, 6, 384, 1024, 4),
     "overhead": (1, 1, 16, 16, 2),  # next to no compute: the step time is the loop's own cost per step
+    "gpu": (12, 12, 768, 1024, 16),  # GPT-2 small's shape (124M with its vocabulary), for a GPU
 }
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
@@ -61,7 +65,12 @@ def arch_fields(model: str, shape: str) -> dict:
 
 
 def clock() -> float:
-    """Wall seconds; process CPU seconds under `--clock cpu` (BENCH_CLOCK=cpu in the children)."""
+    """Wall seconds; process CPU seconds under `--clock cpu` (BENCH_CLOCK=cpu in the children). On a GPU
+    (BENCH_DEVICE=cuda) after the queued kernels have finished, so a step's time is its GPU work, not its launch."""
+    if os.environ.get("BENCH_DEVICE") == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
     return time.process_time() if os.environ.get("BENCH_CLOCK") == "cpu" else time.perf_counter()
 
 
@@ -80,6 +89,13 @@ class StepTimer(L.Callback):
         report(self.times, self.warmup, items, self.out)
 
 
+def peak_gpu_mib() -> float:
+    """The most GPU memory torch's allocator held (0 on a CPU run)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if os.environ.get("BENCH_DEVICE") == "cuda" else 0.0
+
+
 def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> None:
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     median = statistics.median(steps)
@@ -90,6 +106,7 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
                 "tokens_per_s": tokens_per_step / median,
                 "steps_s": steps,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_gpu_mib": peak_gpu_mib(),
             },
             f,
         )
@@ -114,7 +131,7 @@ def data_and_model(
     if attn == "auto":
         from src.utils.machine import fastest_attention
 
-        attn = fastest_attention("cpu", precision, ctx)
+        attn = fastest_attention(device(), precision, ctx)
     dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
     dm.setup()
     torch.manual_seed(0)
@@ -129,7 +146,7 @@ def data_and_model(
             )
         )
         model.loss_type = "ForCausalLM"
-        return dm, model
+        return dm, model.to(device())
     model = GPT2LMHeadModel(
         GPT2Config(
             vocab_size=dm.vocab_size,
@@ -145,7 +162,12 @@ def data_and_model(
         )
     )
     model.loss_type = "ForCausalLM"
-    return dm, model
+    return dm, model.to(device())
+
+
+def device() -> str:
+    """Where every way trains: BENCH_DEVICE (set from --device for the children)."""
+    return os.environ.get("BENCH_DEVICE", "cpu")
 
 
 def resolve_precision(precision: str) -> str:
@@ -154,7 +176,7 @@ def resolve_precision(precision: str) -> str:
         return precision
     from src.utils.machine import fastest_precision
 
-    return fastest_precision("cpu")
+    return fastest_precision("gpu" if device() == "cuda" else "cpu")
 
 
 def param_groups(model):
@@ -174,12 +196,12 @@ def raw_loop(
 
     dm, model = data_and_model(shape, cache_dir, attn, precision, model_type=model_type)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)  # as the template's default
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    autocast = torch.autocast(device(), dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     batches, times = iter(dm.train_dataloader()), []
     model.train()
     for _ in range(steps):
         t = [clock()]
-        batch = next(batches)
+        batch = {k: v.to(device(), non_blocking=True) for k, v in next(batches).items()}
         t.append(clock())
         with autocast:
             logits = model(input_ids=batch["input_ids"]).logits  # labels are already shifted (src/datamodules)
@@ -215,8 +237,9 @@ def run_nanogpt(args, bias: bool = False) -> None:
     report(times, args.warmup, batch * ctx, args.out)
 
 
-def run_hf(args, defaults: bool = False) -> None:
-    """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out."""
+def run_hf(args, defaults: bool = False, compile: bool = False) -> None:
+    """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out.
+    compile=True: TrainingArguments(torch_compile=True), transformers' own switch for torch.compile."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     precision = "32-true" if defaults else args.precision
@@ -248,7 +271,8 @@ def run_hf(args, defaults: bool = False) -> None:
         logging_steps=10_000,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=device() == "cpu",
+        torch_compile=compile,
         bf16=precision == "bf16-mixed",
         dataloader_num_workers=0,
         disable_tqdm=True,
@@ -270,6 +294,7 @@ def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
         f"data.global_batch_size={batch}",
         f"trainer.max_steps={args.steps}",
         f"trainer.precision={args.precision}",
+        f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         "trainer.limit_val_batches=0",
         "trainer.num_sanity_val_steps=0",
         "trainer.enable_progress_bar=false",
@@ -322,11 +347,24 @@ def main() -> None:
         choices=["wall", "cpu"],
         help="cpu: 1 thread per run, timed in process CPU seconds (for a busy machine)",
     )
-    ap.add_argument("--child", choices=["raw", "hf", "hf_default", "nanogpt", "nanogpt_bias"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where every way trains; auto: the GPU if torch sees one (the template as trainer.accelerator=gpu)",
+    )
+    ap.add_argument(
+        "--child", choices=["raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ["BENCH_DEVICE"] = args.device  # inherited by every run
     args.precision = resolve_precision(args.precision)
     if args.clock == "cpu":
         os.environ.update(BENCH_CLOCK="cpu", OMP_NUM_THREADS="1")  # inherited by every run
@@ -335,6 +373,7 @@ def main() -> None:
             "raw": run_raw,
             "hf": run_hf,
             "hf_default": lambda a: run_hf(a, defaults=True),
+            "hf_compile": lambda a: run_hf(a, compile=True),
             "nanogpt": run_nanogpt,
             "nanogpt_bias": lambda a: run_nanogpt(a, bias=True),
         }[args.child](args)
@@ -368,38 +407,63 @@ def main() -> None:
                         f"--model={args.model}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}",
                     ]
-                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:  # reported, and the other ways go on: that round has no figure for it
+                    print(
+                        f"{shape} {way} round {r} failed ({proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr
+                    )
+                    results.setdefault(shape, {}).setdefault(way, []).append(None)
+                    continue
                 with open(out) as f:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(
         f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-        f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}"
+        f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}, device {args.device}"
+        + (f" ({__import__('torch').cuda.get_device_name()})" if args.device == "cuda" else "")
     )
-    print(f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}")
+    gpu = args.device == "cuda"
+    print(
+        f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}"
+        + ("  peak GPU MiB" if gpu else "")
+    )
     for shape, ways in results.items():
-        med = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for w, runs in ways.items()}
+        ways = {w: runs for w, runs in ways.items() if any(runs)}  # a way that failed in every round has no line
+        med = {}
+        for w, runs in ways.items():
+            done = [r for r in runs if r]
+            med[w] = {k: statistics.median(r[k] for r in done) for k in done[0] if k != "steps_s"}  # numbers
         for way, m in med.items():
-            print(f"{shape:<10}{way:<12}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}")
+            print(
+                f"{shape:<10}{way:<12}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}"
+                + (f"{m['peak_gpu_mib']:14.0f}" if gpu else "")
+            )
         from src.utils.machine import fastest_attention
 
         layers, heads, width, ctx, batch = SHAPES[shape]
-        attn = fastest_attention("cpu", args.precision, ctx)
+        attn = fastest_attention(args.device, args.precision, ctx)
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
         ratios = {
             f"template/{way}": (way, "template")
-            for way in ("raw", "hf", "hf_default", "nanogpt", "nanogpt_bias")
+            for way in ("raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias")
             if way in ways and "template" in ways
         }
         ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
         ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})
+        for base in ("hf", "hf_compile"):  # a variant (e.g. compile) against HF Trainer
+            ratios.update({f"{name}/{base}": (base, name) for name in variants if base in ways})
         for label, (below, above) in ratios.items():
+            if below not in ways or above not in ways:
+                continue
             low, mid, high = paired_ratio(ways[above], ways[below])
             print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")
 
 
 def paired_ratio(numerator: list[dict], denominator: list[dict]) -> tuple[float, float, float]:
-    """Lowest, median and highest of the per-round tokens/s ratios: runs of one round ran back to back."""
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(numerator, denominator)]
+    """Lowest, median and highest of the per-round tokens/s ratios: runs of one round ran back to back.
+    A round in which either run failed (None) is left out."""
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(numerator, denominator) if a and b]
+    if not ratios:
+        return (float("nan"),) * 3
     return min(ratios), statistics.median(ratios), max(ratios)
 
 

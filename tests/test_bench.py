@@ -17,6 +17,8 @@ def test_paired_ratio_pairs_runs_of_the_same_round():
     template = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}, {"tokens_per_s": 90.0}]
     raw = [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}, {"tokens_per_s": 100.0}]
     assert paired_ratio(template, raw) == (0.9, 1.0, 1.0)
+    # a round in which either way failed (None) has no ratio; the others keep theirs
+    assert paired_ratio([None, *template[1:]], [raw[0], None, raw[2]]) == (0.9, 0.9, 0.9)
 
 
 def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
@@ -68,6 +70,7 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
             "--nanogpt",
             "--variants",
             "fp32=trainer.precision=32-true",
+            "bad=+model.no_such_key=1",  # a way that fails: reported, and the others go on
         ],
         cwd=ROOT,
         capture_output=True,
@@ -91,6 +94,8 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
         assert re.search(rf"^overhead\s+{label}\s+= \d+\.\d{{3}}  \[\d+\.\d{{3}}-\d+\.\d{{3}}\]$", out.stdout, re.M), (
             f"no ratio {label}:\n{out.stdout}"
         )
+    assert "overhead bad round 0 failed (2)" in out.stderr and "Unknown config key 'model.no_such_key'" in out.stderr
+    assert not re.search(r"^overhead\s+bad", out.stdout, re.M)  # no row, no ratio for it
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ padded instruction batch's padding is not counted; packed text has no mask, ever
 `samples_per_sec` counts sequences; `device/flops_per_sec` uses the model's `flops_of_batch(batch)`
 (the convention is in src/models/flops.py: about 6N + attention per real token for full training,
 4N with LoRA), or a constant `flops_per_batch` attribute; `device/mfu` divides it by the
-device's peak: Lightning's table for known GPUs (A100, H100, H200, ...), or `peak_flops` from
-config, e.g. a CPU's measured matmul peak (python -m bench.matmul_peak). `device/peak_memory_mib`
+device's peak: Lightning's table for the GPUs it recognises by name (A100, H100, ...; Lightning 2.6.6 does not
+recognise "NVIDIA H200"), or `peak_flops` from config, e.g. a CPU's measured matmul peak (python -m
+bench.matmul_peak). `device/peak_memory_mib`
 is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
 
 No host sync per step. Lightning's ThroughputMonitor synchronizes CUDA after every batch, training

@@ -69,8 +69,10 @@ def test_collectives_read_from_a_real_profile_with_phases_sizes_and_ring_bytes()
     assert ranks[1][-1]["op"] == "recv" and ranks[1][-1]["elements"] == 3 and ranks[1][-1]["bytes"] == 0
 
 
-def bench_comm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.comm", *args], cwd=ROOT, capture_output=True, text=True)
+def bench_comm(*args: str, interpreter: str = sys.executable) -> subprocess.CompletedProcess:
+    """`python -m bench.comm args`: a fresh interpreter by default (a refusal before any import of torch costs
+    nothing); python(), the tests' forking stand-in, for a run that gets as far as train.py."""
+    return subprocess.run([interpreter, "-m", "bench.comm", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_bad_requests_are_one_sentence_before_anything_starts(args, words):
 @pytest.mark.slow
 def test_a_config_that_does_not_build_is_train_pys_sentence():
     """Without trainer= the bench runs DDP (train.py's default is 1 process), and train.py's refusal comes back."""
-    proc = bench_comm("--ranks", "3", *TINY, "data.global_batch_size=8")
+    proc = bench_comm("--ranks", "3", *TINY, "data.global_batch_size=8", interpreter=python())
     assert proc.returncode == 2
     (line,) = proc.stderr.splitlines()
     assert line.startswith("bench.comm: train.py refused trainer=ddp ")

@@ -200,8 +200,8 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
     command with the same job id then continues in the same dir to an uninterrupted run's parameters."""
     from tests.helpers.launchers import stand_in_scontrol
 
-    record = tmp_path / "scontrol_calls.txt"
-    stand_in_scontrol(tmp_path / "bin", record, sys.executable)
+    record, job = tmp_path / "scontrol_calls.txt", tmp_path / "job_pgid"
+    stand_in_scontrol(tmp_path / "bin", record, sys.executable, job_pgid_file=job)
     args = (
         QUIET
         + GPT2
@@ -218,7 +218,7 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
             group = {"process_group": 0 if rank == 0 else procs[0].pid}  # one job, one group
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "train.py", *args, *extra],
+                    [python(), "train.py", *args, *extra],
                     cwd=ROOT,
                     env=env,
                     stdout=subprocess.PIPE,
@@ -227,6 +227,7 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
                     **group,
                 )
             )
+            job.write_text(str(procs[0].pid))  # the group scontrol requeue kills
         return [(p, p.communicate(timeout=600)[0]) for p in procs]
 
     first = srun(["+callbacks.sig._target_=tests.helpers.launchers.SignalAtStep", "+callbacks.sig.step=7"])

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, once_per_session, path_overrides, read_events, run_script
+from conftest import ROOT, once_per_session, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.tools.checkpoints import load_checkpoint
+from tests.helpers import forkrun
 
 ARGS = GPT2 + [
     "data.global_batch_size=12",  # divides into 1, 2, 3 and 4 ranks
@@ -161,8 +162,9 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
     from test_scaleout import free_port
 
     port, run_dir = free_port(), tmp_path / "run"
-    # Workers are real children of their agent (a fresh interpreter each, not the tests' forked stand-in), so that
-    # the lost node's rank can kill its agent; node 0 hosts the rendezvous store and survives.
+    # The agents are real processes (the rendezvous orders nodes by pid); their workers run through the tests'
+    # stand-in python (PYTHON_EXEC), dying with their agent (DIE_WITH_PARENT); the lost node's rank kills its agent
+    # by the pid the test writes to AGENT_PID_FILE. Node 0 hosts the rendezvous store and survives.
     elastic = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
     elastic += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic"]
     job = ["train.py", "trainer=ddp", "resume=auto", f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'c'}"]
@@ -174,7 +176,9 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
     nodes = []
     for node in (0, 1):  # started together: each waits up to last_call_timeout for the other before the first round
         conf = f"--rdzv-conf=last_call_timeout=5,is_host={node == 0}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOSE_NODE": str(node)}
+        agent_pid = tmp_path / f"agent_pid_{node}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOSE_NODE": str(node), "AGENT_PID_FILE": str(agent_pid)}
+        env.update(PYTHON_EXEC=python(), **forkrun.DIE_WITH_PARENT)
         nodes.append(
             subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", *elastic, conf, *job, *QUIET, *ARGS],
@@ -185,6 +189,7 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
                 text=True,
             )
         )
+        agent_pid.write_text(str(nodes[-1].pid))
         time.sleep(0.5)
     outs = [node.communicate(timeout=300)[0] for node in nodes]
     assert nodes[1].returncode == -signal.SIGKILL and list(run_dir.glob("fault_rank*"))

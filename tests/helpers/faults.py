@@ -17,8 +17,10 @@ class RankFault(L.Callback):
     """Every rank writes its pid to `pid_rank<r>` in the run dir; at optimizer step `step`, rank `rank` misbehaves.
 
     action="all_reduce": one extra all_reduce the other ranks never call (a mismatched collective);
-    action="kill": SIGKILL itself (a crashed or OOM-killed rank); action="kill_node": SIGKILL its parent (under
-    torchrun: its node's agent) and then itself, as a node that disappears. Before acting it writes `fault_rank<r>`.
+    action="kill": SIGKILL itself (a crashed or OOM-killed rank); action="kill_node": SIGKILL its node's torchrun
+    agent and then itself, as a node that disappears. The agent is the process whose pid the file named by
+    $AGENT_PID_FILE holds (a rank run through the tests' stand-in python is not the agent's child), else the
+    parent. Before acting it writes `fault_rank<r>`.
     """
 
     def __init__(self, step: int, action: str, rank: int = 1, only_where_env: Optional[str] = None) -> None:
@@ -37,7 +39,8 @@ class RankFault(L.Callback):
             return
         Path(trainer.default_root_dir, f"fault_rank{trainer.global_rank}").write_text(self.action)
         if self.action == "kill_node":
-            os.kill(os.getppid(), signal.SIGKILL)
+            agent = os.environ.get("AGENT_PID_FILE")
+            os.kill(int(Path(agent).read_text()) if agent else os.getppid(), signal.SIGKILL)
         if self.action in ("kill", "kill_node"):
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(torch.ones(1))

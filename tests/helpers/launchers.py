@@ -40,15 +40,24 @@ import os, signal, sys
 with open({record!r}, "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
 if sys.argv[1:2] == ["requeue"] and {end_job}:
-    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+    job = {job_pgid_file!r}  # the job's process group when the test names it, else its caller's
+    os.killpg(int(open(job).read()) if job else os.getpgid(os.getppid()), signal.SIGKILL)
 """
 
 
-def stand_in_scontrol(bin_dir: Path, record: Path, python: str, end_job: bool = True) -> Path:
-    """An executable `scontrol` in `bin_dir` (put it first on PATH); end_job=False only records the call."""
+def stand_in_scontrol(
+    bin_dir: Path, record: Path, python: str, end_job: bool = True, job_pgid_file: Path | None = None
+) -> Path:
+    """An executable `scontrol` in `bin_dir` (put it first on PATH); end_job=False only records the call.
+    `scontrol requeue` SIGKILLs its caller's process group, or the group whose id `job_pgid_file` holds: the tasks'
+    group when they run through the tests' stand-in python, whose runs are forked in the stand-in server's group."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / "scontrol"
-    path.write_text(SCONTROL.format(python=python, record=str(record), end_job=end_job))
+    path.write_text(
+        SCONTROL.format(
+            python=python, record=str(record), end_job=end_job, job_pgid_file=job_pgid_file and str(job_pgid_file)
+        )
+    )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path
 

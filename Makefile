@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup train test test-fresh test-fast test-cluster test-latest lock flake-check lint clean
+.PHONY: setup train test test-fast test-cluster test-latest lock flake-check lint clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -38,11 +38,6 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-
-# The `fresh` tests again with every script in a fresh interpreter instead of the forking stand-in (tests/README.md):
-# a 2-rank DDP run (Lightning's launcher starting real ranks) and the console of a plain run. CI runs it.
-test-fresh: setup
-	TEST_FRESH_PROCESSES=1 $(PY) -m pytest -m fresh -n 2 $(ARGS)
 
 test-fast: setup  # everything except the multi-process / end-to-end runs
 	$(PY) -m pytest -m "not slow" $(ARGS)

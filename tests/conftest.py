@@ -74,6 +74,14 @@ def worker_processes():
     return ctx
 
 
+@pytest.fixture(autouse=True)
+def fresh_interpreters_for_fresh_tests(request, monkeypatch):
+    """A test marked `fresh` runs its scripts in fresh interpreters (TEST_FRESH_PROCESSES=1 for its duration), in
+    every session: behaviour that only the forking stand-in has cannot hide in what those tests check."""
+    if request.node.get_closest_marker("fresh"):
+        monkeypatch.setenv("TEST_FRESH_PROCESSES", "1")
+
+
 def python() -> str:
     """The interpreter tests run scripts with: a stand-in that forks each run from a server that imported torch,
     Lightning and the project once (tests/helpers/forkrun.py), or, with TEST_FRESH_PROCESSES=1, the real one."""

@@ -102,6 +102,28 @@ def run_script(
     return proc
 
 
+_ports = iter(range(0, 500))
+
+
+def free_port() -> int:
+    """A free TCP port for a rendezvous a test sets up itself (torchrun's --rdzv-endpoint, MASTER_PORT), from a
+    range of 500 for this pytest worker below the kernel's ephemeral range: a port from bind(0) (the OS's pick,
+    which Lightning's launcher also takes) can be handed out again while the test that got it has not bound it yet,
+    and two tests' torchrun agents then shared one store, which the first test's end closed under the other."""
+    import socket
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    for offset in _ports:
+        port = 20000 + 500 * worker + offset
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port left in this pytest worker's range")
+
+
 def gone(pid: int, timeout: float = 10) -> bool:
     """Whether process `pid` has ended (and been reaped) within `timeout` seconds."""
     end = time.time() + timeout

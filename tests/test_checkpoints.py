@@ -214,7 +214,7 @@ def test_resume_auto_is_decided_by_rank_0_for_every_rank(tmp_path):
 
 def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
     """2 "nodes" x 1 process on localhost, each with its own run dir (as if each node saw its own file system)."""
-    from test_scaleout import free_port
+    from conftest import free_port
 
     port, procs = free_port(), []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON_EXEC": python()}  # torchrun starts its ranks with it

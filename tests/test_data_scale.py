@@ -227,8 +227,8 @@ def test_build_falls_back_to_an_exclusive_lock_file_where_flock_fails(tmp_path, 
 
 def torchrun_two_nodes(tmp: Path, cache_dirs: tuple[Path, Path], shared: bool) -> list[str]:
     """2 "nodes" x 1 process on localhost (torchrun sets GROUP_RANK, which Lightning reads as the node rank)."""
+    from conftest import free_port
     from test_parity import GPT2, QUIET
-    from test_scaleout import free_port
 
     port, procs = free_port(), []
     for node in (0, 1):

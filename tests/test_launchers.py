@@ -5,14 +5,13 @@ run, Optuna trials with DDP stay in their sweep, and short runs validate at the 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, path_overrides, python, read_events, run_script
+from conftest import ROOT, free_port, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -26,12 +25,6 @@ RUN = [
     "resume=auto",
     "model.scheduler.num_warmup_steps=2",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, python
-from test_launchers import RUN, free_port, slurm_env
+from conftest import ROOT, free_port, python
+from test_launchers import RUN, slurm_env
 from test_parity import GPT2, QUIET
 
 CLUSTERS_DOC = ROOT / "docs" / "clusters.md"  # the README links it for SLURM

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, event_file_pid, event_files, path_overrides, python, read_events, run_script
+from conftest import ROOT, event_file_pid, event_files, free_port, path_overrides, python, read_events, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 pytestmark = pytest.mark.slow
@@ -132,12 +131,6 @@ def test_submitit_local_launcher_runs_a_job(dirs):
     sweep = sweep_dir(dirs["log_dir"])
     assert (sweep / "0" / "checkpoints" / "last.ckpt").is_file()
     assert list((sweep / ".submitit").rglob("*_result.pkl"))  # submitit ran it and stored the result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_with_torchrun_train_in_lockstep(tmp_path):

@@ -114,7 +114,7 @@ def free_port() -> int:
 
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     for offset in _ports:
-        port = 20000 + 500 * worker + offset
+        port = 25000 + 500 * worker + offset  # above 15000 + a SLURM job id (hydra_ddp.py)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -71,6 +71,8 @@ STRATEGIES["zero3"] = [
     "trainer.devices=2",
     "trainer.strategy.stage=3",
 ]
+STRATEGIES["zero1"] = STRATEGIES["zero3"][:-1] + ["trainer.strategy.stage=1"]
+STRATEGIES["zero2"] = STRATEGIES["zero3"][:-1] + ["trainer.strategy.stage=2"]
 # LoRA (peft's default projections for the architecture) under FSDP2, against LoRA in one process
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0"]
 STRATEGIES["fsdp_lora"] = ["trainer=fsdp", "trainer.devices=2"]
@@ -83,7 +85,7 @@ MATRIX = (
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
-# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (19 cases).
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (23 cases).
 CORE = [
     ("llama", "ddp"),
     ("llama", "fsdp"),

@@ -33,13 +33,24 @@ SOURCES = {  # the strategies whose step-4 checkpoints are resumed elsewhere
     "tp2": ["trainer=tp", "trainer.devices=2"],
     "pipeline2": ["trainer=pipeline", "trainer.devices=2"],
 }
+# The same for Llama (grouped-query attention, untied head; tests/test_architectures_parity.py's shape), in the full
+# architecture matrix only (TEST_ALL_ARCHITECTURES=1): its sources are named llama_<GPT-2's source name>.
+LLAMA = [a for a in ARGS if a.split("=")[0] not in ("model.n_layer", "model.n_embd", "model.n_head")]
+LLAMA += ["model=llama", "model.config.hidden_size=32", "model.config.num_hidden_layers=2"]
+LLAMA += [
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "model.config.intermediate_size=64",
+]
+SOURCES.update({f"llama_{name}": SOURCES[name] for name in ("one", "fsdp2", "tp2", "pipeline2")})
+ALL_ARCHITECTURES = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 
 
 def run(tmp: Path, name: str, args: list[str]) -> dict:
     """train.py with ARGS + args: its train/loss by step, its final parameters (any checkpoint form, gathered) and
     the path of its step-4 checkpoint."""
     dirs = {"log_dir": tmp / name, "cache_dir": tmp / "cache"}
-    run_script("train.py", QUIET + path_overrides(dirs) + ARGS + args)
+    run_script("train.py", QUIET + path_overrides(dirs) + (LLAMA if name.startswith("llama") else ARGS) + args)
     (out,) = (dirs["log_dir"] / "train" / "runs").iterdir()
     loss = {e.step: e.value for e in read_events(out / "tensorboard").Scalars("train/loss")}
     params = load_checkpoint(out / "checkpoints" / "last.ckpt")["state_dict"]
@@ -70,14 +81,24 @@ CASES = {  # name: (source, the resumed run's overrides)
     "tp_2_to_1": ("tp2", []),
     "pipeline_2_to_1": ("pipeline2", []),
     "1_to_pipeline_2": ("one", ["trainer=pipeline", "trainer.devices=2"]),
+    "llama_fsdp_2_to_1": ("llama_fsdp2", []),
+    "llama_tp_2_to_1": ("llama_tp2", []),
+    "llama_pipeline_2_to_1": ("llama_pipeline2", []),
+    "llama_1_to_fsdp_2": ("llama_one", ["trainer=fsdp", "trainer.devices=2"]),
+    "llama_fsdp_2_to_tp_2": ("llama_fsdp2", ["trainer=tp", "trainer.devices=2"]),
 }
+FULL_MATRIX_ONLY = pytest.mark.skipif(
+    not ALL_ARCHITECTURES, reason="in the full architecture matrix only: TEST_ALL_ARCHITECTURES=1 runs it"
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c.startswith("llama") else []) for c in CASES]
+)
 def test_a_step_4_checkpoint_resumed_elsewhere_ends_like_the_straight_run(tmp_path, source, case):
     from_name, target = CASES[case]
-    straight = source("one")
+    straight = source("llama_one" if case.startswith("llama") else "one")
     resumed = run(tmp_path, case, target + [f"ckpt_path={source(from_name)['mid']}"])
     assert_like_straight(resumed, straight)
 
@@ -85,12 +106,14 @@ def test_a_step_4_checkpoint_resumed_elsewhere_ends_like_the_straight_run(tmp_pa
 @pytest.mark.slow
 def test_every_source_run_matches_one_process(source):
     """The sources themselves: N ranks = 1 process (their checkpoints are what the resumes start from)."""
-    straight = source("one")
+    straight = {arch: source(f"{arch}one") for arch in ("", "llama_")[: 1 + ALL_ARCHITECTURES]}
     for name in SOURCES:
-        run_ = source(name)
-        worst = max(abs(run_["loss"][s] - straight["loss"][s]) for s in straight["loss"])
+        if name.startswith("llama") and not ALL_ARCHITECTURES:
+            continue
+        run_, straight_ = source(name), straight["llama_" if name.startswith("llama") else ""]
+        worst = max(abs(run_["loss"][s] - straight_["loss"][s]) for s in straight_["loss"])
         assert worst <= 1e-5, name
-        assert max_param_diff(run_["params"], straight["params"]) <= 1e-5, name
+        assert max_param_diff(run_["params"], straight_["params"]) <= 1e-5, name
 
 
 # ---- what cannot be exact is one sentence ----
@@ -159,7 +182,7 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
     disappears (its rank SIGKILLs its agent, then itself); node 0's rank fails on the lost peer, its agent restarts
     the job with the 1 node left (MEMBER 1/1), and resume=auto continues the run dir's step-3 checkpoint of 2 ranks
     on 1, to the uninterrupted 1-process run's losses and parameters."""
-    from test_scaleout import free_port
+    from conftest import free_port
 
     port, run_dir = free_port(), tmp_path / "run"
     # The agents are real processes (the rendezvous orders nodes by pid); their workers run through the tests'

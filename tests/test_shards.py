@@ -5,6 +5,7 @@ through the same samplers as data=text: every token a target once, N ranks = 1 p
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +161,30 @@ def test_mid_epoch_resume_on_two_ranks_equals_a_straight_run(shards, one_process
     assert max_param_diff(one_process["params"], resumed["params"]) <= 1e-5
     straight = {"scalars": {"train/loss": one_process["scalars"]["train/loss"][3:]}}
     assert_same_series(resumed, straight, "train/loss", 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TEST_ALL_ARCHITECTURES") != "1",
+    reason="in the full architecture matrix only: TEST_ALL_ARCHITECTURES=1 runs it",
+)
+def test_llama_on_two_ranks_from_the_bucket_equals_one_process(shards):
+    """data=litdata under Llama (grouped-query attention, untied head): 2 gloo ranks x 4 reading `local:` give the
+    1-process run's parameters, train/loss at every step and val/loss."""
+    from test_architectures_parity import SHAPE
+    from test_parity import assert_same_series, max_param_diff, train
+
+    llama = [a for a in RUN if a.split("=")[0] not in ("model.n_layer", "model.n_embd", "model.n_head")]
+    llama += ["model=llama", *SHAPE]
+    one = train(shards["tmp"], "llama_one", llama + [f"data.input_dir={shards['dir']}"])
+    two = train(
+        shards["tmp"],
+        "llama_two",
+        llama + [f"data.input_dir=local:{shards['dir']}", "trainer=ddp", "trainer.devices=2"],
+    )
+    assert max_param_diff(one["params"], two["params"]) <= 1e-5
+    assert_same_series(one, two, "train/loss", 1e-5)
+    assert_same_series(one, two, "val/loss", 1e-5)
+    assert len(one["scalars"]["train/loss"]) == 6
+    (k_proj,) = [t for name, t in one["params"].items() if name.endswith("layers.0.self_attn.k_proj.weight")]
+    assert k_proj.shape == (16, 32)  # a Llama with 2 key/value heads of 8 dims

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m pip install -q --no-compile $(CONSTRAINTS) -e ".[dev]"
 	# litdata (data=litdata) without its declared deps: its torchvision requirement would replace torch (pyproject.toml)
 	$(PY) -m pip install -q --no-compile $(CONSTRAINTS) --no-deps "litdata>=0.2.76"
-	# The bytecode pip would write one file at a time, on every core (58 s against 70 s for the installs on 2 cores).
+	# The bytecode pip would write one file at a time, on every core instead (a shorter install; docs/performance.md).
 	# A file that does not compile under this Python (torch ships one in 3.12 syntax) stays source, as pip leaves it.
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $@

@@ -360,9 +360,9 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
-    if args.device == "auto":
-        import torch
+    import torch
 
+    if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ["BENCH_DEVICE"] = args.device  # inherited by every run
     args.precision = resolve_precision(args.precision)
@@ -419,7 +419,7 @@ def main() -> None:
     print(
         f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
         f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}, device {args.device}"
-        + (f" ({__import__('torch').cuda.get_device_name()})" if args.device == "cuda" else "")
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
     gpu = args.device == "cuda"
     print(

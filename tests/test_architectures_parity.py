@@ -99,13 +99,20 @@ CORE = [
     ("mistral", "pipeline"),
 ]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
+FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")
+
+
+def llama_args(gpt2_args: list[str]) -> list[str]:
+    """Another test's GPT-2 overrides as the same run of this file's Llama (GPT-2's shape keys replaced)."""
+    gpt2_shape = ("model.n_layer", "model.n_embd", "model.n_head")
+    return [a for a in gpt2_args if a.split("=")[0] not in gpt2_shape] + ARCHS["llama"]
+
+
 CASES = [
     pytest.param(
         a,
         s,
-        marks=[]
-        if ALL or (a, s) in CORE
-        else pytest.mark.skip(reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it"),
+        marks=[] if (a, s) in CORE else [FULL_MATRIX_ONLY],
     )
     for a, s in MATRIX
 ]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, once_per_session, path_overrides, python, read_events, run_script
+from test_architectures_parity import ALL, FULL_MATRIX_ONLY, llama_args
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.tools.checkpoints import load_checkpoint
@@ -33,17 +34,10 @@ SOURCES = {  # the strategies whose step-4 checkpoints are resumed elsewhere
     "tp2": ["trainer=tp", "trainer.devices=2"],
     "pipeline2": ["trainer=pipeline", "trainer.devices=2"],
 }
-# The same for Llama (grouped-query attention, untied head; tests/test_architectures_parity.py's shape), in the full
+# The same for Llama (grouped-query attention, untied head; tests/test_architectures_parity.py's), in the full
 # architecture matrix only (TEST_ALL_ARCHITECTURES=1): its sources are named llama_<GPT-2's source name>.
-LLAMA = [a for a in ARGS if a.split("=")[0] not in ("model.n_layer", "model.n_embd", "model.n_head")]
-LLAMA += ["model=llama", "model.config.hidden_size=32", "model.config.num_hidden_layers=2"]
-LLAMA += [
-    "model.config.num_attention_heads=4",
-    "model.config.num_key_value_heads=2",
-    "model.config.intermediate_size=64",
-]
+LLAMA = llama_args(ARGS)
 SOURCES.update({f"llama_{name}": SOURCES[name] for name in ("one", "fsdp2", "tp2", "pipeline2")})
-ALL_ARCHITECTURES = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 
 
 def run(tmp: Path, name: str, args: list[str]) -> dict:
@@ -87,9 +81,6 @@ CASES = {  # name: (source, the resumed run's overrides)
     "llama_1_to_fsdp_2": ("llama_one", ["trainer=fsdp", "trainer.devices=2"]),
     "llama_fsdp_2_to_tp_2": ("llama_fsdp2", ["trainer=tp", "trainer.devices=2"]),
 }
-FULL_MATRIX_ONLY = pytest.mark.skipif(
-    not ALL_ARCHITECTURES, reason="in the full architecture matrix only: TEST_ALL_ARCHITECTURES=1 runs it"
-)
 
 
 @pytest.mark.slow
@@ -106,14 +97,14 @@ def test_a_step_4_checkpoint_resumed_elsewhere_ends_like_the_straight_run(tmp_pa
 @pytest.mark.slow
 def test_every_source_run_matches_one_process(source):
     """The sources themselves: N ranks = 1 process (their checkpoints are what the resumes start from)."""
-    straight = {arch: source(f"{arch}one") for arch in ("", "llama_")[: 1 + ALL_ARCHITECTURES]}
     for name in SOURCES:
-        if name.startswith("llama") and not ALL_ARCHITECTURES:
+        arch = "llama_" if name.startswith("llama") else ""
+        if arch and not ALL:
             continue
-        run_, straight_ = source(name), straight["llama_" if name.startswith("llama") else ""]
-        worst = max(abs(run_["loss"][s] - straight_["loss"][s]) for s in straight_["loss"])
+        run_, straight = source(name), source(f"{arch}one")
+        worst = max(abs(run_["loss"][s] - straight["loss"][s]) for s in straight["loss"])
         assert worst <= 1e-5, name
-        assert max_param_diff(run_["params"], straight_["params"]) <= 1e-5, name
+        assert max_param_diff(run_["params"], straight["params"]) <= 1e-5, name
 
 
 # ---- what cannot be exact is one sentence ----

@@ -5,13 +5,13 @@ through the same samplers as data=text: every token a target once, N ranks = 1 p
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import shared
+from test_architectures_parity import FULL_MATRIX_ONLY, llama_args
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = pytest.mark.xdist_group("shards")
@@ -164,18 +164,13 @@ def test_mid_epoch_resume_on_two_ranks_equals_a_straight_run(shards, one_process
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("TEST_ALL_ARCHITECTURES") != "1",
-    reason="in the full architecture matrix only: TEST_ALL_ARCHITECTURES=1 runs it",
-)
+@FULL_MATRIX_ONLY
 def test_llama_on_two_ranks_from_the_bucket_equals_one_process(shards):
     """data=litdata under Llama (grouped-query attention, untied head): 2 gloo ranks x 4 reading `local:` give the
     1-process run's parameters, train/loss at every step and val/loss."""
-    from test_architectures_parity import SHAPE
     from test_parity import assert_same_series, max_param_diff, train
 
-    llama = [a for a in RUN if a.split("=")[0] not in ("model.n_layer", "model.n_embd", "model.n_head")]
-    llama += ["model=llama", *SHAPE]
+    llama = llama_args(RUN)
     one = train(shards["tmp"], "llama_one", llama + [f"data.input_dir={shards['dir']}"])
     two = train(
         shards["tmp"],

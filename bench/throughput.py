@@ -8,6 +8,7 @@ it) every way trains there and a step is timed after torch.cuda.synchronize().
     python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
     python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
     python -m bench.throughput --model llama --ways template,raw,hf      # Llama (qwen2, mistral) of each shape
+    python -m bench.throughput --model llama --tokenizer ../shared/data/gpt2-tokenizer  # a real 50257-token vocabulary
     python -m bench.throughput --shapes gpu --ways template,raw,hf,hf_compile --variants compile=model.compile=true
     python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
                                                       # as it comes (no biases) and with GPT-2's biases
@@ -36,7 +37,7 @@ import time
 
 import lightning as L
 
-SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer keeps the LM head small
+SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer (the default) keeps the LM head small
     "small": (4, 4, 128, 128, 16),
     "medium": (6, 6, 384, 256, 16),
     "ctx512": (6, 6, 384, 512, 8),  # longer contexts, same tokens per step: where SDPA starts to pay on a CPU
@@ -119,6 +120,7 @@ def data_and_model(
     precision: str = "32-true",
     activation: str = "gelu_pytorch_tanh",
     model_type: str = "gpt2",
+    tokenizer: str = "bytes",
 ):
     """The token data and a freshly initialized model (GPT-2 unless `model_type`); attn "auto": the kernel
     train.py would pick; activation (GPT-2): the template's (conf/model/gpt2.yaml), or GPT2Config's own, gelu_new."""
@@ -132,7 +134,7 @@ def data_and_model(
         from src.utils.machine import fastest_attention
 
         attn = fastest_attention(device(), precision, ctx)
-    dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir)
+    dm = TextDataModule(seq_len=ctx, global_batch_size=batch, cache_dir=cache_dir, tokenizer=tokenizer)
     dm.setup()
     torch.manual_seed(0)
     if model_type != "gpt2":
@@ -165,6 +167,13 @@ def data_and_model(
     return dm, model.to(device())
 
 
+def vocab_size(tokenizer: str) -> int:
+    """The vocabulary every way trains with."""
+    from src.datamodules.text import TextDataModule
+
+    return TextDataModule(tokenizer=tokenizer).vocab_size
+
+
 def device() -> str:
     """Where every way trains: BENCH_DEVICE (set from --device for the children)."""
     return os.environ.get("BENCH_DEVICE", "cpu")
@@ -188,13 +197,19 @@ def param_groups(model):
 
 
 def raw_loop(
-    shape: str, cache_dir: str, precision: str, steps: int, attn: str = "auto", model_type: str = "gpt2"
+    shape: str,
+    cache_dir: str,
+    precision: str,
+    steps: int,
+    attn: str = "auto",
+    model_type: str = "gpt2",
+    tokenizer: str = "bytes",
 ) -> list[list[float]]:
     """The minimal PyTorch loop; per step, the times at which it has its batch, ends forward, ends
     backward and ends the optimizer step, after a start time (bench.step_breakdown reads the phases)."""
     import torch
 
-    dm, model = data_and_model(shape, cache_dir, attn, precision, model_type=model_type)
+    dm, model = data_and_model(shape, cache_dir, attn, precision, model_type=model_type, tokenizer=tokenizer)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, fused=True)  # as the template's default
     autocast = torch.autocast(device(), dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     batches, times = iter(dm.train_dataloader()), []
@@ -220,7 +235,9 @@ def raw_loop(
 
 
 def run_raw(args) -> None:
-    times = raw_loop(args.shape, args.cache_dir, args.precision, args.steps, model_type=args.model)
+    times = raw_loop(
+        args.shape, args.cache_dir, args.precision, args.steps, model_type=args.model, tokenizer=args.tokenizer
+    )
     layers, heads, width, ctx, batch = SHAPES[args.shape]
     report([t[-1] for t in times], args.warmup, batch * ctx, args.out)
 
@@ -250,6 +267,7 @@ def run_hf(args, defaults: bool = False, compile: bool = False) -> None:
         precision=precision,
         activation=args.hf_activation,
         model_type=args.model,
+        tokenizer=args.tokenizer,
     )
     times = []
 
@@ -292,6 +310,7 @@ def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
         *shape,
         f"data.seq_len={ctx}",
         f"data.global_batch_size={batch}",
+        f"data.tokenizer={args.tokenizer}",
         f"trainer.max_steps={args.steps}",
         f"trainer.precision={args.precision}",
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
@@ -334,6 +353,12 @@ def main() -> None:
         "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)",
     )
     ap.add_argument("--model", default="gpt2", choices=MODELS, help="the architecture every way trains")
+    ap.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="every way's tokenizer: bytes (257 ids, a tiny LM head) or a HF tokenizer dir, e.g. "
+        "../shared/data/gpt2-tokenizer (50257 ids: the LM head and loss of a real vocabulary)",
+    )
     ap.add_argument("--ways", default="template,raw,hf,hf_default", help="which of the fixed ways to run")
     ap.add_argument(
         "--hf-activation",
@@ -360,6 +385,8 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.cache_dir = os.path.abspath(os.path.join(args.cache_dir, "tokens"))
+    if os.path.isdir(args.tokenizer):  # the same directory for train.py, whatever its working directory
+        args.tokenizer = os.path.abspath(args.tokenizer)
     import torch
 
     if args.device == "auto":
@@ -405,6 +432,7 @@ def main() -> None:
                         f"--precision={args.precision}",
                         f"--hf-activation={args.hf_activation}",
                         f"--model={args.model}",
+                        f"--tokenizer={args.tokenizer}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}",
                     ]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -418,7 +446,8 @@ def main() -> None:
                     results.setdefault(shape, {}).setdefault(way, []).append(json.load(f))
     print(
         f"model {args.model}, precision {args.precision}, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds} "
-        f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}, device {args.device}"
+        f"interleaved rounds, {os.cpu_count()} CPU cores, clock {args.clock}, device {args.device}, "
+        f"tokenizer {args.tokenizer} ({vocab_size(args.tokenizer)} tokens)"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
     gpu = args.device == "cuda"

@@ -67,6 +67,8 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
             "2",
             "--cache-dir",
             str(tmp_path),
+            "--tokenizer",
+            str(shared("gpt2-tokenizer")),  # every way on GPT-2's BPE (the overhead shape keeps its head small)
             "--nanogpt",
             "--variants",
             "fp32=trainer.precision=32-true",
@@ -78,6 +80,7 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert f"tokenizer {shared('gpt2-tokenizer')} (50257 tokens)" in out.stdout
     for way in ("template", "raw", "hf", "hf_default", "nanogpt", "nanogpt_bias", "fp32"):
         row = re.search(rf"^overhead\s+{way}\s+([\d.]+)\s+(\d+)\s+(\d+)$", out.stdout, re.M)
         assert row, f"no row for {way}:\n{out.stdout}"
@@ -96,6 +99,22 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
         )
     assert "overhead bad round 0 failed (2)" in out.stderr and "Unknown config key 'model.no_such_key'" in out.stderr
     assert not re.search(r"^overhead\s+bad", out.stdout, re.M)  # no row, no ratio for it
+
+
+def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
+    """bench.token_loss runs the eager, compiled, matmul-only and torch linear_cross_entropy heads and prints each
+    way's time and the eager/compiled ratio (after checking the compiled loss against the eager one)."""
+    out = subprocess.run(
+        [python(), "-m", "bench.token_loss", "--tokens", "64", "--width", "16", "--vocab", "500", "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for way in ("eager", "compiled", "matmul", "lce"):
+        assert re.search(rf"^{way}\s+\d+\.\d ms$", out.stdout, re.M), out.stdout
+    assert re.search(r"^eager/compiled = \d+\.\d{3}$", out.stdout, re.M), out.stdout
 
 
 @pytest.mark.slow

@@ -122,6 +122,7 @@ def instruct_args(pretrained: Path) -> list[str]:
         "test=false",
         "model.scheduler.num_warmup_steps=1",
         "model.optimizer.lr=1e-2",
+        "model.compile_loss=true",  # the compiled loss, on padded batches of changing length (auto: eager here)
     ]
 
 
@@ -146,7 +147,10 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
     for other in (two, acc, fsdp):
         assert_same_series(one, other, "train/loss", 1e-5)
     assert len(one["scalars"]["train/loss"]) == 3
+    # the compiled loss of the template's first step is the eager cross-entropy computed here
     assert one["scalars"]["train/loss"][0][1] == pytest.approx(first_step_token_mean(pretrained, 7, 8), abs=1e-5)
+    (log,) = (tmp_path / "2x4" / "train" / "runs").glob("*/train.log")
+    assert "Token loss: compiled (model.compile_loss=true)" in log.read_text()
 
 
 @pytest.mark.slow
@@ -205,3 +209,68 @@ def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path)
     )  # 4.3e-6: 2 ranks sum in another order (issue 35: 1e-5)
     straight["scalars"]["train/loss"] = straight["scalars"]["train/loss"][3:]  # the resumed run logs steps 3..7
     assert_same_series(resumed, straight, "train/loss", 1e-5)
+
+
+def test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs():
+    """model.compile_loss: the torch.compile'd loss gives the eager sums and gradients (fp32 logits, and bf16 ones
+    as autocast makes them); auto compiles it on a CPU from AUTO_MIN_LOGITS logits over the run; a bad value is
+    one sentence."""
+    from src.models.loss import AUTO_MIN_LOGITS, summed_token_loss, token_loss_function
+    from src.utils.config import ConfigError
+
+    cpu = torch.device("cpu")
+    compiled = token_loss_function("auto", AUTO_MIN_LOGITS, cpu)
+    assert compiled is not summed_token_loss  # what torch.compile returned
+    assert token_loss_function(True, 0, cpu) is not summed_token_loss
+    for eager in ("auto", False):
+        assert token_loss_function(eager, AUTO_MIN_LOGITS - 1, cpu) is summed_token_loss
+    assert token_loss_function("auto", float("inf"), torch.device("meta")) is summed_token_loss  # not a CPU
+    with pytest.raises(ConfigError, match=r"model.compile_loss='yes': use true, false or auto\."):
+        token_loss_function("yes", 0, cpu)
+
+    labels = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(0))
+    labels[0, :4] = IGNORE_INDEX  # a masked prompt
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = {}
+        sums = {}
+        for name, fn in (("eager", summed_token_loss), ("compiled", compiled)):
+            logits[name] = torch.randn(3, 7, 300, generator=torch.Generator().manual_seed(1)).to(dtype)
+            logits[name].requires_grad_()
+            sums[name] = fn(logits[name], labels)
+            sums[name][0].backward()
+        assert sums["compiled"][1] == sums["eager"][1] == (labels != IGNORE_INDEX).sum()
+        torch.testing.assert_close(sums["compiled"][0], sums["eager"][0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(logits["compiled"].grad, logits["eager"].grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_auto_compiles_the_loss_of_a_run_whose_logits_reach_the_threshold(tmp_path):
+    """compile_loss=auto in a real run: 8 x 256 tokens x GPT-2's 50257 x 20 steps = 2.06e9 logits, just above
+    AUTO_MIN_LOGITS (19 steps would be below), so train.py compiles the loss; the run's train.log says which.
+    The run stops after its first step: the decision is taken at the first loss, from trainer.max_steps."""
+    from conftest import path_overrides, run_script
+    from test_parity import QUIET
+
+    from src.models.loss import AUTO_MIN_LOGITS
+
+    assert 8 * 256 * 50257 * 19 < AUTO_MIN_LOGITS <= 8 * 256 * 50257 * 20
+    run_script(
+        "train.py",
+        QUIET
+        + path_overrides({"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"})
+        + [
+            f"data.tokenizer={shared('gpt2-tokenizer')}",
+            "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
+            "data.seq_len=256",
+            "data.global_batch_size=8",
+            "model.n_layer=1",
+            "model.n_embd=16",
+            "model.n_head=2",
+            "trainer.max_steps=20",
+            "trainer.limit_val_batches=0",
+            "test=false",
+            "+callbacks.stop._target_=tests.helpers.callbacks.StopAfterFirstStep",
+        ],
+    )
+    (log,) = (tmp_path / "logs" / "train" / "runs").glob("*/train.log")
+    assert "Token loss: compiled (model.compile_loss=auto)" in log.read_text()

@@ -281,4 +281,4 @@ def parallelize(
         f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
         f"{n_microbatches} micro-batches; this rank holds stages {indices}"
     )
-    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.summed_token_loss)
+    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.token_loss)

@@ -22,7 +22,7 @@ from src.models import hf, init
 from src.models.base import LitModule
 from src.models.dpo import DPO, STATS, disable_dropout, frozen
 from src.models.flops import FlopCount, count_flops
-from src.models.loss import TokenMeanLoss, summed_token_loss
+from src.models.loss import TokenMeanLoss, run_logits, summed_token_loss, token_loss_function
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class CausalLMLitModule(LitModule):
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
         size_for: Optional[str] = None,
+        compile_loss: Any = "auto",
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -94,6 +95,8 @@ class CausalLMLitModule(LitModule):
         self._pretrained, self.attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
         self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
+        token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
+        self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
         self._wrapped = False  # whether configure_model has applied them
         model = self._build(seq_len, model_type, dict(config or {}))
         self.config: PretrainedConfig = model.config
@@ -292,7 +295,23 @@ class CausalLMLitModule(LitModule):
 
     # ---- steps ----
 
-    summed_token_loss = staticmethod(summed_token_loss)  # what the pipeline schedule computes on its last stage
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """summed_token_loss, compiled or not as model.compile_loss says (src/models/loss.py); also what the
+        pipeline schedule computes on its last stage."""
+        if self._token_loss is None:  # the device and the run's length are known from the first step on
+            in_run = run_logits(self._trainer_or_none(), self.seq_len, self.config.vocab_size)
+            self._token_loss = token_loss_function(self._compile_loss, in_run, self.device)
+            log.info(
+                f"Token loss: {'compiled' if self._token_loss is not summed_token_loss else 'eager'} "
+                f"(model.compile_loss={str(self._compile_loss).lower()})"
+            )
+        return self._token_loss(logits, labels)
+
+    def _trainer_or_none(self) -> Optional[Any]:
+        try:
+            return self.trainer
+        except RuntimeError:  # the module used on its own (not attached to a Trainer)
+            return None
 
     def forward(
         self,
@@ -304,7 +323,7 @@ class CausalLMLitModule(LitModule):
         token mean. Training normalises differently: by the whole optimizer step's targets."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask)
         if labels is not None:
-            loss_sum, n_targets = summed_token_loss(out.logits, labels)
+            loss_sum, n_targets = self.token_loss(out.logits, labels)
             out.loss = loss_sum / n_targets
         return out
 
@@ -313,7 +332,7 @@ class CausalLMLitModule(LitModule):
         logits = self.model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **self.cache_kwargs()
         ).logits
-        return summed_token_loss(logits, batch["labels"])
+        return self.token_loss(logits, batch["labels"])
 
     def cache_kwargs(self) -> dict[str, bool]:
         """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),

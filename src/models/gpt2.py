@@ -63,6 +63,7 @@ class GPT2LitModule(CausalLMLitModule):
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
         size_for: Optional[str] = None,
+        compile_loss: Any = "auto",
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -109,6 +110,7 @@ class GPT2LitModule(CausalLMLitModule):
             objective,
             dpo,
             size_for,
+            compile_loss,
         )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:

@@ -105,3 +105,10 @@ def param_sizes(p: torch.Tensor) -> tuple[int, int]:
         return p.ds_tensor.numel(), p.ds_numel
     local = p.to_local() if hasattr(p, "to_local") else p
     return (0 if local.is_meta else local.numel()), p.numel()
+
+
+class StopAfterFirstStep(L.Callback):
+    """Ends fit after its first batch: what a run decides at its start (from trainer.max_steps), without the rest."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.should_stop = True

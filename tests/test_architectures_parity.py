@@ -125,7 +125,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     args = ARCHS[arch] + RUN + DATA.get(arch, []) + lora + STRATEGIES[strategy]
     if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
         args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
-    if strategy == "pipeline":  # the compiled token loss on the last stage, against the eager one in one process
+    if (arch, strategy) == ("qwen2", "pipeline"):  # the compiled token loss on the last stage, against 1 eager process
         args += ["model.compile_loss=true"]
     if strategy in ("ddp", "accumulate"):  # a checkpoint file
         run = train(tmp_path, strategy, args)

@@ -125,7 +125,8 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     args = ARCHS[arch] + RUN + DATA.get(arch, []) + lora + STRATEGIES[strategy]
     if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
         args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
-    if (arch, strategy) == ("qwen2", "pipeline"):  # the compiled token loss on the last stage, against 1 eager process
+    if (arch, strategy) == ("llama", "pipeline"):  # the compiled loss on the last stage against 1 eager process: in
+        # the full matrix only, as compiling from a cold inductor cache (a fresh clone) costs a 2-rank case ~30 s
         args += ["model.compile_loss=true"]
     if strategy in ("ddp", "accumulate"):  # a checkpoint file
         run = train(tmp_path, strategy, args)

@@ -21,6 +21,8 @@ from conftest import ROOT, event_files, read_events
 from test_launchers import assert_logs_by_global_rank, last_ckpt, only_dir
 from test_parity import GPT2, QUIET, max_param_diff, train
 
+from tests.helpers.margins import within
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("cluster")]
 
 SCRIPT = ROOT / "scripts" / "train.sbatch"
@@ -128,11 +130,12 @@ def assert_same_history(a: dict, b: dict, tol: float) -> None:
     assert a["tb"].keys() == b["tb"].keys()
     for tag in a["tb"]:
         assert [s for s, _ in a["tb"][tag]] == [s for s, _ in b["tb"][tag]], tag
-        assert max(abs(x - y) for (_, x), (_, y) in zip(a["tb"][tag], b["tb"][tag])) <= tol, tag
+        within(max(abs(x - y) for (_, x), (_, y) in zip(a["tb"][tag], b["tb"][tag])), tol, tag)
     assert len(a["csv"]) == len(b["csv"]) and a["csv"][0].keys() == b["csv"][0].keys()
     for row_a, row_b in zip(a["csv"], b["csv"]):
         assert row_a.keys() == row_b.keys() and all((row_a[k] == "") == (row_b[k] == "") for k in row_a), (row_a, row_b)
-        assert all(abs(float(row_a[k]) - float(row_b[k])) <= tol for k in row_a if row_a[k]), (row_a, row_b)
+        for k in (k for k in row_a if row_a[k]):
+            within(abs(float(row_a[k]) - float(row_b[k])), tol, f"csv {k}")
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +154,7 @@ def assert_ends_like(straight: dict, run: Path) -> None:
     """Final parameters within 1e-6 of the uninterrupted job, every logger's history the same."""
     resumed, reference = last_ckpt(run), last_ckpt(straight["run"])
     assert resumed["global_step"] == reference["global_step"] == 20
-    assert max_param_diff(resumed["state_dict"], reference["state_dict"]) <= 1e-6
+    within(max_param_diff(resumed["state_dict"], reference["state_dict"]), 1e-6, "params")
     assert_same_history(history(run), history(straight["run"]), 1e-6)
 
 
@@ -187,7 +190,7 @@ def test_readme_script_two_tasks_equal_one_process(straight, tmp_path):
     log = (run / "train.log").read_text()
     assert f"SLURM job {straight['job']}: one task per rank (2 per node x 1 node(s)): SLURM started 2 ranks" in log
     one = train(tmp_path, "one", ARGS)
-    assert max_param_diff(one["params"], last_ckpt(run)["state_dict"]) <= 1e-5
+    within(max_param_diff(one["params"], last_ckpt(run)["state_dict"]), 1e-5, "params")
 
 
 def test_scancel_usr2_checkpoints_requeues_and_resumes_twice(env, submit, straight, tmp_path):

@@ -19,6 +19,7 @@ from src.datamodules.preference import PreferenceDataModule, pair_collate
 from src.models.dpo import DPO, answer_logps
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError
+from tests.helpers.margins import U32, close64, within
 
 EN = "preference/dpo_en_demo.json"
 
@@ -198,9 +199,10 @@ def tiny_pairs(tokenizer, n: int = 4) -> list[dict[str, list[int]]]:
     ]
 
 
-def our_batch(pairs: list[dict]) -> dict[str, torch.Tensor]:
-    from src.datamodules.preference import sequence
+def our_batch(pairs: list[dict], sequence=None) -> dict[str, torch.Tensor]:
+    from src.datamodules.preference import sequence as masked
 
+    sequence = sequence or masked
     items = [
         (
             i,
@@ -212,41 +214,43 @@ def our_batch(pairs: list[dict]) -> dict[str, torch.Tensor]:
     return pair_collate(50256)(items)
 
 
+def unmasked_sequence(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A planted mistake: the prompt's tokens left as targets (no -100)."""
+    tokens = np.concatenate([prompt, answer]).astype(np.int64)
+    return tokens[:-1], tokens[1:].copy()
+
+
 def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
     """The tiny pretrained GPT-2 as policy, its reference the pretrained weights; the policy's weights then moved,
-    so the log-ratios (and so each loss type's shape) are far from zero."""
+    so the log-ratios (and so each loss type's shape) are far from zero. In float64, policy and reference."""
     module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=str(shared("tiny-gpt2")), objective="dpo", dpo=dpo)
+    module.double()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.5)
     return module.train()
 
 
-def mean_loss_and_grads(module: GPT2LitModule, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def mean_loss_and_grads(module: GPT2LitModule, batch: dict, mean: bool = True) -> tuple[torch.Tensor, dict]:
     sums, pairs = module.dpo.pair_sums(module, batch)
-    loss = sums[0] / pairs
+    loss = sums[0] / pairs if mean else sums[0]  # mean=False: a planted mistake
     module.model.zero_grad()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in module.model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, tmp_path):
+def trls_loss_and_grads(loss_type: str, beta: float, policy: dict, pairs: list[dict], tmp_path) -> tuple:
+    """TRL's DPOTrainer.compute_loss and its gradients, the models in float64, on the same ids as ours."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     tokenizer = AutoTokenizer.from_pretrained(shared("tiny-gpt2"))
-    pairs = tiny_pairs(tokenizer)
-    beta = 0.5 if loss_type == "ipo" else 0.1
-    ours = perturbed_policy(beta=beta, loss_type=loss_type)
-    loss, grads = mean_loss_and_grads(ours, our_batch(pairs))
-
-    policy = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
-    policy.load_state_dict(ours.model.state_dict())
-    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"))
+    model = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"), dtype=torch.float64)
+    model.load_state_dict(policy)
+    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"), dtype=torch.float64)
     args = DPOConfig(
         output_dir=str(tmp_path),
         beta=beta,
@@ -257,20 +261,70 @@ def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, tmp_path):
         per_device_train_batch_size=len(pairs),
     )
     texts = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # DPOTrainer wants one; unused
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=texts, processing_class=tokenizer)
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=texts, processing_class=tokenizer)
     trainer.model.train()
-    inputs = DataCollatorForPreference(pad_token_id=tokenizer.eos_token_id)(pairs)
-    theirs = trainer.compute_loss(trainer.model, inputs)
-    theirs.backward()
-    torch.testing.assert_close(loss, theirs.detach(), atol=1e-5, rtol=1e-5)
-    assert abs(loss.item() - {"sigmoid": np.log(2), "ipo": 1.0, "hinge": 1.0}[loss_type]) > 1e-2  # h is far from 0
-    for name, p in trainer.model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert next(trainer.model.parameters()).dtype == torch.float64  # the Trainer did not cast it
+    loss = trainer.compute_loss(trainer.model, DataCollatorForPreference(pad_token_id=tokenizer.eos_token_id)(pairs))
+    loss.backward()
+    return loss.detach().double(), {n: p.grad for n, p in trainer.model.named_parameters()}
+
+
+def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
+    """The largest of |Δ loss| / |loss| and, per gradient tensor, max |Δ g| / max |g|."""
+    (loss, grads), (their_loss, their_grads) = ours, theirs
+    assert grads.keys() == their_grads.keys()
+    worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
+    for name, g in their_grads.items():
+        worst = max(worst, (grads[name] - g).abs().max().item() / g.abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, tmp_path):
+    """Our DPO loss and its gradients against TRL's DPOTrainer, both models in float64 on the same ids.
+
+    The tolerance, derived. With float64 models the only fp32 arithmetic left is TRL's chunked log-prob kernel
+    (trl/kernels/chunked_logprob.py), which keeps each token's log-sum-exp log z in fp32 whatever the input dtype.
+    log z rounded to fp32 is off by up to U32 |log z| <= U32 L (L: the largest |log z| of the batch, ~12 here);
+    each token's log-prob z_t - log z and each softmax probability exp(z - log z) of its backward inherit that, a
+    few U32 L relative (the exp and the online rescaling add units of U32, not of L). Everything after is float64:
+    sums over each answer's tokens, the log-ratios (the policy is moved far from its reference, so they are no small
+    difference of large numbers) and the backward, which is linear in those probabilities. So the loss and each
+    gradient tensor differ by a few U32 L of their size: the test allows 16 U32 L (1.1e-5 here) of |loss| and of
+    each tensor's largest gradient. Seen on a Xeon with ATen's default, AVX2 and AVX-512 kernels: at most 4.2 U32 L
+    (ln_f.bias under ipo), a ratio of 0.26; in fp32 the same comparison differed by 65 times more, CPU-dependent.
+    The comparison still tells our mistakes apart: a β 1 % off, the padding or (ipo) the prompt's tokens left as
+    targets, the pairs' losses summed instead of averaged each exceed it."""
+    from transformers import AutoTokenizer
+
+    pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")))
+    batch = our_batch(pairs)
+    beta = 0.5 if loss_type == "ipo" else 0.1
+    ours = perturbed_policy(beta=beta, loss_type=loss_type)
+    with torch.no_grad():
+        logits = ours.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert logits.dtype == torch.float64
+    tol = 16 * U32 * logits.logsumexp(-1).abs().max().item()
+    theirs = trls_loss_and_grads(loss_type, beta, ours.model.state_dict(), pairs, tmp_path)
+    loss_and_grads = mean_loss_and_grads(ours, batch)
+    assert loss_and_grads[0].dtype == torch.float64
+    within(worst_relative_difference(loss_and_grads, theirs), tol, f"dpo {loss_type} vs TRL, relative")
+    assert abs(loss_and_grads[0].item() - {"sigmoid": np.log(2), "ipo": 1.0, "hinge": 1.0}[loss_type]) > 1e-2
+    padding_as_targets = {**batch, "labels": batch["labels"].where(batch["attention_mask"].bool(), 50256)}
+    planted = {
+        "beta 1% off": mean_loss_and_grads(perturbed_policy(beta=beta * 1.01, loss_type=loss_type), batch),
+        "padding not masked": mean_loss_and_grads(ours, padding_as_targets),
+        "sum over pairs": mean_loss_and_grads(ours, batch, mean=False),
+    }
+    if loss_type == "ipo":  # sigmoid and hinge see only h, where a prompt's log-probs cancel: the same loss exactly
+        planted["prompt not masked"] = mean_loss_and_grads(ours, our_batch(pairs, unmasked_sequence))
+    for mistake, wrong in planted.items():
+        assert worst_relative_difference(wrong, theirs) > tol, mistake
 
 
 def test_conservative_dpo_and_rpo_follow_their_formulas():
     """cDPO (label_smoothing ε) and RPO (sft_weight α) against the papers' formulas, computed here from
-    transformers' own logits: -(1-ε) log σ(βh) - ε log σ(-βh) - α log π(c)/|c|, averaged over pairs."""
+    transformers' own logits: -(1-ε) log σ(βh) - ε log σ(-βh) - α log π(c)/|c|, averaged over pairs; float64."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")))
@@ -278,11 +332,11 @@ def test_conservative_dpo_and_rpo_follow_their_formulas():
     beta, eps, alpha = 0.2, 0.1, 0.7
     ours = perturbed_policy(seed=1, beta=beta, label_smoothing=eps, sft_weight=alpha)
     loss, _ = mean_loss_and_grads(ours, batch)
-    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2")).eval()
+    reference = AutoModelForCausalLM.from_pretrained(shared("tiny-gpt2"), dtype=torch.float64).eval()
 
     def logps(model) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        lp = torch.log_softmax(logits.double(), -1)
+        lp = torch.log_softmax(logits, -1)
         mask = batch["labels"] != -100
         picked = lp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0] * mask
         return picked.sum(1), mask.sum(1)
@@ -292,7 +346,7 @@ def test_conservative_dpo_and_rpo_follow_their_formulas():
     B = len(pairs)
     h = (pi[:B] - ref[:B]) - (pi[B:] - ref[B:])
     expected = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h) - alpha * pi[:B] / n[:B]
-    torch.testing.assert_close(loss.double(), expected.mean(), atol=1e-5, rtol=1e-5)
+    close64(loss, expected.mean(), "cDPO + RPO vs formula")
     assert answer_logps(torch.zeros(1, 3, 5), torch.tensor([[-100, 1, 2]]))[1].item() == 2
 
 
@@ -401,7 +455,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     else:
         assert reference_weights and all(torch.equal(one["params"][k], params[k]) for k in reference_weights)
         one_params = one["params"]
-    assert max_param_diff(one_params, params) <= 1e-5
+    within(max_param_diff(one_params, params), 1e-5, "params")
     assert one["scalars"]["train/rewards/margins"][-1][1] != 0  # the policy moved away from its reference
     if "llama" in case:  # the policy exports like any checkpoint (the reference stays behind)
         from transformers import AutoModelForCausalLM

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import path_overrides, read_events, run_script
 
+from tests.helpers.margins import within
+
 pytestmark = pytest.mark.slow
 
 # fp32: parity is exact there (1e-5), while bf16 rounding depends on each rank's micro-batch shape.
@@ -46,7 +48,7 @@ def assert_same_series(a: dict, b: dict, tag: str, tol: float) -> None:
     steps_a, vals_a = zip(*a["scalars"][tag])
     steps_b, vals_b = zip(*b["scalars"][tag])
     assert steps_a == steps_b, tag
-    assert max(abs(x - y) for x, y in zip(vals_a, vals_b)) <= tol, (tag, vals_a, vals_b)
+    within(max(abs(x - y) for x, y in zip(vals_a, vals_b)), tol, tag)
 
 
 GPT2 = [
@@ -70,8 +72,8 @@ def test_global_batch_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_path, reference
     one = train(tmp_path, "1x8", GPT2)
     two = reference(GPT2_DDP)
     acc = train(tmp_path, "1x4x2", GPT2 + ["trainer.accumulate_grad_batches=2"])
-    assert max_param_diff(one["params"], two["params"]) <= 1e-5
-    assert max_param_diff(one["params"], acc["params"]) <= 1e-5
+    within(max_param_diff(one["params"], two["params"]), 1e-5, "params")
+    within(max_param_diff(one["params"], acc["params"]), 1e-5, "params")
     # the logged train loss is the global batch's (mean over ranks and micro-batches), at every step
     assert_same_series(one, two, "train/loss", 1e-5)
     assert_same_series(one, acc, "train/loss", 1e-5)
@@ -105,7 +107,7 @@ def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, re
     split = [f"data.val_size={n_eval}", f"data.test_size={n_eval}"]
     one = reference(VISION + split)
     three = train(tmp_path, "3", VISION + split + ["trainer=ddp", "trainer.devices=3"])
-    assert max_param_diff(one["params"], three["params"]) <= 1e-5  # incl. BatchNorm running stats
+    within(max_param_diff(one["params"], three["params"]), 1e-5, "params")  # incl. BatchNorm running stats
     for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
         assert_same_series(one, three, tag, 1e-5)
     # accuracy is a count over n_eval samples: a duplicated sample would show as a non-multiple of 1/n_eval

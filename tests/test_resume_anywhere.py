@@ -18,6 +18,7 @@ from test_parity import GPT2, QUIET, max_param_diff
 
 from src.tools.checkpoints import load_checkpoint
 from tests.helpers import forkrun
+from tests.helpers.margins import within
 
 ARGS = GPT2 + [
     "data.global_batch_size=12",  # divides into 1, 2, 3 and 4 ranks
@@ -59,9 +60,8 @@ def source(tmp_path_factory):
 
 def assert_like_straight(resumed: dict, straight: dict) -> None:
     assert sorted(resumed["loss"]) == [4, 5, 6, 7]  # it continued at step 4 and stopped at 8
-    worst = max(abs(resumed["loss"][s] - straight["loss"][s]) for s in resumed["loss"])
-    assert worst <= 1e-5, (resumed["loss"], straight["loss"])
-    assert max_param_diff(resumed["params"], straight["params"]) <= 1e-5
+    within(max(abs(resumed["loss"][s] - straight["loss"][s]) for s in resumed["loss"]), 1e-5, "train/loss")
+    within(max_param_diff(resumed["params"], straight["params"]), 1e-5, "params")
 
 
 CASES = {  # name: (source, the resumed run's overrides)
@@ -102,9 +102,8 @@ def test_every_source_run_matches_one_process(source):
         if arch and not ALL:
             continue
         run_, straight = source(name), source(f"{arch}one")
-        worst = max(abs(run_["loss"][s] - straight["loss"][s]) for s in straight["loss"])
-        assert worst <= 1e-5, name
-        assert max_param_diff(run_["params"], straight["params"]) <= 1e-5, name
+        within(max(abs(run_["loss"][s] - straight["loss"][s]) for s in straight["loss"]), 1e-5, f"train/loss {name}")
+        within(max_param_diff(run_["params"], straight["params"]), 1e-5, f"params {name}")
 
 
 # ---- what cannot be exact is one sentence ----
@@ -213,6 +212,6 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
     straight = source("one")
     loss = {e.step: e.value for e in read_events(run_dir / "tensorboard").Scalars("train/loss")}
     assert sorted(loss) == list(range(8))  # steps 0-3 on 2 nodes, 3-7 on 1 (step 3 logged by both: the last wins)
-    assert max(abs(loss[s] - straight["loss"][s]) for s in loss) <= 1e-5
+    within(max(abs(loss[s] - straight["loss"][s]) for s in loss), 1e-5, "train/loss")
     params = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    assert max_param_diff(params, straight["params"]) <= 1e-5
+    within(max_param_diff(params, straight["params"]), 1e-5, "params")

@@ -19,6 +19,7 @@ from conftest import ROOT, path_overrides, python, read_events
 from test_parity import QUIET, train
 
 from tests.helpers import forkrun
+from tests.helpers.margins import within
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_eval")]
@@ -77,7 +78,7 @@ def assert_same_eval(one: dict, sharded: dict, tags: tuple[str, ...] = ("val/los
     for tag in tags:
         a, b = one["scalars"][tag], sharded["scalars"][tag]
         assert [s for s, _ in a] == [s for s, _ in b], tag
-        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= 1e-5, (tag, a, b)
+        within(max(abs(x - y) for (_, x), (_, y) in zip(a, b)), 1e-5, tag)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ class GlooSyncBatchNorm(_BatchNorm):
         if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
         channels, dims = x.shape[1], [0, *range(2, x.dim())]
-        xf = x.float()  # statistics in fp32 even under bf16 autocast
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 even under bf16 autocast
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), xf.new_tensor([xf.numel() / channels])])
         total = _AllReduceSum.apply(local)  # one collective per layer forward (and one backward)
         count = total[-1]
@@ -68,7 +68,11 @@ def _convert(module: nn.Module, to_gloo: bool) -> nn.Module:
     is_bn = isinstance(module, _BatchNorm) and not isinstance(module, (GlooSyncBatchNorm, nn.SyncBatchNorm))
     if (to_gloo and is_bn) or (not to_gloo and isinstance(module, GlooSyncBatchNorm)):
         cls = GlooSyncBatchNorm if to_gloo else module._original_class
-        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        like = next((t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}  # a bf16/fp64 layer stays so
+        new = cls(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, **factory
+        )
         new.load_state_dict(module.state_dict())
         new.train(module.training)
         if to_gloo:

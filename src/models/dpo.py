@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
-from src.models.loss import IGNORE_INDEX
+from src.models.loss import IGNORE_INDEX, at_least_fp32
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,11 @@ STATS = (
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of the target tokens' log-probabilities, number of targets) per row, in fp32; labels already shifted."""
+    """(sum of the target tokens' log-probabilities, number of targets) per row, in fp32 (fp64 for fp64 logits);
+    labels already shifted."""
     logits = logits[:, -labels.shape[1] :]  # prompt tuning prepends virtual tokens
     token = -F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(labels.shape)
     return token.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 

@@ -14,8 +14,13 @@ from src.utils.labels import IGNORE_INDEX
 AUTO_MIN_LOGITS = 2e9  # compile_loss=auto compiles when a training run's logits hold this many values (below)
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 upcast to fp32 for a loss; fp32 and fp64 stay as they are (a float64 run or test keeps float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of the token cross-entropies, number of targets), in fp32.
+    """(sum of the token cross-entropies, number of targets), in fp32 (fp64 for fp64 logits).
 
     Labels are already shifted, the convention of all data here: labels[t] is the target of
     position t (the token after input t), -100 where there is none. A batch with no target gives
@@ -23,7 +28,7 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     """
     logits = logits[:, -labels.shape[1] :]  # prompt tuning prepends virtual tokens to the logits
     loss = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss, (labels != IGNORE_INDEX).sum()
 

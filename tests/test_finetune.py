@@ -15,7 +15,7 @@ from src.datamodules.tokenizers import load_tokenizer
 from src.distributed.parallelize import parallelize
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError
-from tests.helpers.margins import close64, within
+from tests.helpers.margins import close64, close_fp32_weights, within
 
 
 def test_masking_is_exact_token_by_token():
@@ -162,7 +162,8 @@ def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
     module, _ = build_module(ckpt)
     ids = torch.randint(0, 50257, (1, 12))
     with torch.no_grad():
-        close64(merged.double()(ids).logits, module.double()(ids).logits, "merged LoRA logits")
+        depth = merged.config.num_hidden_layers + 1
+        close_fp32_weights(merged.double()(ids).logits, module.double()(ids).logits, "merged LoRA logits", depth)
     tok = AutoTokenizer.from_pretrained(out)  # the tokenizer travels with it, and generation works
     gen = merged.generate(
         **tok("Hello", return_tensors="pt"), max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id

@@ -14,6 +14,7 @@ from conftest import path_overrides, run_script, shared
 
 from src.models import init
 from src.models.gpt2 import GPT2LitModule, gpt2_fill
+from tests.helpers.margins import within
 
 PROBE = ["+callbacks.probe._target_=tests.helpers.callbacks.RecordInitParams"]
 
@@ -74,9 +75,7 @@ def test_fsdp_pretrained_is_read_by_rank0_scattered_and_gives_the_same_logits(tm
     ids = torch.arange(12).remainder(50).view(2, 6)
     with torch.no_grad():
         expected = one(ids).logits
-    assert torch.allclose(records[0]["logits"], expected, atol=1e-6, rtol=0), (
-        (records[0]["logits"] - expected).abs().max()
-    )
+    within((records[0]["logits"] - expected).abs().max().item(), 1e-6, "logits")
 
 
 @pytest.mark.slow

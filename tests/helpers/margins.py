@@ -56,6 +56,15 @@ def close64(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     close(actual, expected, what, rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
 
 
+def close_fp32_weights(actual: torch.Tensor, expected: torch.Tensor, what: str, depth: int) -> None:
+    """Two float64 computations of one model, one of them with its weights rounded to fp32 on the way (a merged
+    LoRA export stores W + s BA in fp32, the checkpoint's dtype): each such weight is off by <= U32 of itself, so
+    each of the `depth` layers' outputs by a few U32 of its size, and the logits by <= 8 depth U32 of their
+    largest value, an fp32 forward's rounding (~1e-5 here) being well outside."""
+    assert actual.dtype == expected.dtype == torch.float64, f"{what}: {actual.dtype}, {expected.dtype}"
+    within((actual - expected).abs().max().item(), 8 * depth * U32 * expected.abs().max().item(), what)
+
+
 def report(paths: list[str]) -> list[tuple[float, str, str, int]]:
     """(largest ratio, test, what, times checked) per check, the closest first."""
     worst: dict[tuple[str, str], float] = defaultdict(float)

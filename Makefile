@@ -48,11 +48,16 @@ test-fast: setup  # everything except the multi-process / end-to-end runs
 test-cluster: setup
 	tests/helpers/slurm_cluster.sh run $(PY) -m pytest -m cluster -rsP --durations=0 $(ARGS)
 
-# The newest releases pyproject.toml allows, in a venv of their own made anew each time, against the fast tests:
-# run it before `make lock` to see what a new release breaks before a user installing without the lock does.
+# The newest releases pyproject.toml allows, torch included, in a venv of their own made anew each time, against the
+# fast tests: run it before `make lock` to see what a new release breaks before a user installing without the lock
+# does. torch newer than 2.13.0 is a CUDA build from PyPI on a CPU machine (2.14.1: ~6 GB, ~1.5 min here;
+# docs/install.md); a release beyond pyproject.toml's range is named before the tests (scripts/newest_torch.py).
+TORCH_RANGE = $(shell sed -nE 's/^ *"torch([<>=!~,.0-9]*)".*/\1/p' pyproject.toml)
 test-latest:
 	rm -rf .venv-latest
-	$(MAKE) setup VENV=.venv-latest LOCK=
+	$(MAKE) setup VENV=.venv-latest LOCK= TORCH="'torch$(TORCH_RANGE)'"
+	.venv-latest/bin/python -m pip install -q --dry-run --no-deps --ignore-installed --report .venv-latest/torch.json torch
+	.venv-latest/bin/python scripts/newest_torch.py .venv-latest/torch.json
 	.venv-latest/bin/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(ARGS)
 
 # Refresh requirements.lock: install the newest allowed releases into a scratch venv and freeze what was installed

@@ -263,6 +263,28 @@ def test_dependency_floors_hold_and_each_names_its_reason():
             assert "#" in line, f"pyproject.toml: {line.strip()} has no comment naming what sets its floor"
 
 
+def test_test_latest_names_a_torch_release_beyond_the_range(tmp_path):
+    """make test-latest installs the newest torch pyproject.toml allows, and scripts/newest_torch.py names a newer
+    one that pip could install here (from pip's --report) but the range keeps out; none when there is none."""
+    import importlib.util
+    import json
+
+    from packaging.version import Version
+
+    spec = importlib.util.spec_from_file_location("newest_torch", ROOT / "scripts" / "newest_torch.py")
+    newest_torch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(newest_torch)
+    installed = Version(torch.__version__.split("+")[0])
+    report = tmp_path / "torch.json"
+    for newest, named in ((f"{installed.major}.{installed.minor + 1}.0", True), (str(installed), False)):
+        report.write_text(json.dumps({"install": [{"metadata": {"name": "torch", "version": newest}}]}))
+        line = newest_torch.main(str(report))
+        assert line.startswith(f"test-latest: torch {installed}")
+        assert (f"torch {newest} installs here but is outside pyproject.toml's range" in line) == named, line
+    makefile = (ROOT / "Makefile").read_text()
+    assert "TORCH=\"'torch$(TORCH_RANGE)'\"" in makefile  # test-latest's torch is the range's, not the lock's
+
+
 @pytest.mark.parametrize("model,size", [("gpt2", "llama3_1b"), ("qwen2", "mistral_7b"), ("llama", "qwen2_05b")])
 def test_a_size_preset_of_another_architecture_is_one_sentence(model, size, tmp_path):
     """GPT2Config reads hidden_size as n_embd and Qwen2Config ignores a sliding window: without the check these

@@ -71,18 +71,30 @@ def has_meta(module: nn.Module) -> bool:
 def allocate(model: nn.Module, device: torch.device, tie: bool = True) -> None:
     """Memory for `model` (on meta) on `device`, its buffers recomputed; parameters hold garbage until filled.
 
-    `to_empty` gives buffers memory but not values: transformers' own per-module init recomputes them (RoPE's
-    inv_freq: a function of the config, no RNG). Only modules that hold buffers and no parameters are passed
-    to it, so no parameter is drawn there. `_init_weights` is private: canary in tests/test_meta_init.py.
+    `to_empty` gives buffers memory but not values, persistent or not: transformers' own per-module init
+    recomputes them (RoPE's inv_freq, Gemma's embed_scale beside its embedding's weight: functions of the config).
+    It runs on every module that holds a buffer, with every parameter marked initialised (`_is_hf_initialized`,
+    which transformers' init functions skip), under a forked RNG: no parameter is drawn or changed there, and the
+    global RNG moves as if it had not run. Private names, each with a canary: `_init_weights`
+    (tests/test_architectures.py), `_is_hf_initialized` (tests/test_meta_init.py).
     """
     model.to_empty(device=device)
     if tie and hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives each module its own new tensor
     owner = next((m for m in model.modules() if hasattr(m, "_init_weights")), None)  # the transformers model
-    for module in model.modules():
-        holds_buffers = next(module.buffers(recurse=False), None) is not None
-        if owner is not None and holds_buffers and next(module.parameters(recurse=False), None) is None:
-            owner._init_weights(module)
+    if owner is None:
+        return
+    unmarked = [p for p in model.parameters() if not getattr(p, "_is_hf_initialized", False)]
+    for param in unmarked:
+        param._is_hf_initialized = True
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for module in model.modules():
+                if next(module.buffers(recurse=False), None) is not None:
+                    owner._init_weights(module)
+    finally:
+        for param in unmarked:
+            del param._is_hf_initialized
 
 
 @torch.no_grad()

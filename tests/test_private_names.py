@@ -1,7 +1,8 @@
 """Canaries: every private (`_underscore`) name of a library that src/ still uses, each failing by name when the
-library renames or drops it, so an upgrade breaks here and not silently in a run. One more lives beside its use:
+library renames or drops it, so an upgrade breaks here and not silently in a run. Others live beside their use:
 `test_deepspeed.py::test_lightning_still_hands_the_layer_sync_plugin_to_the_strategy` (`strategy._layer_sync`),
-`test_architectures.py::test_canary_transformers_init_weights_recomputes_rotary_buffers` (`_init_weights`)."""
+`test_architectures.py::test_canary_transformers_init_weights_recomputes_rotary_buffers` (`_init_weights`),
+`test_meta_init.py::test_canary_transformers_init_skips_tensors_marked_initialised` (`_is_hf_initialized`)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from src.utils.precision import at_least_fp32
+
 
 class _AllReduceSum(torch.autograd.Function):
     """y = sum over ranks of x. Every rank's loss depends on y, so the gradient is summed over ranks too."""
@@ -43,7 +45,7 @@ class GlooSyncBatchNorm(_BatchNorm):
         if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
         channels, dims = x.shape[1], [0, *range(2, x.dim())]
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 even under bf16 autocast
+        xf = at_least_fp32(x)  # statistics in fp32 even under bf16 autocast
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), xf.new_tensor([xf.numel() / channels])])
         total = _AllReduceSum.apply(local)  # one collective per layer forward (and one backward)
         count = total[-1]

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
-from src.models.loss import IGNORE_INDEX, at_least_fp32
+from src.models.loss import IGNORE_INDEX
 from src.utils.config import ConfigError
+from src.utils.precision import at_least_fp32
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,9 @@ from torchmetrics import Metric
 
 from src.utils.config import ConfigError
 from src.utils.labels import IGNORE_INDEX
+from src.utils.precision import at_least_fp32
 
 AUTO_MIN_LOGITS = 2e9  # compile_loss=auto compiles when a training run's logits hold this many values (below)
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 upcast to fp32 for a loss; fp32 and fp64 stay as they are (a float64 run or test keeps float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ SHAPE = [
     "model.config.num_key_value_heads=2",
     "model.config.intermediate_size=64",
 ]
+ADDED = ["+" + a for a in SHAPE]  # model=causal_lm's config is empty: its keys are added
 RUN = [
     "data.path=" + str(Path(__file__).parent / "data" / "tiny_corpus.txt"),
     "data.seq_len=32",
@@ -40,6 +41,26 @@ ARCHS = {
     "llama": ["model=llama", *SHAPE],
     "qwen2": ["model=qwen2", *SHAPE],
     "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"],
+    # Granite's multipliers and logits scaling (as granite-3's config sets them): before issue 46 the pipeline's
+    # stages dropped them and trained another function; Gemma3: scaled embeddings (a buffer no checkpoint holds),
+    # local and global rotary per layer type, q/k norms
+    "granite": [
+        "model=causal_lm",
+        "model.model_type=granite",
+        *ADDED,
+        "+model.config.embedding_multiplier=12.0",
+        "+model.config.logits_scaling=8.0",
+        "+model.config.residual_multiplier=0.22",
+        "+model.config.attention_multiplier=0.0625",
+    ],
+    "gemma3": [
+        "model=causal_lm",
+        "model.model_type=gemma3_text",
+        *ADDED,
+        "+model.config.head_dim=8",
+        "+model.config.sliding_window=8",
+        "+model.config.layer_types=[sliding_attention,full_attention]",
+    ],
 }
 # Mistral's cases train on padded Alpaca records (prompt labels -100, one padded length per batch; byte tokens)
 DATA = {
@@ -83,6 +104,7 @@ MATRIX = (
     [("llama", s) for s in STRATEGIES]
     + [("qwen2", s) for s in STRATEGIES]
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
+    + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
@@ -98,6 +120,7 @@ CORE = [
     ("qwen2", "accumulate"),
     ("mistral", "ddp"),
     ("mistral", "pipeline"),
+    ("granite", "pipeline"),
 ]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")
@@ -181,7 +204,9 @@ def assert_export_gives_the_templates_logits(tmp_path: Path, ckpt: Path) -> None
     ids = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
         expected = module.double()(ids).logits
-        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()(ids).logits
+        # loaded as trained (fp32), then cast as the module is: constants a model computes when built (Gemma's
+        # embed_scale = sqrt(hidden)) hold the same fp32-rounded value on both sides
+        exported = AutoModelForCausalLM.from_pretrained(out).double().eval()(ids).logits
     if not (out / "adapter").is_dir():
         close64(exported, expected, "export-hf logits")
     else:

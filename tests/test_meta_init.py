@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from conftest import path_overrides, run_script, shared
 
 from src.models import init
 from src.models.gpt2 import GPT2LitModule, gpt2_fill
+from tests.helpers.architectures import ARCHITECTURES, tiny_config
 from tests.helpers.margins import within
 
 PROBE = ["+callbacks.probe._target_=tests.helpers.callbacks.RecordInitParams"]
@@ -114,49 +114,6 @@ def test_init_values_do_not_depend_on_how_the_model_is_laid_out():
 
 
 # ---- meta-device init gives the model transformers builds: every buffer, persistent or not ----
-
-TINY = {  # a CPU size, where the architecture's config has the key; the rest stay its own defaults
-    "vocab_size": 300,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "pad_token_id": 0,
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-}
-SAMPLE = ["llama", "gemma", "gemma2", "gemma3_text", "qwen3", "granite", "cohere", "phi3", "gpt_neox", "mixtral"]
-
-
-def with_both_plans() -> list[str]:
-    """The causal-LM architectures of the installed transformers whose config ships a tp and a pp plan."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    types = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        try:
-            config = AutoConfig.for_model(model_type)
-        except Exception:  # a config that needs arguments: no default to build from
-            continue
-        if getattr(config, "base_model_tp_plan", None) and getattr(config, "base_model_pp_plan", None):
-            types.append(model_type)
-    return types
-
-
-def tiny_config(model_type: str):
-    from transformers import AutoConfig
-
-    defaults = AutoConfig.for_model(model_type).to_dict()
-    return AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if k in defaults})
-
-
-ARCHITECTURES = with_both_plans() if os.environ.get("TEST_ALL_ARCHITECTURES") == "1" else SAMPLE
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

@@ -15,8 +15,8 @@ Exactness (each checked against one process in tests/test_pipeline.py):
 * tied weights (GPT-2, Qwen2's small sizes: lm_head is the token embedding): the first and last stages each
   hold a copy, so their gradients are summed over those two ranks (else each copy would learn half and they
   drift apart); untied models (Llama) sum nothing;
-* attention: layers called without a mask are causal only under SDPA, so eager (and sliding windows) get
-  an explicit mask.
+* the function: each stage runs the model's own forward over the layers it holds (pipeline_stages.py), and
+  `check_stages` proves the stages chained equal to the model's own forward before anything is pruned.
 
 With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
 (src/distributed/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from src.distributed.mesh import mesh_sizes
 from src.distributed.parallelize import parallelize as compose
-from src.distributed.pipeline_stages import prune, stage_class, stage_ranges
+from src.distributed.pipeline_stages import check_stages, prune, stage_class, stage_ranges
 from src.distributed.tensor_parallel import check_divisible, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
 from src.utils.hf_config import architecture
@@ -260,6 +260,9 @@ def parallelize(
             f"The model's {n_layer} layers do not divide into {n_stages} pipeline stages of equal size: "
             f"pick a layer count that is a multiple of {n_stages}."
         )
+    make = stage_class(hf.config)
+    eager = module.attn_implementation == "eager"  # the model's model.attn_implementation
+    check_stages(hf, layers, n_stages, make, eager)  # the stages chained = the model's own forward, or one sentence
     rank = pp.get_local_rank()
     indices = [rank + k * pp.size() for k in range(stages_per_rank)]
     ranges = stage_ranges(n_layer, n_stages)
@@ -272,8 +275,6 @@ def parallelize(
         blocks=[block for block in blocks if int(block[1]) in keep],
         **module.wrappers(),
     )
-    make = stage_class(hf.config)
-    eager = module.attn_implementation == "eager"  # the model's model.attn_implementation
     stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1, eager=eager) for i in indices]
     for stage in stages:
         stage.tied = bool(getattr(hf.config, "tie_word_embeddings", False))  # the first and last stage hold copies

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.distributed.parallelize import parallelize
@@ -98,7 +99,9 @@ class CausalLMLitModule(LitModule):
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
         self._wrapped = False  # whether configure_model has applied them
-        model = self._build(seq_len, model_type, dict(config or {}))
+        # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
+        fields = OmegaConf.to_container(config) if isinstance(config, DictConfig) else dict(config or {})
+        model = self._build(seq_len, model_type, fields)
         self.config: PretrainedConfig = model.config
         self.seq_len = seq_len
         self.reference = self._reference_of(model, adapter)

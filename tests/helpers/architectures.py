@@ -1,0 +1,73 @@
+"""The causal-LM architectures the installed transformers ships, built at a CPU size from their own config
+defaults: what the meta-init, pipeline and matrix tests enumerate (TEST_ALL_ARCHITECTURES=1), and the sample of
+families the default suite runs."""
+
+from __future__ import annotations
+
+import os
+
+TINY = {  # a CPU size, where the architecture's config has the key; the rest stay its own defaults
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "pad_token_id": 0,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_embd": 64,  # GPT-J, CodeGen: GPT-2's names
+    "n_head": 4,
+    "rotary_dim": 8,
+}
+# one of each thing that differs: q/k norms (Qwen3), fused projections (Phi-3), soft-capping and scaled embeddings
+# (Gemma2, Gemma3 with local + global rotary), multipliers (Granite), logit scale + parallel blocks (Cohere),
+# partial rotary (GPT-NeoX), experts (Mixtral)
+SAMPLE = ["llama", "gemma", "gemma2", "gemma3_text", "qwen3", "granite", "cohere", "phi3", "gpt_neox", "mixtral"]
+
+
+def with_both_plans() -> list[str]:
+    """The causal-LM architectures of the installed transformers whose config ships a tp and a pp plan."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # a config that needs arguments: no default to build from
+            continue
+        if getattr(config, "base_model_tp_plan", None) and getattr(config, "base_model_pp_plan", None):
+            types.append(model_type)
+    return types
+
+
+ARCHITECTURES = with_both_plans() if os.environ.get("TEST_ALL_ARCHITECTURES") == "1" else SAMPLE
+
+
+def tiny_config(model_type: str, layers: int = 2, **fields):
+    """`model_type`'s config at TINY's sizes with `layers` layers: each per-layer list of its defaults (layer types,
+    which layers are sparse, ...) sampled at evenly spread layers, so that a short model keeps each kind."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    n = defaults.get("num_hidden_layers")
+    picks = [round(i * (n - 1) / max(layers - 1, 1)) for i in range(layers)] if n else []
+    spread = {k: [v[i] for i in picks] for k, v in defaults.items() if n and isinstance(v, list) and len(v) == n}
+    sizes = {k: v for k, v in {**TINY, "num_hidden_layers": layers}.items() if k in defaults}
+    return AutoConfig.for_model(model_type, **{**sizes, **spread, **fields})
+
+
+def too_large(config, limit: int = 20_000_000) -> str | None:
+    """Why `config` is no CPU size (built on the meta device, nothing allocated), or None: an architecture whose
+    config names its sizes otherwise than TINY keeps its defaults' hundreds of millions of parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return f"{config.model_type} keeps {size / 1e6:.0f}M parameters at TINY's sizes" if size > limit else None

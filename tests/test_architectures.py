@@ -9,7 +9,7 @@ import torch
 from test_model import assert_batched_generation_is_the_oracles
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from src.models import init
+from src.models import hf, init
 from src.models.causal_lm import CausalLMLitModule
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError
@@ -182,6 +182,31 @@ def test_bad_models_are_one_sentence(tmp_path):
         CausalLMLitModule(vocab_size=V, seq_len=T, model_type="lama")
     with pytest.raises(ConfigError, match="model.model_type is not set"):
         CausalLMLitModule(vocab_size=V, seq_len=T)
+
+
+def test_attention_is_one_the_model_supports_and_a_failed_load_says_what_failed(tmp_path):
+    """model.attn_implementation=auto takes the machine's faster kernel only where the class supports it (Gemma2 has
+    no SDPA: before issue 46 the default failed with "has no weights that load"); a named unsupported one, and a
+    load that fails, are one sentence saying what failed."""
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    small.update(num_hidden_layers=2, head_dim=8)
+    assert "sdpa" not in hf.supported_attention("gemma2") and "sdpa" in hf.supported_attention("llama")
+    gemma2 = CausalLMLitModule(vocab_size=V, seq_len=T, model_type="gemma2", config=small)
+    assert gemma2.attn_implementation == gemma2.config._attn_implementation == "eager"
+    llama = CausalLMLitModule(vocab_size=V, seq_len=T, model_type="llama", config=small, fastest_attention="sdpa")
+    assert llama.attn_implementation == llama.config._attn_implementation == "sdpa"
+    with pytest.raises(
+        ConfigError, match=r"attn_implementation=sdpa is not one Gemma2ForCausalLM supports: use auto or one of eager, "
+    ):
+        CausalLMLitModule(vocab_size=V, seq_len=T, model_type="gemma2", config=small, attn_implementation="sdpa")
+    gemma2.hf_model.save_pretrained(tmp_path / "gemma2")  # pretrained: the same choice, read from its config
+    assert (
+        CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(tmp_path / "gemma2")).attn_implementation == "eager"
+    )
+    (tmp_path / "gemma2" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match=r"did not load in transformers \(.*\): pass a dir") as error:
+        CausalLMLitModule(vocab_size=V, seq_len=T, pretrained=str(tmp_path / "gemma2"))
+    assert "\n" not in str(error.value)
 
 
 def test_canary_transformers_init_weights_recomputes_rotary_buffers():

@@ -216,7 +216,6 @@ def test_default_precision_is_the_fastest_for_the_hardware(
         (["data.seq_len=512"], "sdpa"),  # longer contexts: SDPA (2x at 1024, less memory)
         (["trainer.precision=32-true"], "sdpa"),  # fp32: a tie, SDPA keeps less memory
         (["trainer=gpu"], "sdpa"),  # GPUs: flash attention
-        (["model.attn_implementation=sdpa"], "sdpa"),
     ],
 )
 def test_default_attention_kernel_is_the_measured_faster_one(monkeypatch, overrides, expected):
@@ -224,7 +223,8 @@ def test_default_attention_kernel_is_the_measured_faster_one(monkeypatch, overri
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # a bf16-capable CPU, no GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert compose_cfg(overrides).model.attn_implementation == expected
+    cfg = compose_cfg(overrides)
+    assert cfg.model.attn_implementation == "auto" and cfg.model.fastest_attention == expected
 
 
 @pytest.mark.parametrize("script,args", [("train.py", []), ("eval.py", ["ckpt_path=some.ckpt"])])

@@ -2,7 +2,8 @@
 library renames or drops it, so an upgrade breaks here and not silently in a run. Others live beside their use:
 `test_deepspeed.py::test_lightning_still_hands_the_layer_sync_plugin_to_the_strategy` (`strategy._layer_sync`),
 `test_architectures.py::test_canary_transformers_init_weights_recomputes_rotary_buffers` (`_init_weights`),
-`test_meta_init.py::test_canary_transformers_init_skips_tensors_marked_initialised` (`_is_hf_initialized`)."""
+`test_meta_init.py::test_canary_transformers_init_skips_tensors_marked_initialised` (`_is_hf_initialized`);
+transformers' attention flags are here."""
 
 from __future__ import annotations
 
@@ -81,3 +82,16 @@ def test_torch_cpu_capability_probes(name):
     """src/utils/machine.py fastest_precision picks bf16 on CPUs these probes report; without them it falls back to
     fp32, which is safe but slow on such CPUs, so a rename should be seen."""
     assert callable(getattr(torch.cpu, name, None)), f"torch.cpu.{name} is gone"
+
+
+def test_transformers_attention_support_flags():
+    """src/models/hf.py `supported_attention` reads transformers' class flags `_supports_sdpa`, `_supports_flex_attn`
+    and `_supports_flash_attn` (what transformers itself checks before it builds a model with an implementation):
+    a rename would make auto pick eager everywhere, silently slower."""
+    from transformers import Gemma2ForCausalLM, LlamaForCausalLM
+
+    from src.models.hf import ATTENTION_SUPPORT
+
+    for flag in set(ATTENTION_SUPPORT.values()):
+        assert getattr(LlamaForCausalLM, flag, None) is True, f"transformers' {flag} is gone"
+    assert Gemma2ForCausalLM._supports_sdpa is False  # the case auto exists for

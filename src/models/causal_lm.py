@@ -75,13 +75,14 @@ class CausalLMLitModule(LitModule):
         lora: Optional[dict[str, Any]] = None,
         peft: Optional[Any] = None,
         compile: bool = False,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "auto",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
+        fastest_attention: str = "sdpa",
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -93,7 +94,9 @@ class CausalLMLitModule(LitModule):
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
         self._deferred = init.init_is_deferred() and not adapter
         self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
-        self._pretrained, self.attn_implementation, self._vocab_size = pretrained, attn_implementation, vocab_size
+        kind = hf.pretrained_config(pretrained).model_type if pretrained else model_type
+        self.attn_implementation = hf.choose_attention(kind, attn_implementation, fastest_attention)
+        self._pretrained, self._vocab_size = pretrained, vocab_size
         self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step

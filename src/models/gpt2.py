@@ -57,13 +57,14 @@ class GPT2LitModule(CausalLMLitModule):
         lora: Optional[dict[str, Any]] = None,
         peft: Optional[Any] = None,
         compile: bool = False,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "auto",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
         objective: str = "sft",
         dpo: Optional[dict[str, Any]] = None,
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
+        fastest_attention: str = "sdpa",
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -111,6 +112,7 @@ class GPT2LitModule(CausalLMLitModule):
             dpo,
             size_for,
             compile_loss,
+            fastest_attention,
         )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:

@@ -77,16 +77,55 @@ def new_config(model_type: str, attn_implementation: str, **fields: Any) -> Pret
     return config
 
 
+# the attention implementations transformers names, and the class flag that says a model supports each
+ATTENTION_SUPPORT = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
+
+
+def causal_lm_class(model_type: str) -> type[PreTrainedModel]:
+    """The class AutoModelForCausalLM builds for `model_type` (GPT2LMHeadModel, Gemma2ForCausalLM, ...)."""
+    import transformers
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def supported_attention(model_type: str) -> list[str]:
+    """The attention implementations `model_type`'s class supports: eager always, the others as its flags say
+    (transformers' own `_supports_sdpa`, `_supports_flex_attn`, `_supports_flash_attn`: tests/test_private_names.py)."""
+    cls = causal_lm_class(model_type)
+    return ["eager"] + [name for name, flag in ATTENTION_SUPPORT.items() if getattr(cls, flag, False)]
+
+
+def choose_attention(model_type: str, requested: str, fastest: str = "sdpa") -> str:
+    """model.attn_implementation: `auto` takes `fastest` (the machine's faster kernel, src/utils/machine.py) where the
+    model supports it, else eager; a named one the model does not support is one sentence naming what it does."""
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # no causal LM: said in one sentence when it is built
+        return fastest if requested == "auto" else requested
+    supported = supported_attention(model_type)
+    if requested == "auto":
+        return fastest if fastest in supported else "eager"
+    if requested in ATTENTION_SUPPORT and requested not in supported:
+        raise ConfigError(
+            f"model.attn_implementation={requested} is not one {causal_lm_class(model_type).__name__} supports: "
+            f"use auto or one of {', '.join(supported)}."
+        )
+    return requested
+
+
 def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
     """The whole pretrained model."""
     pretrained_config(name_or_path, attn_implementation)  # one sentence if it is not a decoder-only LM
     try:
         return AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    except Exception as e:  # noqa: BLE001 - whatever transformers or safetensors raise, the sentence names it
+        first = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(
-            f"model.pretrained={name_or_path!r} has no weights that load ({first}): pass a dir that "
-            "save_pretrained wrote (config.json + model.safetensors)."
+            f"model.pretrained={name_or_path!r} did not load in transformers ({first}): pass a dir that "
+            "save_pretrained wrote (config.json + model.safetensors), or fix what the message names."
         ) from e
 
 

@@ -15,6 +15,7 @@ from test_fsdp import last_ckpt, train_sharded
 from test_parity import QUIET, assert_same_series, max_param_diff, train
 
 from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from tests.helpers.architectures import eager_experts
 from tests.helpers.margins import close64, close_fp32_weights, within
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,15 @@ ARCHS = {
         "+model.config.logits_scaling=8.0",
         "+model.config.residual_multiplier=0.22",
         "+model.config.attention_multiplier=0.0625",
+    ],
+    # experts: the router's load-balancing loss is trained (src/models/moe.py) and logged as train/aux_loss
+    "mixtral": [
+        "model=causal_lm",
+        "model.model_type=mixtral",
+        *ADDED,
+        "+model.config.num_local_experts=4",
+        "+model.config.num_experts_per_tok=2",
+        "+model.config.router_aux_loss_coef=0.5",
     ],
     "gemma3": [
         "model=causal_lm",
@@ -105,6 +115,7 @@ MATRIX = (
     + [("qwen2", s) for s in STRATEGIES]
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
+    + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero3")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
@@ -121,6 +132,7 @@ CORE = [
     ("mistral", "ddp"),
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
+    ("mixtral", "fsdp"),
 ]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")
@@ -160,6 +172,9 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
         params = load_checkpoint(last_ckpt(tmp_path, strategy))["state_dict"]
     assert_same_series(one, run, "train/loss", 1e-5)
     assert_same_series(one, run, "val/loss", 1e-5)
+    if arch == "mixtral":  # the aux loss is the mean of each sequence's: the same whatever holds which sequence
+        assert_same_series(one, run, "train/aux_loss", 1e-5)
+        assert_same_series(one, run, "train/expert_load_max", 1e-5)
     assert len(run["scalars"]["train/loss"]) == 6
     within(max_param_diff(one["params"], params), 1e-5, "params")
     if lora:  # the adapter did train (its B starts at zero), the base did not move
@@ -202,11 +217,12 @@ def assert_export_gives_the_templates_logits(tmp_path: Path, ckpt: Path) -> None
     out = export_hf(ckpt, tmp_path / "hf")
     module, _ = build_module(load_checkpoint(ckpt))
     ids = torch.randint(0, 257, (2, 32))
+    eager_experts(module.hf_model)
     with torch.no_grad():
         expected = module.double()(ids).logits
         # loaded as trained (fp32), then cast as the module is: constants a model computes when built (Gemma's
         # embed_scale = sqrt(hidden)) hold the same fp32-rounded value on both sides
-        exported = AutoModelForCausalLM.from_pretrained(out).double().eval()(ids).logits
+        exported = eager_experts(AutoModelForCausalLM.from_pretrained(out)).double().eval()(ids).logits
     if not (out / "adapter").is_dir():
         close64(exported, expected, "export-hf logits")
     else:

@@ -80,6 +80,11 @@ def check_config(cfg: DictConfig) -> None:
             "causal_lm), and this model is not one."
         )
     stage_class(config)  # one sentence for a model without a pipeline plan
+    if getattr(config, "router_aux_loss_coef", None) and cfg.model.get("router_aux_loss", False):
+        raise ConfigError(
+            f"trainer=pipeline does not carry {config.model_type}'s router load-balancing loss between stages: "
+            "set model.router_aux_loss=false to train the token loss alone, or use trainer=fsdp or trainer=ddp."
+        )
     n_layer = config.num_hidden_layers
     if n_layer % (pp * v):
         key = "model.n_layer" if "n_layer" in cfg.model else "model.config.num_hidden_layers"

@@ -105,6 +105,15 @@ class LitModule(L.LightningModule):
         world = self._step_totals[2]
         return loss_sum * (world * self.trainer.accumulate_grad_batches / max(total, 1))
 
+    def sequence_mean_loss(self, loss_sum: torch.Tensor, n_sequences: int, batch_idx: int) -> torch.Tensor:
+        """As token_mean_loss, over the step's sequences instead of its target tokens: (sum over this micro-batch's
+        b sequences) x W x A / (b x W x the step's micro-batches) = x A / (b x its micro-batches), W cancelling (the
+        epoch's last step may have fewer than A micro-batches, as Lightning runs it)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        left = self.trainer.num_training_batches - (batch_idx // accumulate) * accumulate
+        in_step = min(accumulate, left) if math.isfinite(left) else accumulate
+        return loss_sum * (accumulate / (n_sequences * in_step))
+
     def loss_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """What training_step returns for `loss`: Lightning divides it by A (accumulation), and DeepSpeed,
         the strategy that "handles accumulation", divides by its gradient_accumulation_steps (= A) once

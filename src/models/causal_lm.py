@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.distributed.parallelize import parallelize
-from src.models import hf, init
+from src.models import hf, init, moe
 from src.models.base import LitModule
 from src.models.dpo import DPO, STATS, disable_dropout, frozen
 from src.models.flops import FlopCount, count_flops
@@ -83,6 +83,7 @@ class CausalLMLitModule(LitModule):
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
         fastest_attention: str = "sdpa",
+        router_aux_loss: bool = True,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -116,6 +117,13 @@ class CausalLMLitModule(LitModule):
             model = self._add_adapter(model, peft, seq_len)
         self.flop_count: FlopCount = flops_of(model, peft)
         self.model = model
+        # an MoE model's load-balancing loss (src/models/moe.py), read before a strategy wraps the model's class
+        self._balance = moe.balance_loss_function(self.hf_model) if router_aux_loss else None
+        if self._balance is not None and self.dpo is not None:
+            raise ConfigError(
+                f"model.objective=dpo does not add {type(self.hf_model).__name__}'s router load-balancing loss: "
+                "set model.router_aux_loss=false to train the preference loss alone."
+            )
         self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
         self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
 
@@ -333,12 +341,29 @@ class CausalLMLitModule(LitModule):
             out.loss = loss_sum / n_targets
         return out
 
+    def _forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **self.cache_kwargs(), **kwargs
+        )
+
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
-        logits = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **self.cache_kwargs()
-        ).logits
-        return self.token_loss(logits, batch["labels"])
+        return self.token_loss(self._forward(batch).logits, batch["labels"])
+
+    def _balanced_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
+        each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
+        train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
+        out = self._forward(batch, output_router_logits=True)
+        loss = self.token_mean_loss(*self.token_loss(out.logits, batch["labels"]), batch_idx)
+        hf_model, n = self.hf_model, batch["input_ids"].shape[0]
+        balance, counts = moe.sequence_balance(
+            self._balance, out.router_logits, batch.get("attention_mask"), n, hf_model.num_experts,
+            hf_model.num_experts_per_tok,
+        )  # fmt: skip
+        self.log_train_loss(loss, batch_idx, torch.cat([balance.detach()[None], counts, counts.new_tensor([n])]))
+        aux = self.sequence_mean_loss(balance, n, batch_idx)
+        return self.loss_for_backward(loss + hf_model.router_aux_loss_coef * aux)
 
     def cache_kwargs(self) -> dict[str, bool]:
         """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
@@ -349,6 +374,8 @@ class CausalLMLitModule(LitModule):
         return {"use_cache": False} if self.device.type == "cpu" else {}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self._balance is not None:
+            return self._balanced_step(batch, batch_idx)
         if self.dpo is None:
             loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
             self.log_train_loss(loss, batch_idx)
@@ -359,8 +386,16 @@ class CausalLMLitModule(LitModule):
         return self.loss_for_backward(loss)
 
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-        if self.dpo is None:
+        if self.dpo is None and sums is None:
             return {"train/loss": loss, "train/ppl": torch.exp(loss)}
+        if self.dpo is None:  # an MoE model's: [load-balancing loss sum, tokens per expert..., sequences]
+            counts = sums[1:-1]
+            return {
+                "train/loss": loss,
+                "train/ppl": torch.exp(loss),
+                "train/aux_loss": sums[0] / sums[-1],
+                "train/expert_load_max": counts.max() / counts.mean(),
+            }
         return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(STATS[1:], sums[:-1])}}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

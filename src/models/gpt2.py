@@ -65,6 +65,7 @@ class GPT2LitModule(CausalLMLitModule):
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
         fastest_attention: str = "sdpa",
+        router_aux_loss: bool = True,
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -113,6 +114,7 @@ class GPT2LitModule(CausalLMLitModule):
             size_for,
             compile_loss,
             fastest_attention,
+            router_aux_loss,
         )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:

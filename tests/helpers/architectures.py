@@ -71,3 +71,11 @@ def too_large(config, limit: int = 20_000_000) -> str | None:
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     return f"{config.model_type} keeps {size / 1e6:.0f}M parameters at TINY's sizes" if size > limit else None
+
+
+def eager_experts(model):
+    """`model` (a transformers model) with its experts run one by one: the grouped kernel transformers picks for
+    mixture-of-experts layers takes no float64, and the tests compare in float64."""
+    if any(v not in (None, "eager") for v in getattr(model, "get_experts_implementation", dict)().values()):
+        model.set_experts_implementation("eager")
+    return model

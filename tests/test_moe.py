@@ -1,0 +1,68 @@
+"""Mixture-of-experts models: the router's load-balancing loss is in the trained loss as transformers defines it
+(its own `load_balancing_loss_func`, on each sequence: src/models/moe.py), logged, and refused where a strategy or
+objective cannot carry it. That 2 ranks, FSDP2 and accumulation train what 1 process trains, aux loss included, is
+tests/test_architectures_parity.py's (mixtral cases)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from src.models.causal_lm import CausalLMLitModule
+from src.utils.config import ConfigError
+from tests.helpers.margins import U32, within
+
+V, T = 64, 16
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+MOE = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+}
+
+
+def module(model_type: str, **kwargs) -> CausalLMLitModule:
+    torch.manual_seed(0)
+    config = {**SMALL, "num_key_value_heads": 2, **MOE[model_type], "router_aux_loss_coef": 0.5}
+    lit = CausalLMLitModule(vocab_size=V, seq_len=T, model_type=model_type, config=config, **kwargs)
+    lit.trainer = L.Trainer(logger=False, enable_checkpointing=False, log_every_n_steps=1000, accelerator="cpu")
+    return lit
+
+
+@pytest.mark.parametrize("model_type", list(MOE))
+def test_trained_loss_is_the_token_loss_plus_each_sequences_transformers_aux_loss(model_type):
+    """A batch of 3 sequences (one right-padded): the loss training backpropagates is the token mean plus
+    coef x the mean over the sequences of transformers' own aux_loss on each sequence alone (its forward with
+    output_router_logits=True); for one sequence it is transformers' own training loss."""
+    lit = module(model_type)
+    hf = lit.hf_model
+    ids = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[2, 10:] = 0
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1).masked_fill(mask == 0, -100)
+    labels[2, 9] = -100  # the last real token predicts nothing
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    loss = lit.training_step(batch, 0)
+    with torch.no_grad():
+        own = [
+            hf(input_ids=ids[b : b + 1], attention_mask=mask[b : b + 1], output_router_logits=True) for b in range(3)
+        ]
+        aux = torch.stack([o.aux_loss for o in own]).mean()
+        token_sum, targets = lit.token_loss(hf(input_ids=ids, attention_mask=mask).logits, labels)
+    expected = token_sum / targets + 0.5 * aux
+    within(abs(loss.item() - expected.item()), 8 * U32 * expected.item(), "loss with aux")
+    assert aux > 1.0  # top-2 routing spread evenly gives 2.0 (top_k): a term of the loss, not a rounding
+    # one sequence: transformers' own training loss (token mean + coef x aux_loss)
+    one = {k: v[:1] for k, v in batch.items()}
+    with torch.no_grad():
+        ref = hf(input_ids=ids[:1], labels=ids[:1], output_router_logits=True).loss
+    within(abs(lit.training_step(one, 0).item() - ref.item()), 8 * U32 * ref.item(), "one sequence = transformers")
+    # router_aux_loss=false: the token loss alone
+    plain = module(model_type, router_aux_loss=False)
+    within(abs(plain.training_step(batch, 0).item() - (token_sum / targets).item()), 8 * U32 * 10, "no aux")
+
+
+def test_dpo_on_an_moe_model_is_one_sentence():
+    with pytest.raises(ConfigError, match="model.objective=dpo does not add MixtralForCausalLM's router load-bal"):
+        module("mixtral", objective="dpo")
+    module("mixtral", objective="dpo", router_aux_loss=False)  # said how to go on: it builds

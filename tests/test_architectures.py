@@ -232,6 +232,12 @@ def test_canary_transformers_init_weights_recomputes_rotary_buffers():
             ["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=1"],
             "trainer=tp needs a tensor-parallel plan and opt's config has none",
         ),
+        (  # experts: transformers' moe_tp_experts and packed_colwise are not among trainer=tp's styles
+            ["model=causal_lm", "model.model_type=mixtral", "+model.config.num_hidden_layers=1"],
+            "mixtral's tensor-parallel plan uses the style(s) ['moe_tp_experts', 'packed_colwise'], which "
+            "trainer=tp does not implement (colwise, rowwise, colwise_gather_output, rowwise_split_input, "
+            "replicated_with_grad_allreduce): train it with trainer=fsdp or trainer=ddp.",
+        ),
     ],
 )
 def test_tensor_parallel_config_errors_name_the_architectures_numbers(tmp_path, override, fragment):

@@ -54,6 +54,10 @@ ARCHS = {
         "+model.config.residual_multiplier=0.22",
         "+model.config.attention_multiplier=0.0625",
     ],
+    # per-head q/k norms (trainer=tp: one weight for every head, its gradient summed over the ranks' heads)
+    "qwen3": ["model=causal_lm", "model.model_type=qwen3", *ADDED, "+model.config.head_dim=8"],
+    # fused qkv_proj and gate_up_proj (trainer=tp: colwise_gather_output, rowwise_split_input)
+    "phi3": ["model=causal_lm", "model.model_type=phi3", *ADDED, "+model.config.pad_token_id=0"],
     # experts: the router's load-balancing loss is trained (src/models/moe.py) and logged as train/aux_loss
     "mixtral": [
         "model=causal_lm",
@@ -85,6 +89,8 @@ STRATEGIES = {
     "ddp": ["trainer=ddp", "trainer.devices=2"],
     "fsdp": ["trainer=fsdp", "trainer.devices=2"],
     "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"],
+    # 2 data-parallel replicas (FSDP2 over them) x 2 tensor-parallel ranks
+    "tp_data": ["trainer=tp", "trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"],
 }
 # 2 stages of 1 layer, 4 micro-batches; the pipeline clips in its own step, by the same norm
 PIPELINE = [
@@ -116,6 +122,7 @@ MATRIX = (
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
     + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero3")]
+    + [("qwen3", "tp"), ("qwen3", "tp_data"), ("qwen3", "pipeline_tp"), ("phi3", "tp"), ("gemma3", "tp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
@@ -133,6 +140,7 @@ CORE = [
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
     ("mixtral", "fsdp"),
+    ("qwen3", "tp"),
 ]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")

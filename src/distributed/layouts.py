@@ -19,7 +19,8 @@ import torch
 # GPT-2's plan: the suffixes of the Conv1D layers that become Linear, and how each is split
 COLWISE, ROWWISE = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 GPT2_PLAN = {**{name: "colwise" for name in COLWISE}, **{name: "rowwise" for name in ROWWISE}}
-STYLES = ("colwise", "rowwise")  # the plan styles torch's ColwiseParallel / RowwiseParallel implement here
+# the plan styles trainer=tp implements (with torch's DTensor styles: src/distributed/tensor_parallel.py)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads} when weights are in our layout
 _SWAPPED = re.compile(r"\.(" + "|".join(re.escape(n) for n in COLWISE + ROWWISE) + r")\.(weight|bias)$")
 

@@ -9,7 +9,26 @@ in backward.
 Which projection is split which way is read from the model: transformers ships it as
 `config.base_model_tp_plan` (Llama, Qwen2, Mistral and most modern decoders: `layers.*.self_attn.q_proj:
 colwise`, ...). Their attention infers its head count from the projection's width, so each rank's local
-heads (and key/value heads, under grouped-query attention) need nothing more.
+heads (and key/value heads, under grouped-query attention) need nothing more. The plan's styles, as torch's:
+
+    colwise                          ColwiseParallel(): output sharded (this rank's heads / MLP share)
+    rowwise                          RowwiseParallel(): input sharded, output all-reduced
+    colwise_gather_output            ColwiseParallel(output_layouts=Replicate()): output gathered whole (Phi-3's
+                                     fused qkv_proj and gate_up_proj: the gathered output is the packed one)
+    rowwise_split_input              RowwiseParallel(input_layouts=Replicate()): a whole input, each rank its slice
+    replicated_with_grad_allreduce   SequenceParallel(sequence_dim=-2): a per-head norm (Qwen3's, Gemma3's q_norm
+                                     and k_norm) holds one weight for every head and sees this rank's heads: its
+                                     input is marked sharded over the heads dim, so the weight's gradient is the
+                                     sum over all ranks' heads (DTensor keeps it Partial until the optimizer
+                                     reduces it), never one rank's heads alone.
+
+transformers implements the same styles (`transformers.distributed.tensor_parallel`), for its own loading path:
+its replicated_with_grad_allreduce keeps a plain parameter and all-reduces its gradient in a post-accumulate
+hook, which FSDP2 (step 4 of src/distributed/parallelize.py, over the data-parallel ranks) loses when it
+replaces the parameters, and which sums an already accumulated gradient again under gradient accumulation; and
+torch's fused AdamW and clipping need every parameter a DTensor (`replicate_the_rest`). So the styles map to
+torch's, which need neither. Other styles (experts: moe_tp_experts, packed_colwise; MLA's mla_kv_a_proj; ...)
+are refused in one sentence naming them.
 
 GPT-2 has no plan, and is the one hand-written adapter here:
 * torch's styles accept `nn.Linear` only, and HF GPT-2 uses `Conv1D` (weight stored [in, out]). We swap
@@ -93,11 +112,25 @@ def _gpt2_adapter(blocks: list[nn.Module], config: Any, tp: int) -> None:
         attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
 
 
+def torch_style(style: str) -> Any:
+    """torch's DTensor style for one of the plan's (STYLES; the module docstring says why each)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
+    }[style]()
+
+
 def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     """Split `blocks` of the LitModule `module` (all of them, or the ones a pipeline stage holds) over the 1-D
     `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1 of
     src/distributed/parallelize.py."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
     config = module.config
@@ -105,7 +138,7 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     plan = check_plan(config)
     if layout(config, tp) is not None:
         _gpt2_adapter(blocks, config, tp)
-    styles = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in plan.items()}
+    styles = {name: torch_style(style) for name, style in plan.items()}
     for block in blocks:
         parallelize_module(block, mesh, styles)
     for network in module.networks():

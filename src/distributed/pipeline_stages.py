@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from src.utils.config import ConfigError
+from src.utils.config import ArchitectureRefused, ConfigError
 
 FLOAT64_TOL = 1e-9  # the staged and the model's own forward run the same operations: in float64 they agree to ~1e-15
 
@@ -243,7 +243,7 @@ def check_stages(hf: nn.Module, layers: nn.ModuleList, n_stages: int, make: type
     owned = {id(p) for stage in stages for p in stage.parameters()}
     orphans = [name for name, p in hf.named_parameters() if id(p) not in owned]
     if orphans:
-        raise ConfigError(
+        raise ArchitectureRefused(
             f"trainer=pipeline cannot split {kind}: its parameters {orphans[:3]} are in no part its pipeline plan "
             f"names, so no stage would train them; {refuse}."
         )
@@ -259,13 +259,13 @@ def check_stages(hf: nn.Module, layers: nn.ModuleList, n_stages: int, make: type
                     x = stage(x)
         except Exception as error:  # noqa: BLE001 - any failure of the staged forward is a refusal, said
             first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise ConfigError(
+            raise ArchitectureRefused(
                 f"trainer=pipeline cannot split {kind}: running its stages failed ({type(error).__name__}: "
                 f"{first_line}); {refuse}."
             ) from None
     gap = (x - expected).abs().max().item() if x.shape == expected.shape else float("inf")
     if not gap <= FLOAT64_TOL * max(1.0, expected.abs().max().item()):
-        raise ConfigError(
+        raise ArchitectureRefused(
             f"trainer=pipeline would train a different function than one process for {kind}: its stages' logits "
             f"differ from the model's own forward by {gap:.3g} at most (float64, probe batch); {refuse}."
         )

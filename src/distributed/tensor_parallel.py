@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from src.distributed.layouts import COLWISE, GPT2_PLAN, ROWWISE, STYLES, layout, qkv_order
-from src.utils.config import ConfigError
+from src.utils.config import ArchitectureRefused, ConfigError
 from src.utils.hf_config import head_counts
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     plan = check_plan(config)
     if layout(config, tp) is not None:
         _gpt2_adapter(blocks, config, tp)
+    for block in {type(b): b for b in blocks}.values():  # each kind of layer (hybrid models hold several)
+        check_whole_inside(block, plan, config.model_type)
     styles = {name: torch_style(style) for name, style in plan.items()}
     for block in blocks:
         parallelize_module(block, mesh, styles)
@@ -149,6 +151,36 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
         f"key/value heads per rank)"
     )
     return module
+
+
+def check_whole_inside(block: nn.Module, plan: dict[str, str], model_type: str) -> None:
+    """One sentence when the plan leaves a parameter whole that sees one rank's share of the activations: one held by
+    a module that sits beside a colwise and a rowwise layer of the plan (between them, where each rank holds its
+    heads or its share of the MLP) and is not in the plan itself. Apertus' xIELU activation (two scalars in the MLP)
+    and OLMo-Hybrid's linear-attention convolution are such: each rank would update them from its own share's
+    gradient, a different model (or a crash) that the plan does not say how to avoid."""
+    children: dict[str, set[str]] = {}
+    for name, style in plan.items():
+        parent, _, _ = name.rpartition(".")
+        children.setdefault(parent, set()).add(style)
+    whole = []
+    for parent in (p for p, styles in children.items() if {"colwise", "rowwise"} <= styles):
+        try:
+            owner = block.get_submodule(parent) if parent else block
+        except AttributeError:  # a plan entry for another kind of layer
+            continue
+        here = [(f"{parent}.{n}".lstrip("."), p) for n, p in owner.named_parameters(recurse=False)]
+        for child, module in owner.named_children():
+            path = f"{parent}.{child}".lstrip(".")
+            if path not in plan:
+                here += [(f"{path}.{n}", p) for n, p in module.named_parameters()]
+        whole += [name for name, _ in here if name not in plan]
+    if whole:
+        raise ArchitectureRefused(
+            f"trainer=tp cannot split {model_type} exactly: its tensor-parallel plan leaves {whole[:3]} whole "
+            "between layers it splits, where each rank sees its own share of the activations; train it with "
+            "trainer=fsdp or trainer=ddp."
+        )
 
 
 def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:

@@ -130,9 +130,19 @@ def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> Pre
 
 
 def build_on_meta(config: PretrainedConfig) -> PreTrainedModel:
-    """The model's modules and shapes on the meta device: no memory, no RNG draws."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    """The model's parameters on the meta device (no memory, no RNG draws) and its buffers as an eager build
+    computes them, on the CPU (accelerate's `init_empty_weights(include_buffers=False)`): what no checkpoint
+    stores (RoPE's inv_freq, Gemma's embed_scale, Apertus' xIELU beta and eps) keeps its value through
+    `init.allocate`, whatever computes it. Each parameter is created on the CPU and moved to meta as its module
+    registers it: one parameter's memory at a time, never the model's."""
+    from accelerate import init_empty_weights
+
+    # some modules draw a parameter's value before registering it (Qwen3-Next's A_log): under a forked RNG that draw
+    # leaves no trace, so every rank's later draws are those of a build on meta
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # the patch gives each registration its own meta parameter: a tied head would come untied
+    return model
 
 
 def context_length(config: PretrainedConfig) -> int:

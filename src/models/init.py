@@ -69,20 +69,27 @@ def has_meta(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def allocate(model: nn.Module, device: torch.device, tie: bool = True) -> None:
-    """Memory for `model` (on meta) on `device`, its buffers recomputed; parameters hold garbage until filled.
+    """Memory for `model` (on meta) on `device`, its buffers kept or recomputed; parameters hold garbage until filled.
 
-    `to_empty` gives buffers memory but not values, persistent or not: transformers' own per-module init
-    recomputes them (RoPE's inv_freq, Gemma's embed_scale beside its embedding's weight: functions of the config).
-    It runs on every module that holds a buffer, with every parameter marked initialised (`_is_hf_initialized`,
+    `to_empty` gives buffers memory but not values, persistent or not. Buffers the model was built with
+    (hf.build_on_meta builds them on the CPU, as an eager build does) get their values back. For a model built
+    wholly on meta (`with torch.device("meta")`), transformers' own per-module init recomputes them (RoPE's
+    inv_freq, Gemma's embed_scale beside its embedding's weight: functions of the config; not every buffer: Apertus'
+    xIELU sets its own in __init__, which is why hf.build_on_meta keeps them). That init runs on every module that
+    holds a buffer, with every parameter marked initialised (`_is_hf_initialized`,
     which transformers' init functions skip), under a forked RNG: no parameter is drawn or changed there, and the
     global RNG moves as if it had not run. Private names, each with a canary: `_init_weights`
     (tests/test_architectures.py), `_is_hf_initialized` (tests/test_meta_init.py).
     """
+    built = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}  # hf.build_on_meta's
     model.to_empty(device=device)
     if tie and hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives each module its own new tensor
+    for name, buffer in model.named_buffers():
+        if name in built:
+            buffer.copy_(built[name])
     owner = next((m for m in model.modules() if hasattr(m, "_init_weights")), None)  # the transformers model
-    if owner is None:
+    if owner is None or len(built) == len(dict(model.named_buffers())):
         return
     unmarked = [p for p in model.parameters() if not getattr(p, "_is_hf_initialized", False)]
     for param in unmarked:

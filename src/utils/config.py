@@ -23,6 +23,13 @@ class ConfigError(UserError, ValueError):
     """A config value or key that cannot work; the message names the key and the fix."""
 
 
+class ArchitectureRefused(ConfigError):
+    """A strategy that cannot split this architecture exactly, found when the ranks hold the model: every rank
+    reaches the same verdict from the same model, so `user_errors` prints it once (rank 0)."""
+
+    same_on_every_rank = True
+
+
 @dataclass
 class PathsConfig:
     root_dir: str = MISSING

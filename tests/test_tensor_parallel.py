@@ -206,3 +206,25 @@ def test_tp_estimate_matches_bytes_measured_per_rank(tp):
     expected = dict(zip(("params", "grads", "optimizer"), model_states(psi, 1, "ddp", mixed=False)[:3]))
     for rank in (0, 1):
         assert json.loads((run / f"state_bytes_rank{rank}.json").read_text()) == expected
+
+
+def test_a_plan_that_leaves_a_parameter_whole_between_split_layers_is_one_sentence():
+    """Apertus' xIELU activation holds two scalars between the MLP's colwise and rowwise layers, where each rank sees
+    its own share of the intermediate activations; its shipped plan does not say how their gradients combine, so
+    each rank would train its own (a different model, exit 0). Qwen3's q/k norms sit there too and are in its plan
+    (replicated_with_grad_allreduce): accepted."""
+    from transformers import AutoModelForCausalLM
+
+    from src.distributed.tensor_parallel import check_whole_inside, layer_plan
+    from src.utils.config import ArchitectureRefused
+    from tests.helpers.architectures import tiny_config
+
+    for model_type, refused in (("apertus", True), ("qwen3", False), ("llama", False)):
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            block = AutoModelForCausalLM.from_config(config).model.layers[0]
+        if not refused:
+            check_whole_inside(block, layer_plan(config), model_type)
+            continue
+        with pytest.raises(ArchitectureRefused, match=r"leaves \['mlp.act_fn.alpha_p', 'mlp.act_fn.alpha_n'\] whole"):
+            check_whole_inside(block, layer_plan(config), model_type)

@@ -149,7 +149,7 @@ def layers_name(hf: nn.Module) -> str:
     plan = getattr(hf.config, "base_model_pp_plan", None) or {}
     lists = [name for name in plan if isinstance(getattr(hf.base_model, name, None), nn.ModuleList)]
     if len(lists) != 1:
-        raise ConfigError(
+        raise ArchitectureRefused(
             f"{hf.config.model_type}'s pipeline plan {list(plan)} does not name one layer list: "
             "train it with trainer=fsdp or trainer=ddp."
         )

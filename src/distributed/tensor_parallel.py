@@ -183,6 +183,27 @@ def check_whole_inside(block: nn.Module, plan: dict[str, str], model_type: str) 
         )
 
 
+def check_forward(module: Any) -> None:
+    """One forward of a short probe batch once the model is split and on its device (every rank runs it: the split
+    forward holds collectives). A model whose split forward fails, e.g. a module that uses a weight outside its own
+    forward (OLMo-Hybrid's and Qwen3.5's linear-attention convolution) and so meets a replicated DTensor with a
+    plain tensor, is one sentence here, not a traceback at step 1."""
+    ids = torch.zeros(1, 8, dtype=torch.long, device=module.device)
+    modes = {m: m.training for m in module.modules()}
+    try:
+        with torch.no_grad():
+            module.eval()(ids)
+    except Exception as error:  # noqa: BLE001 - any failure of the split forward is a refusal, said
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ArchitectureRefused(
+            f"trainer=tp cannot split {module.config.model_type}: its forward fails once split "
+            f"({type(error).__name__}: {first}); train it with trainer=fsdp or trainer=ddp."
+        ) from None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
 def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
     """Every other parameter (embeddings, LayerNorms, the tied head) as a DTensor replicated on `mesh`.
 

@@ -16,7 +16,7 @@ from src.distributed.checkpointing import save_sharded
 from src.distributed.layouts import LAYOUT_KEY, layout
 from src.distributed.mesh import split_data_over
 from src.distributed.parallelize import parallelize
-from src.distributed.tensor_parallel import check_divisible, check_plan
+from src.distributed.tensor_parallel import check_divisible, check_forward, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
 from src.utils.hf_config import architecture
 
@@ -80,7 +80,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def setup(self, trainer) -> None:
         module = self.lightning_module
-        if not getattr(module, "_tensor_parallel", False):  # setup runs again for test after fit
+        first = not getattr(module, "_tensor_parallel", False)  # setup runs again for test after fit
+        if first:
             parallelize(
                 module,
                 tensor_parallel=self.device_mesh["tensor_parallel"],
@@ -89,6 +90,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
             )
             module._tensor_parallel = True
         super().setup(trainer)
+        if first:
+            check_forward(module)  # on its device: a split forward that fails is one sentence
 
     def teardown(self) -> None:
         split_data_over(None)

@@ -18,8 +18,10 @@ def cell(row: dict) -> str:
         return "equal"
     if row["outcome"] != "refused":
         return row["outcome"]
-    sentence = re.sub(r"^(Error|ConfigError)[:\s]*", "", row["detail"]).replace("|", "\\|")
-    return "refused: " + sentence
+    sentence = re.sub(r"^(Error|ConfigError)[:\s]*", "", row["detail"])
+    sentence = re.sub(r"[:;,] (train it|set model\.router_aux_loss).*$", "", sentence)  # the advice, said below
+    sentence = re.sub(r" \(colwise, rowwise[^)]*\)", "", sentence)  # the styles trainer=tp implements, said below
+    return "refused: " + sentence.replace("|", "\\|")
 
 
 def table(rows: list[dict]) -> str:
@@ -29,7 +31,10 @@ def table(rows: list[dict]) -> str:
     versions = sorted({row["transformers"] for row in rows})
     built = {a: c for a, c in by_arch.items() if not any(r["outcome"] == "unbuilt" for r in c.values())}
     lines = [
-        f"transformers {', '.join(versions)}: {len(built)} of {len(by_arch)} architectures built and trained.",
+        f"transformers {', '.join(versions)}: {len(built)} of {len(by_arch)} architectures built and trained. Each"
+        " refusal is one sentence before step 1, shortened here: the whole one ends with what to use instead"
+        " (trainer=fsdp or trainer=ddp; for the router's loss, model.router_aux_loss=false), and trainer=tp's"
+        " names the styles it implements.",
         "",
         "| architecture | " + " | ".join(f"trainer={s}" for s in STRATEGIES) + " |",
         "| --- | " + " | ".join("---" for _ in STRATEGIES) + " |",
@@ -39,7 +44,7 @@ def table(rows: list[dict]) -> str:
     unbuilt = {a: next(iter(c.values()))["detail"] for a, c in by_arch.items() if a not in built}
     if unbuilt:
         lines += ["", "Not built at the test's size (its config defaults name sizes otherwise, or it fails there):", ""]
-        lines += [f"- {arch}: {detail}" for arch, detail in sorted(unbuilt.items())]
+        lines += [f"- {arch}: {' '.join(detail.split())}" for arch, detail in sorted(unbuilt.items())]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ RUN = [
     "data.global_batch_size=8",
     "trainer.max_steps=2",
     "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
     "test=false",
     "model.scheduler.num_warmup_steps=1",
 ]
@@ -41,8 +42,9 @@ STRATEGIES = {
     # 2 stages of 1 layer; the pipeline clips in its own step, by the same norm as one process
     "pipeline": ["trainer=pipeline", "trainer.devices=2", "trainer.gradient_clip_val=null"],
 }
-# families whose forward differs from Llama's in what each strategy must keep (see tests/helpers/architectures.py)
-MATRIX_SAMPLE = ["qwen3", "phi3", "gemma2", "gemma3_text", "granite", "cohere", "gpt_neox", "mixtral"]
+# families whose forward differs from Llama's in what each strategy must keep (see tests/helpers/architectures.py);
+# Granite (with granite-3's multipliers) and Mixtral (with its aux loss) run in tests/test_architectures_parity.py
+MATRIX_SAMPLE = ["qwen3", "phi3", "gemma2", "gemma3_text", "cohere", "gpt_neox"]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 CASES = [(arch, s) for arch in (with_both_plans() if ALL else MATRIX_SAMPLE) for s in STRATEGIES]
 assert set(MATRIX_SAMPLE) <= set(SAMPLE)

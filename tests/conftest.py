@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -91,7 +93,10 @@ def python() -> str:
 def run_script(
     script: str, args: list[str], timeout: int = 600, check: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
+    # MASTER_PORT: Lightning's launcher otherwise takes the OS's bind(0) pick, an ephemeral port that another test's
+    # gloo connection can take before rank 0 listens on it (EADDRINUSE, seen in CI); free_port() is outside that range
+    port = str(free_port())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "MASTER_PORT": port, **(env or {})}
     proc = subprocess.run(
         [python(), script, *args], cwd=ROOT, env=env, capture_output=True, text=True, errors="replace", timeout=timeout
     )
@@ -102,7 +107,7 @@ def run_script(
     return proc
 
 
-_ports = iter(range(0, 500))
+_ports = itertools.cycle(range(500))  # reused in turn: a run ends before this worker starts its next
 
 
 def free_port() -> int:
@@ -113,7 +118,7 @@ def free_port() -> int:
     import socket
 
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    for offset in _ports:
+    for offset in itertools.islice(_ports, 500):
         port = 25000 + 500 * worker + offset  # above 15000 + a SLURM job id (hydra_ddp.py)
         with socket.socket() as s:
             try:
@@ -207,6 +212,7 @@ def once_per_session(tmp_path_factory, name: str, make):
     with FileLock(str(result) + ".lock"):
         if not result.exists():
             work = root / name
+            shutil.rmtree(work, ignore_errors=True)  # what a failed make() by another worker left: make it again
             work.mkdir()
             value = make(work)
             result.write_bytes(pickle.dumps(value))

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import transformers
-from conftest import path_overrides, run_script
+from conftest import once_per_session, path_overrides, run_script
 from test_errors import assert_one_clear_line
 from test_fsdp import last_ckpt
 from test_parity import QUIET, max_param_diff
@@ -83,32 +83,35 @@ def record(arch: str, strategy: str, outcome: str, detail: str) -> None:
             f.write(json.dumps({**row, "transformers": transformers.__version__}) + "\n")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
-    """Each architecture's 1-process run (trained once per module), or the reason it cannot be."""
+    """Each architecture's 1-process run (trained once per session, for all xdist workers), or the reason it
+    cannot be."""
     runs: dict[str, dict | str] = {}
+
+    def make(arch: str, tmp) -> dict | str:
+        try:
+            reason = too_large(tiny_config(arch, layers=2))
+        except Exception as error:  # noqa: BLE001 - the reason is the skip's
+            reason = f"its config does not build at a tiny size: {error}"
+        if reason:
+            return reason
+        dirs = {"log_dir": tmp / "one", "cache_dir": tmp / "cache"}
+        proc = run_script("train.py", QUIET + path_overrides(dirs) + RUN + overrides(arch), check=False)
+        if proc.returncode:
+            return "one process fails at a tiny size: " + last_line(proc)
+        (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
+        from conftest import read_events
+
+        losses = [e.value for e in read_events(run / "tensorboard").Scalars("train/loss")]
+        return {
+            "losses": losses,
+            "params": {"state_dict": load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]},
+        }
 
     def get(arch: str) -> dict | str:
         if arch not in runs:
-            tmp = tmp_path_factory.mktemp(arch)
-            try:
-                reason = too_large(tiny_config(arch, layers=2))
-            except Exception as error:  # noqa: BLE001 - the reason is the skip's
-                reason = f"its config does not build at a tiny size: {error}"
-            if reason:
-                runs[arch] = reason
-                return reason
-            dirs = {"log_dir": tmp / "one", "cache_dir": tmp / "cache"}
-            proc = run_script("train.py", QUIET + path_overrides(dirs) + RUN + overrides(arch), check=False)
-            if proc.returncode:
-                runs[arch] = "one process fails at a tiny size: " + last_line(proc)
-            else:
-                (run,) = (dirs["log_dir"] / "train" / "runs").iterdir()
-                from conftest import read_events
-
-                ea = read_events(run / "tensorboard")
-                losses = [e.value for e in ea.Scalars("train/loss")]
-                runs[arch] = {"losses": losses, "params": load_checkpoint(run / "checkpoints" / "last.ckpt")}
+            runs[arch] = once_per_session(tmp_path_factory, f"matrix-one-{arch}", lambda tmp: make(arch, tmp))
         return runs[arch]
 
     return get

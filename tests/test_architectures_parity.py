@@ -121,7 +121,7 @@ MATRIX = (
     + [("qwen2", s) for s in STRATEGIES]
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
-    + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3")]
+    + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3", "tp", "tp_data")]
     + [("qwen3", "tp"), ("qwen3", "tp_data"), ("qwen3", "pipeline_tp"), ("phi3", "tp"), ("gemma3", "tp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
@@ -139,7 +139,7 @@ CORE = [
     ("mistral", "ddp"),
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
-    ("mixtral", "fsdp"),
+    ("mixtral", "tp"),  # experts split over the tensor ranks (src/distributed/experts.py), aux loss included
 ]
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_architectures_parity import FULL_MATRIX_ONLY
 
 from src.distributed.deepspeed import DeepSpeedStrategy, derive_config
 from src.utils.config import ConfigError
@@ -132,7 +133,7 @@ def ds_run(tmp: Path, name: str, args: list[str]) -> dict:
 
 @pytest.mark.slow
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=[FULL_MATRIX_ONLY]), 2, 3])  # suite time: ZeRO-1 opt-in
 def test_zero_stages_match_ddp(tmp_path, ddp, stage):
     from test_parity import assert_same_series, max_param_diff
 

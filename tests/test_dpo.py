@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import shared
+from test_architectures_parity import ALL, FULL_MATRIX_ONLY
 
 from src.datamodules.corpus import CorpusError
 from src.datamodules.preference import PreferenceDataModule, pair_collate
@@ -434,7 +435,9 @@ STATS_LOGGED = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(  # suite time: ZeRO-2 and Llama in the full matrix; ZeRO-3 and GPT-2 under FSDP2 stay
+    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero2_2", "llama_fsdp_2") else []) for c in CASES]
+)
 def test_n_ranks_match_one_process(tmp_path, reference, case):
     """The 1 x 8 run (a frozen copy of the starting weights as reference; with LoRA, the model without its adapter)
     against 2 x 4 under DDP, FSDP2, ZeRO-2/3 (the reference sharded like the policy), 1 x 4 x accumulation 2, and
@@ -515,7 +518,8 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_8_pairs(tmp_path):
 def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_path):
     """Instruction tuning under FSDP2 (a DCP dir) and ZeRO-2 (a ZeRO dir), 2 steps each; then DPO with
     model.pretrained=<that checkpoint>, and =<its consolidated .ckpt file>: the policy and its reference start
-    from the checkpoint's weights (not its optimizer or step), and the first step's rewards are 0."""
+    from the checkpoint's weights (not its optimizer or step), and the first step's rewards are 0. The ZeRO-2 dir
+    form runs in the full matrix (TEST_ALL_ARCHITECTURES=1; suite time)."""
     from conftest import path_overrides, read_events, run_script
     from hydra.utils import instantiate
     from test_configs import compose_cfg
@@ -536,16 +540,16 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
         "test=false",
         *shape,
     ]
-    for name, strategy in (
-        ("fsdp", ["trainer=fsdp", "trainer.devices=2"]),
-        ("zero2", CPU_DS + ["trainer.strategy.stage=2"]),
-    ):
+    forms = {"fsdp": ["trainer=fsdp", "trainer.devices=2"]} | (
+        {"zero2": CPU_DS + ["trainer.strategy.stage=2"]} if ALL else {}
+    )
+    for name, strategy in forms.items():
         run_script(
             "train.py",
             QUIET + path_overrides({"log_dir": tmp_path / name, "cache_dir": tmp_path / "cache"}) + sft + strategy,
         )
-    dcp, zero = last_ckpt(tmp_path, "fsdp"), last_ckpt(tmp_path, "zero2")
-    assert is_dcp(dcp) and is_deepspeed(zero)
+    dcp, zeros = last_ckpt(tmp_path, "fsdp"), [last_ckpt(tmp_path, "zero2")] if ALL else []
+    assert is_dcp(dcp) and all(is_deepspeed(zero) for zero in zeros)
     dpo = (
         dpo_run_args()[:3]
         + shape
@@ -585,7 +589,7 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     # and the loss -log sigmoid(beta * margin) by beta/2 x the margin's 4 of them: 2e-5 (1.4e-5 seen on an EPYC)
     assert abs(metrics["val/loss"] - logged.Scalars("val/loss")[-1].value) <= 1e-4
 
-    for source in (consolidate(dcp, tmp_path / "sft.ckpt"), zero):  # the file form and the ZeRO dir
+    for source in [consolidate(dcp, tmp_path / "sft.ckpt"), *zeros]:  # the file form and the ZeRO dir
         cfg = compose_cfg(dpo + [f"model.pretrained={source}", f"paths.cache_dir={tmp_path / 'cache'}"], tmp=tmp_path)
         prepare(cfg)
         assert cfg.data.tokenizer == "bytes"  # the checkpoint's own tokenizer, not the export dir

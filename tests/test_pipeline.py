@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import path_overrides, read_events, run_script
+from conftest import once_per_session, path_overrides, read_events, run_script
+from test_architectures_parity import FULL_MATRIX_ONLY
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
 from src.tools.checkpoints import build_module, export_hf, load_checkpoint
@@ -55,34 +56,40 @@ SCHEDULES = {
 THROUGHPUT = ["callbacks.throughput.window_size=2"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one(tmp_path_factory) -> dict:
-    """The one-process run every 2-rank pipeline run is compared with (trained once per module)."""
-    tmp = tmp_path_factory.mktemp("one")
-    return {**train(tmp, "one", PIPE_GPT2 + EVERY_3), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+    """The one-process run every 2-rank pipeline run is compared with (trained once per session, for all xdist
+    workers)."""
+
+    def make(tmp: Path) -> dict:
+        return {**train(tmp, "one", PIPE_GPT2 + EVERY_3), "ckpt": run_dir(tmp, "one") / "checkpoints" / "last.ckpt"}
+
+    return once_per_session(tmp_path_factory, "pipeline-one", make)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pipelines(tmp_path_factory):
-    """Each schedule's 2-rank run, trained on first use and shared by the tests (the tmp dir comes along)."""
+    """Each schedule's 2-rank run, trained on first use (once per session) and shared by the tests (the tmp dir
+    comes along)."""
     runs: dict[str, tuple[Path, dict]] = {}
+
+    def make(schedule: str, tmp: Path) -> tuple[Path, dict]:
+        quiet = [a for a in QUIET if a != "callbacks.throughput=null"] if schedule == "GPipe" else QUIET
+        extra = THROUGHPUT if schedule == "GPipe" else []
+        return tmp, train_pipeline(tmp, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES[schedule] + extra, quiet)
 
     def get(schedule: str) -> tuple[Path, dict]:
         if schedule not in runs:
-            tmp = tmp_path_factory.mktemp(schedule)
-            quiet = [a for a in QUIET if a != "callbacks.throughput=null"] if schedule == "GPipe" else QUIET
-            extra = THROUGHPUT if schedule == "GPipe" else []
-            runs[schedule] = (
-                tmp,
-                train_pipeline(tmp, "pipe", PIPE_GPT2 + EVERY_3 + PIPELINE + SCHEDULES[schedule] + extra, quiet),
-            )
+            runs[schedule] = once_per_session(tmp_path_factory, f"pipeline-{schedule}", lambda tmp: make(schedule, tmp))
         return runs[schedule]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(  # suite time: GPipe in the full matrix (1F1B and interleaved 1F1B stay)
+    "schedule", [pytest.param(s, marks=[FULL_MATRIX_ONLY] if s == "GPipe" else []) for s in SCHEDULES]
+)
 def test_pipeline_schedules_match_one_process(tmp_path, one, pipelines, schedule):
     """2 ranks, 4 micro-batches: train loss at every step, val loss (52 samples in batches of 8: a short last batch) and
     final parameters equal one process's, with the tied wte/lm_head, clipping and an LR schedule."""
@@ -188,6 +195,7 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: test_architectures_parity's llama-pipeline_tp runs pipeline x tensor on 4 ranks
 def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 stages x 2 tensor-parallel ranks per stage (each stage's blocks split as trainer=tp splits them, 1 head per
     rank, and checkpointed: src/distributed/parallelize.py's steps 1 and 2): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned

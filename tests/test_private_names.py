@@ -95,3 +95,15 @@ def test_transformers_attention_support_flags():
     for flag in set(ATTENTION_SUPPORT.values()):
         assert getattr(LlamaForCausalLM, flag, None) is True, f"transformers' {flag} is gone"
     assert Gemma2ForCausalLM._supports_sdpa is False  # the case auto exists for
+
+
+def test_transformers_experts_expert_parallel_switch():
+    """src/distributed/experts.py turns on `_is_expert_parallel` of transformers' experts modules when it splits them
+    over the tensor ranks: without it the grouped kernels leave the skipped slots' rows uninitialised (garbage
+    gradients, seen). transformers' own expert parallelism (`transformers.distributed.expert_parallel`) sets it."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    experts = MixtralExperts(MixtralConfig(hidden_size=8, intermediate_size=8, num_local_experts=2))
+    assert experts._is_expert_parallel is False, "transformers' experts have no _is_expert_parallel switch"
+    assert experts.num_experts == 2

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, path_overrides, python, read_events
+from conftest import ROOT, once_per_session, path_overrides, python, read_events
 from test_parity import QUIET, train
 
 from tests.helpers import forkrun
@@ -81,10 +81,10 @@ def assert_same_eval(one: dict, sharded: dict, tags: tuple[str, ...] = ("val/los
         within(max(abs(x - y) for (_, x), (_, y) in zip(a, b)), 1e-5, tag)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("one")
-    return train(tmp, "one", UNEVEN + [corpus(tmp)])
+    """The 1-process run (once per session, for all xdist workers)."""
+    return once_per_session(tmp_path_factory, "sharded-eval-one", lambda tmp: train(tmp, "one", UNEVEN + [corpus(tmp)]))
 
 
 def test_fsdp_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_process(tmp_path, one_process):

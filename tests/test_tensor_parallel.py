@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import path_overrides, run_script
+from conftest import once_per_session, path_overrides, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
@@ -43,17 +43,19 @@ def run_of(tmp: Path, name: str) -> Path:
     return run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one(tmp_path_factory) -> dict:
-    """The one-process run the TP runs are compared with (trained once per module)."""
-    return train(tmp_path_factory.mktemp("one"), "1", BASE)
+    """The one-process run the TP runs are compared with (trained once per session, for all xdist workers)."""
+    return once_per_session(tmp_path_factory, "tp-one", lambda tmp: train(tmp, "1", BASE))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tp(tmp_path_factory) -> tuple[Path, dict]:
-    """The 2-rank tensor-parallel run (its tmp dir, its scalars), shared by the tests that read it."""
-    tmp = tmp_path_factory.mktemp("tp")
-    return tmp, train_sharded(tmp, "tp", BASE + TP + STATE_BYTES)
+    """The 2-rank tensor-parallel run (its tmp dir, its scalars), shared by the tests that read it (once per
+    session)."""
+    return once_per_session(
+        tmp_path_factory, "tp-tp", lambda tmp: (tmp, train_sharded(tmp, "tp", BASE + TP + STATE_BYTES))
+    )
 
 
 @pytest.mark.slow
@@ -145,6 +147,20 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
     with pytest.raises(ConfigError) as error:
         check_values(cfg)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_expert_count_that_does_not_divide_is_one_sentence():
+    """trainer=tp splits the experts over the tensor ranks (src/distributed/experts.py): 3 experts on 2 ranks is
+    refused before any rank starts; 4 pass."""
+    from transformers import MixtralConfig
+
+    from src.distributed.tensor_parallel import check_divisible
+    from src.utils.config import ConfigError
+
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 64}
+    with pytest.raises(ConfigError, match=r"mixtral's 3 experts do not divide by trainer\.strategy\.tensor_paral"):
+        check_divisible(MixtralConfig(num_local_experts=3, **shape), 2)
+    check_divisible(MixtralConfig(num_local_experts=4, **shape), 2)
 
 
 @pytest.mark.slow

@@ -20,7 +20,10 @@ import torch
 COLWISE, ROWWISE = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 GPT2_PLAN = {**{name: "colwise" for name in COLWISE}, **{name: "rowwise" for name in ROWWISE}}
 # the plan styles trainer=tp implements (with torch's DTensor styles: src/distributed/tensor_parallel.py)
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+STYLES = (
+    *("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"),
+    *("packed_colwise", "packed_rowwise", "moe_tp_experts"),  # experts: src/distributed/experts.py
+)
 LAYOUT_KEY = "tensor_parallel"  # checkpoint entry: {"size": tp, "n_head": heads} when weights are in our layout
 _SWAPPED = re.compile(r"\.(" + "|".join(re.escape(n) for n in COLWISE + ROWWISE) + r")\.(weight|bias)$")
 

@@ -27,8 +27,9 @@ its replicated_with_grad_allreduce keeps a plain parameter and all-reduces its g
 hook, which FSDP2 (step 4 of src/distributed/parallelize.py, over the data-parallel ranks) loses when it
 replaces the parameters, and which sums an already accumulated gradient again under gradient accumulation; and
 torch's fused AdamW and clipping need every parameter a DTensor (`replicate_the_rest`). So the styles map to
-torch's, which need neither. Other styles (experts: moe_tp_experts, packed_colwise; MLA's mla_kv_a_proj; ...)
-are refused in one sentence naming them.
+torch's, which need neither. An experts module (moe_tp_experts, with its weights' packed_colwise / rowwise) is
+split by experts instead (src/distributed/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
+all_reduce, embedding_rowwise, ...) are refused in one sentence naming them.
 
 GPT-2 has no plan, and is the one hand-written adapter here:
 * torch's styles accept `nn.Linear` only, and HF GPT-2 uses `Conv1D` (weight stored [in, out]). We swap
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from src.distributed import experts
 from src.distributed.layouts import COLWISE, GPT2_PLAN, ROWWISE, STYLES, layout, qkv_order
 from src.utils.config import ArchitectureRefused, ConfigError
 from src.utils.hf_config import head_counts
@@ -140,9 +142,11 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
         _gpt2_adapter(blocks, config, tp)
     for block in {type(b): b for b in blocks}.values():  # each kind of layer (hybrid models hold several)
         check_whole_inside(block, plan, config.model_type)
-    styles = {name: torch_style(style) for name, style in plan.items()}
-    for block in blocks:
-        parallelize_module(block, mesh, styles)
+    for block in blocks:  # weights the plan names (the experts') go with their experts module, not to torch's styles
+        modules = {n: s for n, s in plan.items() if s != experts.MODULE_STYLE and not _is_param(block, n)}
+        parallelize_module(block, mesh, {name: torch_style(style) for name, style in modules.items()})
+        for path, style in experts_styles(block, plan, config.model_type, tp).items():
+            style._apply(block.get_submodule(path), mesh)
     for network in module.networks():
         replicate_the_rest(network, mesh)
     heads, kv_heads, _ = head_counts(config)
@@ -151,6 +155,50 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
         f"key/value heads per rank)"
     )
     return module
+
+
+def experts_styles(block: nn.Module, plan: dict[str, str], model_type: str, tp: int) -> dict[str, Any]:
+    """The block's experts modules (moe_tp_experts) and their ExpertsParallel (src/distributed/experts.py: the
+    experts split over the ranks, the plan's own split of their weights replaced). One sentence when that cannot
+    be exact: an expert count that does not divide, an experts module that is not transformers' kind (a
+    `num_experts` and every weight one row per expert), a weight the plan splits outside an experts module."""
+    found: dict[str, Any] = {}
+    for path in (p for p, style in plan.items() if style == experts.MODULE_STYLE):
+        try:
+            module = block.get_submodule(path)
+        except AttributeError:  # a dense layer of a model that mixes dense and MoE layers
+            continue
+        count = getattr(module, "num_experts", None)
+        odd = [n for n, p in module.named_parameters() if not isinstance(count, int) or p.shape[0] != count]
+        if odd or not isinstance(count, int):
+            raise ArchitectureRefused(
+                f"trainer=tp cannot split {model_type}'s experts ({path}): {odd[:3] or 'no num_experts'} is not "
+                "one row per expert; train it with trainer=fsdp or trainer=ddp."
+            )
+        if count % tp:
+            raise ArchitectureRefused(
+                f"trainer=tp splits {model_type}'s {count} experts over the tensor-parallel ranks and {count} does "
+                f"not divide by trainer.strategy.tensor_parallel_size={tp}: pick a size that divides it."
+            )
+        found[path] = experts.ExpertsParallel()
+    for name, style in plan.items():
+        owner = name.rpartition(".")[0]
+        inside = plan.get(owner) == experts.MODULE_STYLE
+        if not inside and (style.startswith("packed") or (style in experts.PARAM_STYLES and _is_param(block, name))):
+            raise ArchitectureRefused(
+                f"trainer=tp cannot split {model_type}: its tensor-parallel plan splits the weight {name} ({style}) "
+                f"outside an experts module, which trainer=tp does not implement; train it with trainer=fsdp or "
+                "trainer=ddp."
+            )
+    return found
+
+
+def _is_param(block: nn.Module, name: str) -> bool:
+    try:
+        block.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def check_whole_inside(block: nn.Module, plan: dict[str, str], model_type: str) -> None:
@@ -222,7 +270,9 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
             for x in inputs
         )
 
-    def to_local(_module, output, _mesh):
+    def to_local(_module, output, _mesh):  # a router's (logits, weights, indices) too
+        if isinstance(output, tuple):
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in output)
         return output.to_local() if isinstance(output, DTensor) else output
 
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -262,3 +312,12 @@ def check_divisible(config: Any, tp: int) -> None:
             f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "
             "that divides them."
         )
+    experts_count = next((getattr(config, k) for k in EXPERT_COUNTS if isinstance(getattr(config, k, None), int)), 0)
+    if experts.MODULE_STYLE in (getattr(config, "base_model_tp_plan", None) or {}).values() and experts_count % tp:
+        raise ConfigError(
+            f"trainer=tp splits the experts over the tensor-parallel ranks and {config.model_type}'s "
+            f"{experts_count} experts do not divide by {key}={tp}: pick a tensor-parallel size that divides them."
+        )
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the configs' names for it

@@ -104,12 +104,13 @@ def model_config(model: str, fields: dict):
 
 COLWISE_STYLES = ("colwise", "colwise_gather_output")  # weight and bias split by output rows
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")  # weight split by input columns, bias whole
+EXPERTS_STYLE = "moe_tp_experts"  # every weight of the experts module split by experts (src/distributed/experts.py)
 
 
 def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
     """Parameters on the fullest rank of any decoder, counted on a meta-device build of `config`: each layer's
     parameters split by the model's tensor-parallel plan (colwise styles: weight and bias; rowwise styles:
-    weight; the rest, per-head norms too, replicated), ceil(layers / K) layers per stage, the parts before the layer list on the first stage and the
+    weight; an experts module: all of its weights; the rest, per-head norms too, replicated), ceil(layers / K) layers per stage, the parts before the layer list on the first stage and the
     parts after it plus the head (a copy of a tied embedding) on the last."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -125,7 +126,7 @@ def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int 
     for name, param in layers[0].named_parameters():
         module, kind = name.rsplit(".", 1)
         style = plan.get(module)
-        split = style in COLWISE_STYLES or (style in ROWWISE_STYLES and kind == "weight")
+        split = style in COLWISE_STYLES or (style in ROWWISE_STYLES and kind == "weight") or style == EXPERTS_STYLE
         per_layer += param.numel() // t if split else param.numel()
     body = next(m for m in model.modules() if any(c is layers for c in m.children()))
     children = list(body.children())

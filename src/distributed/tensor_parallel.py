@@ -140,7 +140,8 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     plan = check_plan(config)
     if layout(config, tp) is not None:
         _gpt2_adapter(blocks, config, tp)
-    for block in {type(b): b for b in blocks}.values():  # each kind of layer (hybrid models hold several)
+    kinds = {tuple(type(m) for m in b.modules()): b for b in blocks}  # each kind of layer: dense, MoE, hybrid
+    for block in kinds.values():
         check_whole_inside(block, plan, config.model_type)
     for block in blocks:  # weights the plan names (the experts') go with their experts module, not to torch's styles
         modules = {n: s for n, s in plan.items() if s != experts.MODULE_STYLE and not _is_param(block, n)}
@@ -193,6 +194,16 @@ def experts_styles(block: nn.Module, plan: dict[str, str], model_type: str, tp: 
     return found
 
 
+def _resolves(block: nn.Module, name: str) -> bool:
+    """Whether the plan's entry `name` names a module or parameter of `block` (a model's dense and MoE layers
+    share one plan; each holds only its own entries)."""
+    try:
+        block.get_submodule(name)
+    except AttributeError:
+        return _is_param(block, name)
+    return True
+
+
 def _is_param(block: nn.Module, name: str) -> bool:
     try:
         block.get_parameter(name)
@@ -207,22 +218,19 @@ def check_whole_inside(block: nn.Module, plan: dict[str, str], model_type: str) 
     heads or its share of the MLP) and is not in the plan itself. Apertus' xIELU activation (two scalars in the MLP)
     and OLMo-Hybrid's linear-attention convolution are such: each rank would update them from its own share's
     gradient, a different model (or a crash) that the plan does not say how to avoid."""
+    present = {name: style for name, style in plan.items() if _resolves(block, name)}  # this kind of layer's
     children: dict[str, set[str]] = {}
-    for name, style in plan.items():
+    for name, style in present.items():
         parent, _, _ = name.rpartition(".")
         children.setdefault(parent, set()).add(style)
     whole = []
     for parent in (p for p, styles in children.items() if {"colwise", "rowwise"} <= styles):
-        try:
-            owner = block.get_submodule(parent) if parent else block
-        except AttributeError:  # a plan entry for another kind of layer
-            continue
-        here = [(f"{parent}.{n}".lstrip("."), p) for n, p in owner.named_parameters(recurse=False)]
-        for child, module in owner.named_children():
-            path = f"{parent}.{child}".lstrip(".")
-            if path not in plan:
-                here += [(f"{path}.{n}", p) for n, p in module.named_parameters()]
-        whole += [name for name, _ in here if name not in plan]
+        owner, depth = (block.get_submodule(parent), len(parent.split("."))) if parent else (block, 0)
+        for name, _ in owner.named_parameters():
+            parts = f"{parent}.{name}".lstrip(".").split(".")
+            # covered: the parameter, or a module below `parent` that holds it, is in the plan
+            if not any(".".join(parts[:i]) in present for i in range(len(parts), depth, -1)):
+                whole.append(".".join(parts))
     if whole:
         raise ArchitectureRefused(
             f"trainer=tp cannot split {model_type} exactly: its tensor-parallel plan leaves {whole[:3]} whole "

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 MODULE_STYLE = "moe_tp_experts"
 PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")  # the plan's names for expert weights
+OWN_STYLES = (MODULE_STYLE, "packed_colwise", "packed_rowwise")  # styles only experts modules hold (here)
 
 
 class _SumGrad(torch.autograd.Function):

@@ -144,7 +144,7 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     for block in kinds.values():
         check_whole_inside(block, plan, config.model_type)
     for block in blocks:  # weights the plan names (the experts') go with their experts module, not to torch's styles
-        modules = {n: s for n, s in plan.items() if s != experts.MODULE_STYLE and not _is_param(block, n)}
+        modules = {n: s for n, s in plan.items() if s not in experts.OWN_STYLES and not _is_param(block, n)}
         parallelize_module(block, mesh, {name: torch_style(style) for name, style in modules.items()})
         for path, style in experts_styles(block, plan, config.model_type, tp).items():
             style._apply(block.get_submodule(path), mesh)

@@ -232,11 +232,11 @@ def test_canary_transformers_init_weights_recomputes_rotary_buffers():
             ["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=1"],
             "trainer=tp needs a tensor-parallel plan and opt's config has none",
         ),
-        (  # experts: transformers' moe_tp_experts and packed_colwise are not among trainer=tp's styles
-            ["model=causal_lm", "model.model_type=mixtral", "+model.config.num_hidden_layers=1"],
-            "mixtral's tensor-parallel plan uses the style(s) ['moe_tp_experts', 'packed_colwise'], which "
-            "trainer=tp does not implement (colwise, rowwise, colwise_gather_output, rowwise_split_input, "
-            "replicated_with_grad_allreduce): train it with trainer=fsdp or trainer=ddp.",
+        (  # MLA's mla_kv_a_proj is not among trainer=tp's styles (experts are: src/distributed/experts.py)
+            ["model=causal_lm", "model.model_type=glm4_moe_lite", "+model.config.num_hidden_layers=1"],
+            "glm4_moe_lite's tensor-parallel plan uses the style(s) ['mla_kv_a_proj'], which trainer=tp does not "
+            "implement (colwise, rowwise, colwise_gather_output, rowwise_split_input, replicated_with_grad_allreduce, "
+            "packed_colwise, packed_rowwise, moe_tp_experts): train it with trainer=fsdp or trainer=ddp.",
         ),
     ],
 )

@@ -107,6 +107,11 @@ def run_script(
     return proc
 
 
+# The full matrix: every architecture x strategy case and the cases the default suite leaves out for time
+# (docs/testing.md lists them); TEST_ALL_ARCHITECTURES=1 runs them.
+ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
+FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")
+
 _ports = itertools.cycle(range(500))  # reused in turn: a run ends before this worker starts its next
 
 

@@ -5,12 +5,11 @@ parameters within 1e-5 (fp32), through train.py as a real subprocess, as tests/t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED, run_script
+from conftest import FULL_MATRIX_ONLY, SHARED, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import QUIET, assert_same_series, max_param_diff, train
 
@@ -141,8 +140,6 @@ CORE = [
     ("granite", "pipeline"),
     ("mixtral", "tp"),  # experts split over the tensor ranks (src/distributed/experts.py), aux loss included
 ]
-ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
-FULL_MATRIX_ONLY = pytest.mark.skipif(not ALL, reason="in the full matrix only: TEST_ALL_ARCHITECTURES=1 runs it")
 
 
 def llama_args(gpt2_args: list[str]) -> list[str]:

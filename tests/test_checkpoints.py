@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, gone, python, run_script
-from test_architectures_parity import FULL_MATRIX_ONLY
+from conftest import FULL_MATRIX_ONLY, ROOT, gone, python, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_architectures_parity import FULL_MATRIX_ONLY
+from conftest import FULL_MATRIX_ONLY
 
 from src.distributed.deepspeed import DeepSpeedStrategy, derive_config
 from src.utils.config import ConfigError

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import shared
-from test_architectures_parity import ALL, FULL_MATRIX_ONLY
+from conftest import ALL, FULL_MATRIX_ONLY, shared
 
 from src.datamodules.corpus import CorpusError
 from src.datamodules.preference import PreferenceDataModule, pair_collate
@@ -475,6 +474,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: the parity cases and TRL's loss as the oracle stay
 def test_dpo_learns_to_prefer_the_chosen_answers_of_8_pairs(tmp_path):
     """experiment=gpt2_dpo as docs/fine-tuning.md runs it offline, overfitting 2 batches of 4 pairs: the policy starts as its
     reference (margin 0), then every pair's chosen answer gets the higher reward, and the samples callback still

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import path_overrides, read_events, run_script
+from conftest import FULL_MATRIX_ONLY, path_overrides, read_events, run_script
 
 from tests.helpers.margins import within
 
@@ -96,7 +96,7 @@ VISION_10 = VISION + ["data.val_size=10", "data.test_size=10"]  # test_parity: S
 VISION_10_11 = VISION + ["data.val_size=10", "data.test_size=11"]  # test_fsdp, test_deepspeed: FSDP2, ZeRO-2
 
 
-@pytest.mark.parametrize("n_eval", [10, 11])
+@pytest.mark.parametrize("n_eval", [pytest.param(10, marks=[FULL_MATRIX_ONLY]), 11])  # suite time: 10 opt-in
 def test_three_processes_batchnorm_metrics_and_exact_eval_match_one(tmp_path, reference, n_eval):
     """3 ranks vs 1 on a BatchNorm CNN: SyncBatchNorm makes training equal, and every val/test sample
     counts exactly once although 10 or 11 samples do not split evenly over 3 ranks.

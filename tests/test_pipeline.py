@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import once_per_session, path_overrides, read_events, run_script
-from test_architectures_parity import FULL_MATRIX_ONLY
+from conftest import FULL_MATRIX_ONLY, once_per_session, path_overrides, read_events, run_script
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
 from src.tools.checkpoints import build_module, export_hf, load_checkpoint

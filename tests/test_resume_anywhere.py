@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, once_per_session, path_overrides, python, read_events, run_script
-from test_architectures_parity import ALL, FULL_MATRIX_ONLY, llama_args
+from conftest import ALL, FULL_MATRIX_ONLY, ROOT, once_per_session, path_overrides, python, read_events, run_script
+from test_architectures_parity import llama_args
 from test_parity import GPT2, QUIET, max_param_diff
 
 from src.tools.checkpoints import load_checkpoint

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, once_per_session, path_overrides, python, read_events
+from conftest import FULL_MATRIX_ONLY, ROOT, once_per_session, path_overrides, python, read_events
 from test_parity import QUIET, train
 
 from tests.helpers import forkrun
@@ -94,6 +94,7 @@ def test_fsdp_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_p
     assert_same_eval(one_process, fsdp)
 
 
+@FULL_MATRIX_ONLY  # suite time: the FSDP2 case above stays (both gather in every evaluation forward)
 def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_process(tmp_path, one_process):
     pytest.importorskip("deepspeed")
     from test_deepspeed import CPU_DS

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import shared
-from test_architectures_parity import FULL_MATRIX_ONLY, llama_args
+from conftest import FULL_MATRIX_ONLY, shared
+from test_architectures_parity import llama_args
 
 from tests.helpers.margins import within
 

@@ -170,11 +170,11 @@ def experts_styles(block: nn.Module, plan: dict[str, str], model_type: str, tp: 
         except AttributeError:  # a dense layer of a model that mixes dense and MoE layers
             continue
         count = getattr(module, "num_experts", None)
-        odd = [n for n, p in module.named_parameters() if not isinstance(count, int) or p.shape[0] != count]
-        if odd or not isinstance(count, int):
+        odd = [n for n, p in module.named_parameters() if p.shape[0] != count]
+        if not isinstance(count, int) or odd:
             raise ArchitectureRefused(
-                f"trainer=tp cannot split {model_type}'s experts ({path}): {odd[:3] or 'no num_experts'} is not "
-                "one row per expert; train it with trainer=fsdp or trainer=ddp."
+                f"trainer=tp cannot split {model_type}'s experts ({path}): {odd[:3]} is not one row per expert "
+                f"(num_experts={count}); train it with trainer=fsdp or trainer=ddp."
             )
         if count % tp:
             raise ArchitectureRefused(

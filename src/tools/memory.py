@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from src.distributed import experts
 from src.distributed.tensor_parallel import check_divisible, check_plan
 from src.models.hf import decoder_layers
 
@@ -104,7 +105,6 @@ def model_config(model: str, fields: dict):
 
 COLWISE_STYLES = ("colwise", "colwise_gather_output")  # weight and bias split by output rows
 ROWWISE_STYLES = ("rowwise", "rowwise_split_input")  # weight split by input columns, bias whole
-EXPERTS_STYLE = "moe_tp_experts"  # every weight of the experts module split by experts (src/distributed/experts.py)
 
 
 def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
@@ -126,7 +126,9 @@ def config_rank_params(config, tensor_parallel: int = 1, pipeline_parallel: int 
     for name, param in layers[0].named_parameters():
         module, kind = name.rsplit(".", 1)
         style = plan.get(module)
-        split = style in COLWISE_STYLES or (style in ROWWISE_STYLES and kind == "weight") or style == EXPERTS_STYLE
+        split = (
+            style in COLWISE_STYLES or (style in ROWWISE_STYLES and kind == "weight") or style == experts.MODULE_STYLE
+        )
         per_layer += param.numel() // t if split else param.numel()
     body = next(m for m in model.modules() if any(c is layers for c in m.children()))
     children = list(body.children())

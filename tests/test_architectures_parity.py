@@ -66,6 +66,25 @@ ARCHS = {
         "+model.config.num_experts_per_tok=2",
         "+model.config.router_aux_loss_coef=0.5",
     ],
+    # Qwen3-MoE: experts beside per-head q/k norms; OLMoE: q/k norms over all heads, every expert fused gate_up
+    "qwen3_moe": [
+        "model=causal_lm",
+        "model.model_type=qwen3_moe",
+        *ADDED,
+        "+model.config.head_dim=8",
+        "+model.config.num_experts=4",
+        "+model.config.num_experts_per_tok=2",
+        "+model.config.moe_intermediate_size=32",
+        "+model.config.router_aux_loss_coef=0.5",
+    ],
+    "olmoe": [
+        "model=causal_lm",
+        "model.model_type=olmoe",
+        *ADDED,
+        "+model.config.num_experts=4",
+        "+model.config.num_experts_per_tok=2",
+        "+model.config.router_aux_loss_coef=0.5",
+    ],
     "gemma3": [
         "model=causal_lm",
         "model.model_type=gemma3_text",
@@ -75,6 +94,7 @@ ARCHS = {
         "+model.config.layer_types=[sliding_attention,full_attention]",
     ],
 }
+MOE = ("mixtral", "qwen3_moe", "olmoe")
 # Mistral's cases train on padded Alpaca records (prompt labels -100, one padded length per batch; byte tokens)
 DATA = {
     "mistral": [
@@ -121,11 +141,12 @@ MATRIX = (
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
     + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3", "tp", "tp_data")]
+    + [(moe, s) for moe in ("qwen3_moe", "olmoe") for s in ("ddp", "fsdp", "zero2", "zero3", "tp")]
     + [("qwen3", "tp"), ("qwen3", "tp_data"), ("qwen3", "pipeline_tp"), ("phi3", "tp"), ("gemma3", "tp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
-# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (23 cases).
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (51 cases).
 CORE = [
     ("llama", "ddp"),
     ("llama", "fsdp"),
@@ -176,7 +197,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
         params = load_checkpoint(last_ckpt(tmp_path, strategy))["state_dict"]
     assert_same_series(one, run, "train/loss", 1e-5)
     assert_same_series(one, run, "val/loss", 1e-5)
-    if arch == "mixtral":  # the aux loss is the mean of each sequence's: the same whatever holds which sequence
+    if arch in MOE:  # the aux loss is the mean of each sequence's: the same whatever holds which sequence
         assert_same_series(one, run, "train/aux_loss", 1e-5)
         assert_same_series(one, run, "train/expert_load_max", 1e-5)
     assert len(run["scalars"]["train/loss"]) == 6

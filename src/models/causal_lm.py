@@ -261,10 +261,15 @@ class CausalLMLitModule(LitModule):
 
     def _materialize_here(self, strategy: Any) -> None:
         if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
+            from transformers.initialization import no_init_weights
+
             for name in ("model", "reference") if self.reference is not None else ("model",):
-                model = AutoModelForCausalLM.from_config(
-                    self.config
-                )  # DPO's reference: the same values, partitioned alike
+                # transformers' own init would run on the partitioned (empty) parameters: it cannot (OLMoE's and
+                # Gemma's padding row: IndexError) and is overwritten below; buffers keep what __init__ computes.
+                # Skipping it skips its tie_weights too: tied here (DPO's reference: the same, partitioned alike)
+                with no_init_weights():
+                    model = AutoModelForCausalLM.from_config(self.config)
+                model.tie_weights()
                 init.materialize_zero3(model, self.fill(model), self._base_seed)
                 setattr(self, name, self._prepare(model) if name == "model" else frozen(model))
         else:

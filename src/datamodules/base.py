@@ -112,6 +112,7 @@ class ShardedDataModule(L.LightningDataModule):
         self.num_workers, self.seed, self.overfit_batches = num_workers, seed, overfit_batches
         self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()
         self.splits: dict[str, Dataset] = {}
+        self._target_counts: Optional[tuple[Dataset, Any]] = None  # (train split, its target tokens per sample)
 
     def build_splits(self) -> dict[str, Dataset]:
         raise NotImplementedError
@@ -165,6 +166,24 @@ class ShardedDataModule(L.LightningDataModule):
         # the checkpoint is written in on_train_batch_end: Lightning counts that batch as done on restart
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
+
+    def samples_per_batch(self) -> int:
+        """The samples one per-rank batch index stands for: micro-batch x data-parallel ranks."""
+        return self.batch_size * rank_and_world()[1]
+
+    def step_targets(self, epoch: int, accumulate: int) -> Optional[tuple[Any, int]]:
+        """(the target tokens of each optimizer step of `epoch`, over all ranks and accumulation micro-batches;
+        the data-parallel ranks that table counts), or None when the train split cannot count its targets.
+
+        The training sampler draws one seeded permutation per epoch that all ranks share, so every rank computes
+        the same table from the per-sample counts (computed once, numpy): no communication, no host sync."""
+        dataset = self.splits.get("train")
+        if not hasattr(dataset, "target_counts"):
+            return None
+        if self._target_counts is None or self._target_counts[0] is not dataset:
+            self._target_counts = (dataset, dataset.target_counts())
+        sampler = train_sampler(dataset, self.seed or 0)  # the order the train loader reads
+        return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
         dataset = self.splits["train"]

@@ -15,7 +15,6 @@ from lightning.pytorch import Callback
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from src.distributed.resharding import NAMES_KEY, fit_to, is_named, param_names
-from src.distributed.samplers import rank_and_world
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,9 +45,9 @@ class ResumeAnywhere(Callback):
     def batch_shape(trainer: Any) -> Optional[tuple[int, int]]:
         """(global batch, samples a per-rank batch index stands for), or None for a datamodule without them."""
         dm = trainer.datamodule
-        if dm is None or getattr(dm, "batch_size", None) is None or not hasattr(dm, "global_batch_size"):
+        if not hasattr(dm, "samples_per_batch") or dm.batch_size is None:
             return None
-        return dm.global_batch_size, dm.batch_size * rank_and_world()[1]
+        return dm.global_batch_size, dm.samples_per_batch()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         names = {id(p) for p in pl_module.parameters()}

@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.profiler import record_function
 
-from src.distributed.samplers import train_sampler
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -57,8 +56,7 @@ class LitModule(L.LightningModule):
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self._loss_sum: Optional[torch.Tensor] = None
         self._stat_sums: Optional[torch.Tensor] = None  # other per-step statistics' sums (DPO's rewards, ...)
-        self._target_counts: Optional[tuple[Any, Any]] = None  # (train dataset, its target tokens per sample)
-        self._step_totals: Optional[tuple[int, Any, int]] = None  # (epoch, target tokens per step, world size)
+        self._step_totals: Optional[tuple[Any, Any, int]] = None  # (key, target tokens per step, data ranks)
         # Divergence (src/callbacks/divergence.py): on the device, the first optimizer step (1-based) since
         # the last check whose loss was not finite (inf: none); on logging steps, its reduced flag.
         self.first_nonfinite: Optional[torch.Tensor] = None
@@ -124,24 +122,18 @@ class LitModule(L.LightningModule):
         return loss
 
     def step_total(self, batch_idx: int) -> Optional[int]:
-        """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches.
-
-        The training sampler draws one seeded permutation per epoch that all ranks share, so each rank
-        can sum the per-sample target counts (computed once, numpy) over every global step of the epoch.
-        `batch_idx` counts on from a mid-epoch checkpoint, as the sampler skips the batches done.
-        """
+        """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches: the
+        datamodule's table for the epoch (`step_targets`), None for data that cannot count its targets.
+        `batch_idx` counts on from a mid-epoch checkpoint, as the sampler skips the batches done."""
         trainer = self.trainer
-        datamodule = getattr(trainer, "datamodule", None)
-        dataset = getattr(datamodule, "splits", {}).get("train")
-        if not hasattr(dataset, "target_counts"):
-            return None
-        if self._target_counts is None or self._target_counts[0] is not dataset:
-            self._target_counts, self._step_totals = (dataset, dataset.target_counts()), None
+        datamodule = trainer.datamodule
         epoch, accumulate = trainer.current_epoch, trainer.accumulate_grad_batches
-        if self._step_totals is None or self._step_totals[0] != epoch:
-            sampler = train_sampler(dataset, datamodule.seed or 0)  # the order the train loader reads
-            totals = sampler.step_totals(self._target_counts[1], datamodule.batch_size, accumulate, epoch)
-            self._step_totals = (epoch, totals, sampler.num_replicas)  # numpy: 8 bytes a step
+        key = (id(datamodule), epoch, accumulate)
+        if self._step_totals is None or self._step_totals[0] != key:
+            table = datamodule.step_targets(epoch, accumulate) if hasattr(datamodule, "step_targets") else None
+            if table is None:
+                return None
+            self._step_totals = (key, *table)  # numpy: 8 bytes a step
         return int(self._step_totals[1][batch_idx // accumulate])
 
     def log_train_loss(self, loss: torch.Tensor, batch_idx: int, sums: Optional[torch.Tensor] = None) -> None:

@@ -32,7 +32,7 @@ train: setup
 # so more workers than cores pays on small machines (docs/performance.md, "Test suite time").
 TEST_WORKERS ?= 3
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(ARGS)  # the 15 slowest: the suite's 10-minute budget (docs/testing.md)
 
 # ruff's lint and format checks (pyproject.toml [tool.ruff]); `ruff check --fix . && ruff format .` repairs most
 lint: setup

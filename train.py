@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 import src.distributed.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
+from src.distributed import capabilities
 from src.distributed.hydra_ddp import ddp_job
 from src.distributed.resume import ResumeAnywhere
 from src.distributed.timeouts import distributed_errors
@@ -40,7 +41,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it
-    with deferred_init(getattr(trainer.strategy, "meta_init", False)):
+    with deferred_init(capabilities.of(trainer.strategy).meta_init):
         model = instantiate(cfg.model, **datamodule.model_kwargs)  # e.g. vocab_size from the tokenizer
     log_hyperparameters(trainer, model, cfg)
 

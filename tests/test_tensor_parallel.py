@@ -124,7 +124,7 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
     "override,fragment",
     [
         (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
-        (["trainer.devices=3"], "tensor_parallel_size=2 does not divide the 3 ranks"),
+        (["trainer.devices=3"], r"3 process\(es\) do not divide into tensor_parallel_size=2: set trainer.devices"),
         (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
         (
             ["model.compile=true", "model.gradient_checkpointing=true"],

@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
+from src.distributed import capabilities
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ class GenerateText(L.Callback):
                 "(switch it off with callbacks.generate_text=null)."
             )
             self.prompts = []
-        elif not getattr(trainer.strategy, "can_generate", True):  # e.g. pipeline stages: no rank has the whole model
+        elif not capabilities.of(trainer.strategy).can_generate:  # e.g. pipeline stages: no rank has the whole model
             rank_zero_warn(
                 f"callbacks.generate_text is on but {type(trainer.strategy).__name__} cannot generate: "
                 "skipping samples (switch it off with callbacks.generate_text=null)."

@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional
 
 import lightning as L
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from src.distributed import launcher_env
@@ -67,7 +68,8 @@ class Preemption(L.Callback):
         self._lightning_sigterm: Any = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        environment = getattr(trainer.strategy, "cluster_environment", None)
+        strategy = trainer.strategy  # a ParallelStrategy runs in a cluster environment (one device runs in none)
+        environment = strategy.cluster_environment if isinstance(strategy, ParallelStrategy) else None
         if getattr(environment, "auto_requeue", False):  # Lightning's SLURMEnvironment
             environment.auto_requeue = False  # read when Lightning registers its signal handlers, after setup
         if stage == "fit" and self._previous is None:  # after Lightning's (and submitit's) handlers; a signal

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 from omegaconf import DictConfig, OmegaConf
 
+from src.distributed.capabilities import Capabilities
 from src.distributed.checkpointing import save_sharded
 from src.distributed.sync_batchnorm import apply_layer_sync
 from src.utils.config import ConfigError
@@ -74,7 +75,7 @@ def derive_config(
     return config
 
 
-class DeepSpeedStrategy(LightningDeepSpeed):
+class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
     requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
 
     def __init__(

@@ -11,17 +11,17 @@ from typing import Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import FSDPModule
 
 from src.distributed import resharding
+from src.distributed.capabilities import Capabilities
 from src.distributed.checkpointing import save_sharded
-from src.distributed.parallelize import parallelize
+from src.distributed.parallelize import parallelize, parallelized
 from src.distributed.sync_batchnorm import apply_layer_sync
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(ModelParallelStrategy, Capabilities):
     """Pure data-parallel FSDP2 over all ranks, with FSDP2's switches as config (activation checkpointing and
     compile are the model's: model.gradient_checkpointing, model.compile).
 
@@ -58,7 +58,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer) -> None:
-        if not isinstance(self.lightning_module.network(), FSDPModule):  # setup runs again for test after fit
+        if not parallelized(self.lightning_module):  # setup runs again for test after fit
             apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm; Lightning skips FSDP2
             module = self.lightning_module
             parallelize(module, data_parallel=self.device_mesh["data_parallel"], fsdp=self.options, **module.wrappers())

@@ -38,10 +38,13 @@ def mesh_sizes(
     model = pipeline_parallel * tensor_parallel
     if data_parallel == "auto":
         if world_size % model:
+            split = [
+                f"{dim}_size={size}" for dim, size in zip(DIMS[1:], (pipeline_parallel, tensor_parallel)) if size > 1
+            ]
             raise ConfigError(
-                f"{world_size} process(es) do not divide into pipeline_parallel_size={pipeline_parallel} x "
-                f"tensor_parallel_size={tensor_parallel} = {model}: set trainer.devices (x trainer.num_nodes) "
-                f"to a multiple of {model}."
+                f"{world_size} process(es) do not divide into {' x '.join(split)}"
+                + (f" = {model}" if len(split) > 1 else "")
+                + f": set trainer.devices (x trainer.num_nodes) to a multiple of {model}."
             )
         data_parallel = world_size // model
     sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}

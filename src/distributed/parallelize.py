@@ -59,12 +59,18 @@ def parallelize(
             block.compile()  # in place: the parameter names (and so checkpoints) stay those of the plain model
     if data_parallel is not None:
         shard(module, data_parallel, blocks, **(fsdp or {}))
+    module._parallelized = True  # `parallelized`: a strategy's setup runs again for test after fit
     log.info(
         f"parallelize: {len(blocks)} blocks; tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
         f"activation checkpointing {activation_checkpointing}, compile {compile}, "
         f"FSDP2 over {data_parallel.size() if data_parallel is not None else 0} rank(s)"
     )
     return module
+
+
+def parallelized(module: Any) -> bool:
+    """Whether `parallelize` already ran on the LitModule `module` (each strategy applies it once)."""
+    return getattr(module, "_parallelized", False)
 
 
 def checkpoint_blocks(module: Any) -> None:

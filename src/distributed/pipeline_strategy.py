@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from src.distributed import mesh as meshes
 from src.distributed import resharding
+from src.distributed.capabilities import Capabilities
 from src.distributed.checkpointing import save_sharded
 from src.distributed.layouts import LAYOUT_KEY, layout
 from src.distributed.pipeline import Pipeline, check_config, parallelize
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
 
 
-class PipelineStrategy(ModelParallelStrategy):
+class PipelineStrategy(ModelParallelStrategy, Capabilities):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself

@@ -12,28 +12,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
 from src.distributed import resharding
+from src.distributed.capabilities import Capabilities
 from src.distributed.checkpointing import save_sharded
 from src.distributed.layouts import LAYOUT_KEY, layout
-from src.distributed.mesh import split_data_over
-from src.distributed.parallelize import parallelize
+from src.distributed.mesh import build_mesh, mesh_sizes, split_data_over
+from src.distributed.parallelize import parallelize, parallelized
 from src.distributed.tensor_parallel import check_divisible, check_forward, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
 from src.utils.hf_config import architecture
-
-
-def data_and_tensor_sizes(world: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(data_parallel, tensor_parallel) sizes of the mesh, which Lightning's ModelParallelStrategy builds with
-    dims named data_parallel, tensor_parallel. The one place that shapes the mesh: swap it for
-    src/distributed/mesh.py's named mesh when that lands."""
-
-    check_int("trainer.strategy.tensor_parallel_size", tensor_parallel_size)
-    if world % tensor_parallel_size:
-        raise ConfigError(
-            f"trainer.strategy.tensor_parallel_size={tensor_parallel_size} does not divide the "
-            f"{world} ranks (trainer.devices x trainer.num_nodes): the ranks must be data_parallel x "
-            "tensor_parallel; change one of them."
-        )
-    return world // tensor_parallel_size, tensor_parallel_size
 
 
 def check_config(cfg: Any) -> None:
@@ -41,8 +27,9 @@ def check_config(cfg: Any) -> None:
 
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    check_int("trainer.strategy.tensor_parallel_size", tp)
     if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
-        data_and_tensor_sizes(devices * nodes, tp)
+        mesh_sizes(devices * nodes, tensor_parallel=tp)
     model = cfg.model
     config = architecture(model)
     if config is not None:
@@ -57,7 +44,7 @@ def check_config(cfg: Any) -> None:
     check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))
 
 
-class TensorParallelStrategy(ModelParallelStrategy):
+class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
     """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
 
     Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
@@ -71,24 +58,30 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=True, timeout=timeout)
         self.tp_size = tensor_parallel_size
+        self.mesh = None
+
+    @property
+    def device_mesh(self):
+        return self.mesh if self.mesh is not None else super().device_mesh
 
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        self._data_parallel_size, self._tensor_parallel_size = data_and_tensor_sizes(world, self.tp_size)
-        super().setup_environment()  # Lightning's (data_parallel, tensor_parallel) mesh
-        split_data_over(self.device_mesh)  # samplers deal samples over the data-parallel dim only
+        # Lightning's own (world x 1) mesh is built and unused; ours (src/distributed/mesh.py) is the pipeline's
+        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        super().setup_environment()
+        self.mesh = build_mesh(self.world_size, self.root_device.type, tensor_parallel=self.tp_size)
+        split_data_over(self.mesh)  # samplers deal samples over the data-parallel dim only
 
     def setup(self, trainer) -> None:
         module = self.lightning_module
-        first = not getattr(module, "_tensor_parallel", False)  # setup runs again for test after fit
+        first = not parallelized(module)  # setup runs again for test after fit
         if first:
+            data = self.mesh["data_parallel"]
             parallelize(
                 module,
-                tensor_parallel=self.device_mesh["tensor_parallel"],
-                data_parallel=self.device_mesh["data_parallel"] if self._data_parallel_size > 1 else None,
+                tensor_parallel=self.mesh["tensor_parallel"],
+                data_parallel=data if data.size() > 1 else None,
                 **module.wrappers(),
             )
-            module._tensor_parallel = True
         super().setup(trainer)
         if first:
             check_forward(module)  # on its device: a split forward that fails is one sentence

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.profiler import record_function
 
+from src.distributed import capabilities
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class LitModule(L.LightningModule):
                 f"({self.lr_scaling} scaling)"
             )
         make = self.optimizer_fn
-        replacement = getattr(self.trainer.strategy, "optimizer_class", None)  # e.g. DeepSpeed's CPU Adam for offload
+        replacement = capabilities.of(self.trainer.strategy).optimizer_class  # e.g. DeepSpeed's CPU Adam for offload
         if replacement is not None:
             accepted = inspect.signature(replacement).parameters
             make = functools.partial(replacement, **{k: v for k, v in make.keywords.items() if k in accepted})

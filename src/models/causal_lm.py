@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from src.distributed.parallelize import parallelize
+from src.distributed import capabilities
+from src.distributed.parallelize import parallelize, parallelized
 from src.models import hf, init, moe
 from src.models.base import LitModule
 from src.models.dpo import DPO, STATS, disable_dropout, frozen
@@ -102,7 +103,6 @@ class CausalLMLitModule(LitModule):
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
-        self._wrapped = False  # whether configure_model has applied them
         # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
         fields = OmegaConf.to_container(config) if isinstance(config, DictConfig) else dict(config or {})
         model = self._build(seq_len, model_type, fields)
@@ -252,15 +252,14 @@ class CausalLMLitModule(LitModule):
         partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
         model is materialised here. Then, where the strategy does not call src/distributed/parallelize.py itself
         (DDP, one device, DeepSpeed), that function's per-block activation checkpointing and compile."""
-        strategy = self.trainer.strategy
-        if init.has_meta(self.model) and not getattr(strategy, "materializes_shards", False):
+        strategy = capabilities.of(self.trainer.strategy)
+        if init.has_meta(self.model) and not strategy.materializes_shards:
             self._materialize_here(strategy)
-        if not getattr(strategy, "parallelizes", False) and not self._wrapped:  # DDP, one device, DeepSpeed
+        if not strategy.parallelizes and not parallelized(self):  # DDP, one device, DeepSpeed
             parallelize(self, **self.wrappers())  # no mesh: activation checkpointing and compile, per block
-            self._wrapped = True
 
     def _materialize_here(self, strategy: Any) -> None:
-        if getattr(strategy, "zero_stage_3", False) and not self._pretrained:
+        if strategy.zero_stage_3 and not self._pretrained:
             from transformers.initialization import no_init_weights
 
             for name in ("model", "reference") if self.reference is not None else ("model",):

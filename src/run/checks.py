@@ -12,6 +12,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.datamodules.base import working_shapes
+from src.distributed import capabilities
 from src.distributed.checkpointing import problem
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
@@ -37,7 +38,7 @@ def check_machine(trainer_cfg: DictConfig) -> None:
     strategy = trainer_cfg.get("strategy", "auto")
     name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
     if isinstance(strategy, DictConfig) and "_target_" in strategy:
-        needs_cuda = getattr(get_object(strategy._target_), "requires_cuda", False)
+        needs_cuda = capabilities.of(get_object(strategy._target_)).requires_cuda
     else:
         needs_cuda = "deepspeed" in name
     if needs_cuda:
@@ -95,7 +96,7 @@ def check_values(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     strategy = trainer.get("strategy")
     if isinstance(strategy, DictConfig) and "_target_" in strategy:  # a strategy's own checks (trainer=tp, pipeline)
-        check = getattr(get_object(strategy._target_), "check_config", None)
+        check = capabilities.of(get_object(strategy._target_)).check_config
         if check is not None:
             check(cfg)
     if cfg.get("train", False):

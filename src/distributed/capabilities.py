@@ -1,0 +1,52 @@
+"""What a strategy tells the code around it, in one place: each capability with its default and its reader.
+
+The template's strategies inherit `Capabilities` (last among their bases, so that Lightning's own attributes,
+such as DeepSpeed's `zero_stage_3` property, win) and override what they do differently; Lightning's own
+strategies (one device, DDP) declare nothing and get the defaults. Read them through `of`:
+
+    of(trainer.strategy).meta_init          # an instance
+    of(get_object(cfg.trainer.strategy._target_)).check_config   # or the class, before any process starts
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional
+
+
+class Capabilities:
+    meta_init: bool = False
+    """train.py builds the model on the meta device (FSDP2, ZeRO-3): no rank ever holds the whole model's values;
+    the strategy (`materializes_shards`) or the model's configure_model gives them."""
+
+    materializes_shards: bool = False
+    """The strategy gives a meta-built model its values itself, after sharding (FSDP2 calls
+    LitModule.materialize); otherwise the model's configure_model does, for the whole model."""
+
+    parallelizes: bool = False
+    """The strategy applies src/distributed/parallelize.py itself, with its meshes (FSDP2, tensor parallel, the
+    pipeline's stages); otherwise the model's configure_model applies the per-block wrappers (activation
+    checkpointing, compile) without meshes."""
+
+    zero_stage_3: bool = False
+    """Parameters are partitioned as their modules are made (DeepSpeed's zero.Init, Lightning's own property):
+    the model is built again inside configure_model."""
+
+    can_generate: bool = True
+    """Some rank holds the whole model, so callbacks.generate_text can sample (not the pipeline's stages)."""
+
+    optimizer_class: Optional[type] = None
+    """The optimizer class the model's optimizer must be instead of its configured one (DeepSpeed's CPU Adam
+    under optimizer offload), or None."""
+
+    requires_cuda: ClassVar[bool] = False
+    """The strategy refuses a CPU run (Lightning's DeepSpeed): src/run/checks.py says so before any process starts."""
+
+    check_config: ClassVar[Optional[Callable[[Any], None]]] = None
+    """The strategy's own checks of the composed config (one sentence each), run by src/run/checks.py before any
+    process starts; set as `staticmethod(fn)`."""
+
+
+def of(strategy: Any) -> Any:
+    """`strategy` (an instance or a class) when it declares its capabilities, else the defaults."""
+    declared = isinstance(strategy, Capabilities) or (isinstance(strategy, type) and issubclass(strategy, Capabilities))
+    return strategy if declared else Capabilities

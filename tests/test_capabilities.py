@@ -1,0 +1,64 @@
+"""Strategies declare what they can do on one base (src/distributed/capabilities.py), and nothing else reads a
+strategy's flags with a guessed default."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+from conftest import ROOT
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+
+from src.distributed import capabilities
+from src.distributed.capabilities import Capabilities
+from src.distributed.deepspeed import DeepSpeedStrategy
+from src.distributed.fsdp import FSDP2Strategy
+from src.distributed.pipeline_strategy import PipelineStrategy
+from src.distributed.tensor_parallel_strategy import TensorParallelStrategy
+
+OURS = (FSDP2Strategy, DeepSpeedStrategy, TensorParallelStrategy, PipelineStrategy)
+
+
+def strategy_classes() -> set[type]:
+    """Every class defined under src/ that subclasses a Lightning strategy."""
+    found = set()
+    for path in (ROOT / "src").rglob("*.py"):
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        found |= {c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Strategy)}
+    return {c for c in found if c.__module__.startswith("src.")}
+
+
+def test_every_strategy_of_ours_declares_its_capabilities():
+    assert strategy_classes() == set(OURS)  # a new one is added to OURS
+    for cls in OURS:
+        assert issubclass(cls, Capabilities) and issubclass(cls, Strategy)
+        assert cls.__mro__.index(Capabilities) > cls.__mro__.index(Strategy)  # Lightning's attributes win
+
+
+def test_lightnings_own_strategies_get_the_defaults_and_ours_their_own():
+    for stock in (DDPStrategy(), SingleDeviceStrategy(device="cpu"), DDPStrategy):
+        caps = capabilities.of(stock)
+        assert (caps.meta_init, caps.parallelizes, caps.can_generate, caps.check_config) == (False, False, True, None)
+    assert FSDP2Strategy().meta_init and capabilities.of(FSDP2Strategy()).materializes_shards
+    assert capabilities.of(PipelineStrategy).check_config is not None and not PipelineStrategy.can_generate
+    # DeepSpeed: Lightning's zero_stage_3 property, not the default, and meta_init follows it
+    for stage in (2, 3):
+        ds = DeepSpeedStrategy(stage=stage)
+        assert capabilities.of(ds).zero_stage_3 == capabilities.of(ds).meta_init == (stage == 3)
+    assert capabilities.of(DeepSpeedStrategy).requires_cuda
+
+
+def test_no_strategy_flag_is_read_with_a_guessed_default():
+    """`getattr(strategy, "flag", default)` outside the base: a flag misspelt or undeclared reads as the default."""
+    files = [*(ROOT / "src").rglob("*.py"), ROOT / "train.py", ROOT / "eval.py"]
+    base = inspect.getsourcefile(capabilities)
+    found = []
+    for path in files:
+        if str(path) == base:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) == 3:
+                if "strategy" in ast.unparse(node.args[0]):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -14,11 +14,11 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
-import src.distributed.resolvers  # noqa: F401
+import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
-from src.distributed.timeouts import distributed_errors
+from src.checkpoint.convert import consolidate, is_sharded, read_config
+from src.launch.timeouts import distributed_errors
 from src.run.job import prepare
-from src.tools.checkpoints import consolidate, is_sharded, read_config
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import user_errors
 

@@ -6,7 +6,7 @@ from `conf/`, fit, test the best checkpoint, return the metric a sweeper optimiz
 
 from typing import Optional
 
-from src.distributed.launcher_env import catch_preemption_signal_early
+from src.launch.launcher_env import catch_preemption_signal_early
 
 catch_preemption_signal_early()  # before the imports below, which take seconds: SLURM's SIGUSR2 would end the job
 
@@ -14,14 +14,15 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import src.distributed.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
+import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
-from src.distributed import capabilities
-from src.distributed.hydra_ddp import ddp_job
-from src.distributed.resume import ResumeAnywhere
-from src.distributed.timeouts import distributed_errors
+from src.checkpoint.latest import resume_from
+from src.checkpoint.resume import ResumeAnywhere
+from src.launch.hydra_ddp import ddp_job
+from src.launch.timeouts import distributed_errors
 from src.models.init import deferred_init
-from src.run.job import log_hyperparameters, metric_value, prepare, resume_from
+from src.parallel import capabilities
+from src.run.job import log_hyperparameters, metric_value, prepare
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.errors import user_errors
 

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail
 # Lightning's launcher keeps a set OMP_NUM_THREADS for its ranks; test_train checks the cap of a larger one.
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import src.distributed.resolvers  # noqa: E402,F401
+import src.launch.resolvers  # noqa: E402,F401
 from src.utils.config import register_schemas  # noqa: E402
 from tests.helpers import forkrun  # noqa: E402
 
@@ -65,7 +65,7 @@ def path_overrides(dirs: dict[str, Path]) -> list[str]:
 
 def worker_processes():
     """The multiprocessing context for tests that start Python worker processes themselves (gloo ranks of
-    src.distributed's pieces, cache builders): forked from multiprocessing's forkserver, which imports torch and
+    src.parallel's pieces, cache builders): forked from multiprocessing's forkserver, which imports torch and
     Lightning once per pytest worker, instead of spawned fresh. A spawned child re-imports them (~7 s of one core,
     `python -X importtime -c "import test_distributed"`) before running a function that takes milliseconds.
     The children are processes of their own all the same: own pid, memory, gloo connections."""

@@ -20,7 +20,7 @@ from test_errors import assert_one_clear_line
 from test_fsdp import last_ckpt
 from test_parity import QUIET, max_param_diff
 
-from src.tools.checkpoints import load_checkpoint
+from src.checkpoint.convert import load_checkpoint
 from tests.helpers.architectures import SAMPLE, tiny_config, too_large, with_both_plans
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from conftest import FULL_MATRIX_ONLY, SHARED, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import QUIET, assert_same_series, max_param_diff, train
 
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from src.checkpoint.convert import build_module, export_hf, load_checkpoint
 from tests.helpers.architectures import eager_experts
 from tests.helpers.margins import close64, close_fp32_weights, within
 
@@ -161,7 +161,7 @@ CORE = [
     ("mistral", "ddp"),
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
-    ("mixtral", "tp"),  # experts split over the tensor ranks (src/distributed/experts.py), aux loss included
+    ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included
 ]
 
 

@@ -1,4 +1,4 @@
-"""Strategies declare what they can do on one base (src/distributed/capabilities.py), and nothing else reads a
+"""Strategies declare what they can do on one base (src/parallel/capabilities.py), and nothing else reads a
 strategy's flags with a guessed default."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import inspect
 from conftest import ROOT
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
-from src.distributed import capabilities
-from src.distributed.capabilities import Capabilities
-from src.distributed.deepspeed import DeepSpeedStrategy
-from src.distributed.fsdp import FSDP2Strategy
-from src.distributed.pipeline_strategy import PipelineStrategy
-from src.distributed.tensor_parallel_strategy import TensorParallelStrategy
+from src.parallel import capabilities
+from src.parallel.capabilities import Capabilities
+from src.parallel.deepspeed import DeepSpeedStrategy
+from src.parallel.fsdp import FSDP2Strategy
+from src.parallel.pipeline_strategy import PipelineStrategy
+from src.parallel.tensor_parallel_strategy import TensorParallelStrategy
 
 OURS = (FSDP2Strategy, DeepSpeedStrategy, TensorParallelStrategy, PipelineStrategy)
 

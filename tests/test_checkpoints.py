@@ -15,9 +15,9 @@ import torch
 from conftest import FULL_MATRIX_ONLY, ROOT, gone, python, run_script
 from test_parity import GPT2, QUIET, max_param_diff
 
-from src.distributed.checkpointing import AtomicCheckpointIO, problem, recover
-from src.run.job import decide_resume
-from src.tools.checkpoints import load_checkpoint
+from src.checkpoint.convert import load_checkpoint
+from src.checkpoint.files import AtomicCheckpointIO, problem, recover
+from src.checkpoint.latest import decide_resume
 from src.utils.config import ConfigError
 from tests.helpers import forkrun
 from tests.helpers.margins import within
@@ -101,7 +101,7 @@ def test_every_trainer_writes_single_files_through_the_atomic_io(trainer, tmp_pa
     from hydra.utils import instantiate
     from test_configs import compose_cfg
 
-    from src.distributed.fsdp import FSDP2Strategy
+    from src.parallel.fsdp import FSDP2Strategy
 
     cfg = compose_cfg([f"trainer={trainer}", "trainer.accelerator=cpu"], tmp=tmp_path)
     strategy = instantiate(cfg.trainer, logger=False).strategy

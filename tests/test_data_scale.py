@@ -285,7 +285,7 @@ MEMORY_PER_BLOCK = """
 import resource
 import numpy as np
 from src.datamodules.text import PackedBlocks
-from src.distributed.samplers import ResumableDistributedSampler
+from src.parallel.samplers import ResumableDistributedSampler
 
 n = 20_000_000  # blocks: a 2.5 GB corpus at seq_len 128 (here seq_len 1 over zero pages: no token memory)
 data = PackedBlocks(np.zeros(n + 1, dtype=np.uint16), seq_len=1, first=0, count=n, pad_id=0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY
 
-from src.distributed.deepspeed import DeepSpeedStrategy, derive_config
+from src.parallel.deepspeed import DeepSpeedStrategy, derive_config
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64, within
 
@@ -81,8 +81,8 @@ def test_lightning_still_hands_the_layer_sync_plugin_to_the_strategy():
     """apply_layer_sync reads Lightning's private `strategy._layer_sync`: fail here if Lightning renames it."""
     import lightning as L
 
-    from src.distributed.fsdp import FSDP2Strategy
-    from src.distributed.sync_batchnorm import SyncBatchNorm
+    from src.parallel.fsdp import FSDP2Strategy
+    from src.parallel.sync_batchnorm import SyncBatchNorm
 
     plugin = SyncBatchNorm()
     for strategy in (FSDP2Strategy(), DeepSpeedStrategy(stage=2)):
@@ -137,7 +137,7 @@ def ds_run(tmp: Path, name: str, args: list[str]) -> dict:
 def test_zero_stages_match_ddp(tmp_path, ddp, stage):
     from test_parity import assert_same_series, max_param_diff
 
-    from src.tools.checkpoints import is_deepspeed, load_checkpoint
+    from src.checkpoint.convert import is_deepspeed, load_checkpoint
 
     run = ds_run(tmp_path, f"zero{stage}", [f"trainer.strategy.stage={stage}"])
     assert_same_series(ddp, run, "train/loss", 1e-5)
@@ -176,7 +176,7 @@ def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path
     from test_fsdp import last_ckpt
     from test_parity import max_param_diff
 
-    from src.tools.checkpoints import load_checkpoint
+    from src.checkpoint.convert import load_checkpoint
 
     within(max_param_diff(ddp["params"], load_checkpoint(last_ckpt(tmp_path, "off"))["state_dict"]), 1e-5, "params")
 
@@ -187,7 +187,7 @@ def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
     from test_parity import max_param_diff
     from transformers import AutoModelForCausalLM
 
-    from src.tools.checkpoints import build_module, export_hf, load_checkpoint, read_config
+    from src.checkpoint.convert import build_module, export_hf, load_checkpoint, read_config
 
     epoch = ["trainer.limit_train_batches=6", "trainer.val_check_interval=6", "model.scheduler=null"]
     first = ds_run(tmp_path, "first", epoch)
@@ -211,7 +211,7 @@ def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path,
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import VISION_10_11, assert_same_series, max_param_diff
 
-    from src.tools.checkpoints import load_checkpoint
+    from src.checkpoint.convert import load_checkpoint
 
     one = reference(VISION_10_11)  # shared with test_fsdp
     ds = train_sharded(tmp_path, "ds", VISION_10_11 + CPU_DS + ["trainer.devices=3", "trainer.strategy.stage=2"])

@@ -1,4 +1,4 @@
-"""The pieces in src/distributed/, each against its single-process truth, on gloo with real processes."""
+"""The pieces in src/parallel/ (samplers, gather, SyncBatchNorm, mesh), each against its single-process truth, on gloo with real processes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from conftest import worker_processes
 from torch import nn
 
-from src.distributed.gather import gather_shards
-from src.distributed.samplers import ShardSampler, train_sampler
-from src.distributed.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
+from src.parallel.gather import gather_shards
+from src.parallel.samplers import ShardSampler, train_sampler
+from src.parallel.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
 from tests.helpers.margins import close64
 
 
@@ -94,7 +94,7 @@ def test_gloo_syncbatchnorm_equals_full_batch_batchnorm():
 def test_syncbatchnorm_plugin_is_a_no_op_for_one_process_and_reverts():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
     assert SyncBatchNorm().apply(model) is model and isinstance(model[1], nn.BatchNorm2d)  # no process group
-    from src.distributed.sync_batchnorm import _convert
+    from src.parallel.sync_batchnorm import _convert
 
     gloo = _convert(model, to_gloo=True)
     assert isinstance(gloo[1], GlooSyncBatchNorm)
@@ -121,7 +121,7 @@ def test_gather_shards_returns_every_sample_once_in_dataset_order():
 def shards_of(n: int, world: int, monkeypatch) -> list[list[int]]:
     shards = []
     for rank in range(world):
-        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, world))
+        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, world))
         sampler = ShardSampler(n)
         assert len(sampler) == len(list(sampler))
         assert all(sampler.is_padding(i) == (i == n) for i in sampler)  # padding is marked: index n
@@ -158,7 +158,7 @@ def test_padded_split_labels_are_ignored():
 
 
 def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):
-    monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (0, 4))
+    monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (0, 4))
     with pytest.raises(ValueError, match="3 sample.*4 ranks"):
         ShardSampler(3)
 
@@ -167,7 +167,7 @@ def test_shuffling_new_each_epoch_same_on_restart_disjoint_across_ranks(monkeypa
     data = list(range(40))
 
     def order(rank: int, world: int, epoch: int, seed: int = 7) -> list[int]:
-        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, world))
+        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, world))
         sampler = train_sampler(data, seed)
         sampler.set_epoch(epoch)  # Lightning calls this at every epoch start
         return list(sampler)

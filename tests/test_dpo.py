@@ -444,7 +444,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import assert_same_series, max_param_diff, train
 
-    from src.tools.checkpoints import load_checkpoint
+    from src.checkpoint.convert import load_checkpoint
 
     args, lora, sharded = CASES[case]
     shape = LLAMA if "llama" in case else GPT2_SHAPE
@@ -466,7 +466,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     if "llama" in case:  # the policy exports like any checkpoint (the reference stays behind)
         from transformers import AutoModelForCausalLM
 
-        from src.tools.checkpoints import export_hf
+        from src.checkpoint.convert import export_hf
 
         exported = AutoModelForCausalLM.from_pretrained(export_hf(last_ckpt(tmp_path, case), tmp_path / "hf"))
         for name, value in exported.state_dict().items():
@@ -526,8 +526,8 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     from test_fsdp import last_ckpt
     from test_parity import QUIET
 
+    from src.checkpoint.convert import consolidate, is_dcp, is_deepspeed, load_checkpoint
     from src.run.job import prepare
-    from src.tools.checkpoints import consolidate, is_dcp, is_deepspeed, load_checkpoint
 
     shape = GPT2_SHAPE
     sft = [

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, path_overrides, python, run_script, shared
 from test_parity import GPT2, QUIET
 
-from src.tools.checkpoints import load_checkpoint, read_config
+from src.checkpoint.convert import load_checkpoint, read_config
 from tests.helpers.margins import within
 
 pytestmark = pytest.mark.slow

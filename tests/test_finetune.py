@@ -12,8 +12,8 @@ from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import load_tokenizer
-from src.distributed.parallelize import parallelize
 from src.models.gpt2 import GPT2LitModule
+from src.parallel.parallelize import parallelize
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64, close_fp32_weights, within
 
@@ -125,7 +125,7 @@ def test_instruct_lora_recipe_runs_offline_and_exports(dirs):
     from test_parity import QUIET
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+    from src.checkpoint.convert import build_module, export_hf, load_checkpoint
 
     run_script(
         "train.py",
@@ -222,7 +222,7 @@ def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
 
 def assert_checkpointing_changes_no_numbers(build) -> None:
     """build(gradient_checkpointing) -> a module, given its switches by the composer as under DDP or one device
-    (src/distributed/parallelize.py): each block runs twice (forward, then recomputed in backward) and the loss
+    (src/parallel/parallelize.py): each block runs twice (forward, then recomputed in backward) and the loss
     and gradients are the same as without."""
     ids = torch.randint(0, 257, (2, 32))
     grads = []
@@ -263,7 +263,7 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
     corpus = Path(__file__).parent / "data" / "tiny_corpus.txt"
     seen = {}
     for rank in range(2):
-        monkeypatch.setattr("src.distributed.samplers.rank_and_world", lambda: (rank, 2))
+        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, 2))
         monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda: (rank, 2))
         dm = TextDataModule(
             path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2, cache_dir=str(tmp_path)

@@ -11,7 +11,7 @@ import torch
 from conftest import path_overrides, run_script
 from test_parity import GPT2, GPT2_DDP, QUIET, VISION_10_11, assert_same_series, max_param_diff
 
-from src.tools.checkpoints import build_module, export_hf, is_sharded, load_checkpoint
+from src.checkpoint.convert import build_module, export_hf, is_sharded, load_checkpoint
 from src.tools.memory import estimate, gpt2_params, model_states
 from tests.helpers.margins import close64, within
 

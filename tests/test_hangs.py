@@ -193,7 +193,7 @@ def free_port() -> int:
 def test_short_message_names_rank_and_collective_and_full_trace_on_request(monkeypatch, caplog):
     """A real gloo timeout (rank 0 of 2 waiting for a rank that never starts) becomes one line and exit 1;
     with HYDRA_FULL_ERROR=1 the original exception and its traceback come through."""
-    from src.distributed.timeouts import distributed_errors
+    from src.launch.timeouts import distributed_errors
 
     def rendezvous_alone():
         dist.init_process_group(

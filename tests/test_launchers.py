@@ -99,7 +99,7 @@ def assert_logs_by_global_rank(run: Path, ranks: int) -> None:
     ],
 )
 def test_global_rank_names_logs_and_hydra_dir(monkeypatch, env, devices, rank):
-    from src.distributed import launcher_env
+    from src.launch import launcher_env
 
     for key in list(os.environ):
         if key.startswith(("SLURM_", "TORCHELASTIC_")) or key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
@@ -112,7 +112,7 @@ def test_global_rank_names_logs_and_hydra_dir(monkeypatch, env, devices, rank):
 
 
 def test_device_count_follows_the_slurm_layout(monkeypatch):
-    from src.distributed.launcher_env import device_count
+    from src.launch.launcher_env import device_count
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NAME"):
         monkeypatch.delenv(key, raising=False)
@@ -130,7 +130,7 @@ def test_two_runs_started_in_the_same_second_get_two_dirs(monkeypatch, tmp_path)
     same second) takes now_2, ... Two eval.py runs a second apart once shared a dir (and a consolidated checkpoint)."""
     from datetime import datetime, timedelta
 
-    from src.distributed.launcher_env import run_stamp
+    from src.launch.launcher_env import run_stamp
 
     for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)

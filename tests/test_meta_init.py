@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import path_overrides, run_script, shared
 
+from src.architectures.gpt2 import GPT2
 from src.models import hf, init
-from src.models.gpt2 import GPT2LitModule, gpt2_fill
+from src.models.gpt2 import GPT2LitModule
 from tests.helpers.architectures import ARCHITECTURES, tiny_config, too_large
 from tests.helpers.margins import within
 
@@ -106,7 +107,7 @@ def test_init_values_do_not_depend_on_how_the_model_is_laid_out():
     hf = deferred.hf_model
     assert hf.lm_head.weight is hf.transformer.wte.weight  # still tied after to_empty
     name = "transformer.h.1.mlp.c_fc.weight"
-    again = init.full_value(gpt2_fill(deferred.config), deferred._base_seed, name, a["model." + name].shape)
+    again = init.full_value(GPT2.fill(deferred.config), deferred._base_seed, name, a["model." + name].shape)
     assert torch.equal(again, a["model." + name])
     # GPT-2's scheme: residual projections scaled by 1/sqrt(2 n_layer), LayerNorm gains 1, biases 0
     assert hf.transformer.h[0].attn.c_proj.weight.std() < 0.6 * hf.transformer.h[0].attn.c_attn.weight.std()

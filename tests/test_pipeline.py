@@ -11,7 +11,7 @@ import torch
 from conftest import FULL_MATRIX_ONLY, once_per_session, path_overrides, read_events, run_script
 from test_parity import GPT2, QUIET, assert_same_series, max_param_diff, train
 
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from src.checkpoint.convert import build_module, export_hf, load_checkpoint
 from tests.helpers.margins import close64, within
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -197,7 +197,7 @@ def test_data_x_pipeline_on_four_ranks_with_instruction_data(tmp_path):
 @FULL_MATRIX_ONLY  # suite time: test_architectures_parity's llama-pipeline_tp runs pipeline x tensor on 4 ranks
 def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 stages x 2 tensor-parallel ranks per stage (each stage's blocks split as trainer=tp splits them, 1 head per
-    rank, and checkpointed: src/distributed/parallelize.py's steps 1 and 2): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned
+    rank, and checkpointed: src/parallel/parallelize.py's steps 1 and 2): every step's train loss, the val losses, the final weights (the DCP shards of all 4 ranks joined and turned
     back into GPT-2's layout) and the HF export's logits equal one process's, with the tied wte/lm_head, clipping by
     the whole model's norm (over stages and tensor-parallel shards) and the LR schedule; resumed from its step-3
     checkpoint, it ends where it ended."""
@@ -215,7 +215,11 @@ def test_pipeline_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     assert len(pipe["scalars"]["train/loss"]) == 6 and len(pipe["scalars"]["val/loss"]) == 2
     within(max_param_diff(one["params"], pipe["params"]), 1e-5, "params")
     last = run_dir(tmp_path, "pipe") / "checkpoints" / "last.ckpt"
-    assert torch.load(last / "meta.pt", weights_only=False)["tensor_parallel"] == {"size": 2, "n_head": 2}  # split
+    assert torch.load(last / "meta.pt", weights_only=False)["tensor_parallel"] == {
+        "model_type": "gpt2",
+        "size": 2,
+        "n_head": 2,
+    }
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(export_hf(last, tmp_path / "hf")).eval()
@@ -315,7 +319,7 @@ def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, me
 
 
 def test_mesh_sizes_must_multiply_to_the_world_size():
-    from src.distributed.mesh import mesh_sizes
+    from src.parallel.mesh import mesh_sizes
     from src.utils.config import ConfigError
 
     assert mesh_sizes(8, pipeline_parallel=2, tensor_parallel=2) == {

@@ -13,7 +13,7 @@ import torch
 
 
 def test_lightning_checkpoint_loop_keys():
-    """src/distributed/resume.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
+    """src/checkpoint/resume.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
     not an API) when a resume changes the batch shape or moves between automatic and manual optimization."""
     state = L.Trainer(logger=False, enable_checkpointing=False, max_steps=1).fit_loop.state_dict()
     for key in ("epoch_loop.batch_progress", "epoch_loop.automatic_optimization.optim_progress"):
@@ -24,14 +24,14 @@ def test_lightning_checkpoint_loop_keys():
 
 
 def test_lightning_hydra_subprocess_command():
-    """src/distributed/hydra_ddp.py swaps Lightning's `_hydra_subprocess_cmd` for the command of a Hydra job's ranks."""
+    """src/launch/hydra_ddp.py swaps Lightning's `_hydra_subprocess_cmd` for the command of a Hydra job's ranks."""
     from lightning.pytorch.strategies.launchers import subprocess_script
 
     assert callable(getattr(subprocess_script, "_hydra_subprocess_cmd", None)), "_hydra_subprocess_cmd is gone"
 
 
 def test_lightning_child_process_observer():
-    """src/distributed/hydra_ddp.py empties the `_child_processes` list of Lightning's observer thread (found by its
+    """src/launch/hydra_ddp.py empties the `_child_processes` list of Lightning's observer thread (found by its
     name) before it reaps a finished Hydra job's ranks itself."""
     from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
@@ -54,14 +54,14 @@ def test_lightning_model_parallel_sizes():
 
 
 def test_lightning_deepspeed_format_config():
-    """src/distributed/deepspeed.py overrides DeepSpeedStrategy._format_config to derive the batch keys itself."""
+    """src/parallel/deepspeed.py overrides DeepSpeedStrategy._format_config to derive the batch keys itself."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     assert callable(getattr(DeepSpeedStrategy, "_format_config", None)), "DeepSpeedStrategy._format_config is gone"
 
 
 def test_lightning_deepspeed_precision_config():
-    """src/distributed/deepspeed.py fills DeepSpeed's precision keys with Lightning's `_format_precision_config`, as
+    """src/parallel/deepspeed.py fills DeepSpeed's precision keys with Lightning's `_format_precision_config`, as
     Lightning's own `_format_config` (which it overrides) does."""
     from lightning.pytorch.strategies import deepspeed
 
@@ -69,7 +69,7 @@ def test_lightning_deepspeed_precision_config():
 
 
 def test_torch_batchnorm_base_class():
-    """src/distributed/sync_batchnorm.py subclasses `torch.nn.modules.batchnorm._BatchNorm` (as torch's SyncBatchNorm
+    """src/parallel/sync_batchnorm.py subclasses `torch.nn.modules.batchnorm._BatchNorm` (as torch's SyncBatchNorm
     does) and finds every BatchNorm by it."""
     from torch.nn.modules import batchnorm
 
@@ -98,7 +98,7 @@ def test_transformers_attention_support_flags():
 
 
 def test_transformers_experts_expert_parallel_switch():
-    """src/distributed/experts.py turns on `_is_expert_parallel` of transformers' experts modules when it splits them
+    """src/parallel/experts.py turns on `_is_expert_parallel` of transformers' experts modules when it splits them
     over the tensor ranks: without it the grouped kernels leave the skipped slots' rows uninitialised (garbage
     gradients, seen). transformers' own expert parallelism (`transformers.distributed.expert_parallel`) sets it."""
     from transformers import MixtralConfig

@@ -16,7 +16,7 @@ from conftest import ALL, FULL_MATRIX_ONLY, ROOT, once_per_session, path_overrid
 from test_architectures_parity import llama_args
 from test_parity import GPT2, QUIET, max_param_diff
 
-from src.tools.checkpoints import load_checkpoint
+from src.checkpoint.convert import load_checkpoint
 from tests.helpers import forkrun
 from tests.helpers.margins import within
 

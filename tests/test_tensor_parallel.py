@@ -13,7 +13,7 @@ from conftest import once_per_session, path_overrides, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
-from src.tools.checkpoints import build_module, export_hf, load_checkpoint
+from src.checkpoint.convert import build_module, export_hf, load_checkpoint
 from tests.helpers.margins import close64, within
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -124,7 +124,7 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
     "override,fragment",
     [
         (["model.n_head=3", "model.n_embd=48"], "model.n_head=3 and model.n_embd=48 must both divide by"),
-        (["trainer.devices=3"], r"3 process\(es\) do not divide into tensor_parallel_size=2: set trainer.devices"),
+        (["trainer.devices=3"], "3 process(es) do not divide into tensor_parallel_size=2: set trainer.devices"),
         (["model.lora.enabled=true"], "model.lora.enabled=true is not supported with trainer=tp"),
         (
             ["model.compile=true", "model.gradient_checkpointing=true"],
@@ -150,11 +150,11 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
 
 
 def test_an_expert_count_that_does_not_divide_is_one_sentence():
-    """trainer=tp splits the experts over the tensor ranks (src/distributed/experts.py): 3 experts on 2 ranks is
+    """trainer=tp splits the experts over the tensor ranks (src/parallel/experts.py): 3 experts on 2 ranks is
     refused before any rank starts; 4 pass."""
     from transformers import MixtralConfig
 
-    from src.distributed.tensor_parallel import check_divisible
+    from src.parallel.tensor_parallel import check_divisible
     from src.utils.config import ConfigError
 
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 64}
@@ -233,7 +233,7 @@ def test_a_plan_that_leaves_a_parameter_whole_between_split_layers_is_one_senten
     (refused before stop 47: a false refusal of 12 MoE architectures)."""
     from transformers import AutoModelForCausalLM
 
-    from src.distributed.tensor_parallel import check_whole_inside, layer_plan
+    from src.parallel.tensor_parallel import check_whole_inside, layer_plan
     from src.utils.config import ArchitectureRefused
     from tests.helpers.architectures import tiny_config
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from src.datamodules.instruct import InstructDataModule, pad_collate
 from src.datamodules.text import IGNORE_INDEX
-from src.distributed.samplers import ResumableDistributedSampler
+from src.parallel.samplers import ResumableDistributedSampler
 from tests.helpers.margins import U32, close64, within
 
 # Under pytest-xdist these tests run on one worker: they share module fixtures (runs) that it makes once.
@@ -162,7 +162,7 @@ def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretraine
     from test_fsdp import last_ckpt, train_sharded
     from test_parity import assert_same_series, max_param_diff
 
-    from src.tools.checkpoints import load_checkpoint
+    from src.checkpoint.convert import load_checkpoint
 
     args = instruct_args(pretrained)
     one = reference(args)

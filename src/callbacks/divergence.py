@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.distributed.checkpointing import candidates
+from src.checkpoint.files import candidates
 from src.utils.errors import UserError
 
 log = logging.getLogger(__name__)

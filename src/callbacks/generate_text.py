@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from src.distributed import capabilities
+from src.parallel import capabilities
 
 log = logging.getLogger(__name__)
 

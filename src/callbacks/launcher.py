@@ -12,7 +12,7 @@ import lightning as L
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from src.distributed import launcher_env
+from src.launch import launcher_env
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Preemption(L.Callback):
         while not self.terminated and time.monotonic() < deadline:
             time.sleep(0.1)
         if self.terminated:
-            raise SIGTERMException  # exit status 143 (src/distributed/timeouts.py)
+            raise SIGTERMException  # exit status 143 (src/launch/timeouts.py)
         signal.signal(signal.SIGTERM, self._lightning_sigterm)
         log.warning(f"Still running {self.wait_s:.0f}s after the requeue: stopping here")
         trainer.should_stop = True

@@ -34,7 +34,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
-from src.distributed.samplers import rank_and_world
+from src.parallel.samplers import rank_and_world
 
 
 def _inputs(batch: Any) -> Any:

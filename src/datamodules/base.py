@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from src.distributed.samplers import ShardSampler, rank_and_world, train_sampler
+from src.parallel.samplers import ShardSampler, rank_and_world, train_sampler
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)

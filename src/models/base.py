@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.profiler import record_function
 
-from src.distributed import capabilities
+from src.parallel import capabilities
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,11 @@ class LitModule(L.LightningModule):
         return [self.network()]
 
     def wrappers(self) -> dict[str, bool]:
-        """The per-block switches src/distributed/parallelize.py applies (activation_checkpointing, compile)."""
+        """The per-block switches src/parallel/parallelize.py applies (activation_checkpointing, compile)."""
         return {}
 
     def configure_model(self) -> None:
-        """Nothing: sharding is applied from outside, by src/distributed/parallelize.py (Lightning requires the hook).
+        """Nothing: sharding is applied from outside, by src/parallel/parallelize.py (Lightning requires the hook).
         A model built on the meta device (src/models/init.py) materialises itself here or in `materialize`."""
 
     def materialize(self, device: torch.device, sharded: bool) -> None:

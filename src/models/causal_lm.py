@@ -18,13 +18,13 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from src.distributed import capabilities
-from src.distributed.parallelize import parallelize, parallelized
 from src.models import hf, init, moe
 from src.models.base import LitModule
 from src.models.dpo import DPO, STATS, disable_dropout, frozen
 from src.models.flops import FlopCount, count_flops
 from src.models.loss import TokenMeanLoss, run_logits, summed_token_loss, token_loss_function
+from src.parallel import capabilities
+from src.parallel.parallelize import parallelize, parallelized
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class CausalLMLitModule(LitModule):
         self.attn_implementation = hf.choose_attention(kind, attn_implementation, fastest_attention)
         self._pretrained, self._vocab_size = pretrained, vocab_size
         self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
-        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/distributed/parallelize.py
+        self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/parallel/parallelize.py
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
         # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
@@ -250,7 +250,7 @@ class CausalLMLitModule(LitModule):
         """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
         Lightning runs this hook inside deepspeed.zero.Init: the model is built again there, each parameter
         partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
-        model is materialised here. Then, where the strategy does not call src/distributed/parallelize.py itself
+        model is materialised here. Then, where the strategy does not call src/parallel/parallelize.py itself
         (DDP, one device, DeepSpeed), that function's per-block activation checkpointing and compile."""
         strategy = capabilities.of(self.trainer.strategy)
         if init.has_meta(self.model) and not strategy.materializes_shards:

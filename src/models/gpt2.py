@@ -1,35 +1,18 @@
 """GPT-2 (`model=gpt2`, the default): the generic causal LM (src/models/causal_lm.py) with GPT-2's shape keys
-(n_layer, n_head, n_embd, dropout, activation_function) and its own initialisation scale."""
+(n_layer, n_head, n_embd, dropout, activation_function) and its own initialisation scale (src/architectures/gpt2.py,
+GPT-2's adapter, says the rest the template knows of GPT-2)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
 from transformers import PretrainedConfig
 
+from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
 from src.utils.config import ConfigError, check_int
-
-
-def gpt2_fill(config: PretrainedConfig) -> init.Fill:
-    """GPT-2's initialisation scheme (as transformers' GPT2PreTrainedModel._init_weights): N(0, 0.02) for
-    embeddings and projections, scaled by 1/sqrt(2 n_layer) for the two residual projections (c_proj),
-    ones for LayerNorm gains, zeros for biases; drawn per parameter (src/models/init.py)."""
-    std = config.initializer_range
-    residual_std = std / math.sqrt(2 * config.n_layer)
-
-    def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        if name.endswith(".bias"):
-            tensor.zero_()
-        elif ".ln_" in name:
-            tensor.fill_(1.0)
-        else:
-            tensor.normal_(0.0, residual_std if name.endswith("c_proj.weight") else std, generator=generator)
-
-    return fill
 
 
 class GPT2LitModule(CausalLMLitModule):
@@ -69,7 +52,7 @@ class GPT2LitModule(CausalLMLitModule):
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
-        if model_type != "gpt2":
+        if model_type != GPT2.model_type:
             raise ConfigError(
                 f"model.model_type={model_type!r} with model=gpt2: pick the architecture with "
                 f"model={model_type} (or model=causal_lm model.model_type={model_type})."
@@ -118,7 +101,7 @@ class GPT2LitModule(CausalLMLitModule):
         )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
-        if config.model_type != "gpt2":
+        if config.model_type != GPT2.model_type:
             raise ConfigError(
                 f"model.pretrained={self._pretrained!r} is a {config.model_type!r} model and model=gpt2 "
                 f"builds GPT-2: use model=causal_lm model.pretrained={self._pretrained}."
@@ -126,4 +109,4 @@ class GPT2LitModule(CausalLMLitModule):
         return super().check_pretrained(config, seq_len)
 
     def fill(self, model: torch.nn.Module) -> init.Fill:
-        return gpt2_fill(model.config)
+        return GPT2.fill(model.config)

@@ -11,9 +11,9 @@ from pathlib import Path
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoint.files import problem
 from src.datamodules.base import working_shapes
-from src.distributed import capabilities
-from src.distributed.checkpointing import problem
+from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision

@@ -1,14 +1,11 @@
-"""Checkpoints in any of their forms: one file (DDP, single device, FSDP with
-save_distributed_checkpoint=false), a sharded DCP dir (FSDP2 or tensor parallel, one shard per rank), or a DeepSpeed
-ZeRO dir (converted with DeepSpeed's zero_to_fp32).
+"""Checkpoints from the command line (the functions: src/checkpoint/convert.py):
 
     python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # sharded dir -> one fp32 file
     python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # any causal LM -> Hugging Face format
 
-Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt` with the same strategy);
-the consolidated file holds the weights, step counters and config for eval and export, not the
-optimizer state. Names ending in .tmp or .old beside a checkpoint are a save in progress or the
-previous version during its swap (src/distributed/checkpointing.py), never checkpoints to read.
+Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt`; src/checkpoint/resharding.py says which
+strategy reads which form); the consolidated file holds the weights, step counters and config for eval and export,
+not the optimizer state.
 """
 
 from __future__ import annotations
@@ -16,197 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-from pathlib import Path
-from typing import Any
 
-import torch
-
-import src.distributed.resolvers  # noqa: F401
-from src.distributed.checkpointing import problem
-from src.distributed.layouts import hf_layout
-from src.utils.errors import EXIT_USER_ERROR, CheckpointError, translate
-
-
-def is_dcp(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
-
-
-def is_deepspeed(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / "latest").is_file()
-
-
-def is_sharded(path: str | Path) -> bool:
-    return is_dcp(path) or is_deepspeed(path)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint as one dict with "state_dict" (and "config" when train.py wrote it); sharded forms
-    are gathered into full fp32 weights, without their optimizer state."""
-    path = Path(path)
-    if not path.exists():
-        old = path.with_name(
-            path.name + ".old"
-        )  # a save killed between its two renames (src/distributed/checkpointing.py)
-        hint = (
-            f" A save of it was interrupted: {old.name} holds the previous one (resume=auto puts it back)."
-            if old.exists()
-            else ""
-        )
-        raise CheckpointError(f"{path} does not exist. Point at a .ckpt file or a sharded checkpoint dir.{hint}")
-
-    why = problem(path)
-    if why is not None:
-        raise CheckpointError(
-            f"{path} cannot be read as a checkpoint: {why}. Point at a .ckpt file or a sharded "
-            "checkpoint dir written by train.py."
-        )
-    if is_deepspeed(path):
-        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-
-        with tempfile.TemporaryDirectory() as tmp:  # zero_to_fp32: gathers the ZeRO partitions into fp32 weights
-            convert_zero_checkpoint_to_fp32_state_dict(path, Path(tmp) / "full.ckpt")
-            return torch.load(Path(tmp) / "full.ckpt", map_location="cpu", weights_only=False)
-    if not is_dcp(path):
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False) if (path / "meta.pt").exists() else {}
-    weights = dcp_model_weights(path)
-    layout = meta.pop("tensor_parallel", None)  # trainer=tp's Linear layout -> GPT-2's own Conv1D one
-    if layout is not None:
-        weights = hf_layout(weights, **layout)
-    return {**meta, "state_dict": weights}
-
-
-def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a DCP dir, every rank's shards joined, without the optimizer state
-    (two thirds of an Adam checkpoint). No process group needed."""
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = FileSystemReader(str(path))
-    prefix = "state_dict."  # Lightning saves {"state_dict": model, "optimizer_0": ...}; DCP flattens the keys
-    weights = {
-        key: torch.empty(m.size, dtype=m.properties.dtype)
-        for key, m in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)
-    }
-    load(weights, storage_reader=reader, no_dist=True)
-    return {key[len(prefix) :]: tensor for key, tensor in weights.items()}
-
-
-def read_config(path: str | Path) -> dict[str, Any] | None:
-    """The model/data config train.py stored in a checkpoint, read without loading or gathering weights:
-    a DCP dir's meta.pt, a DeepSpeed dir's client state, a single file memory-mapped."""
-    path = Path(path)
-    if is_dcp(path):
-        files = [path / "meta.pt"]
-    elif is_deepspeed(path):  # Lightning hands the non-tensor state to DeepSpeed as client_state
-        files = sorted((path / (path / "latest").read_text().strip()).glob("*model_states.pt"))
-    else:
-        files = [path]
-    for file in files:
-        if file.is_file():
-            state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-            if isinstance(state, dict) and "config" in state:
-                return state["config"]
-    return None
-
-
-def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
-    """One .ckpt file from a sharded dir, written under a temporary name and renamed: `out` is whole or absent.
-
-    More than torch's `dcp_to_torch_save`: it reads ZeRO dirs too (DeepSpeed's zero_to_fp32), puts trainer=tp's
-    Linear layout back into the model's own (GPT-2's Conv1D), and keeps the stored config, so the file loads like
-    one train.py wrote (eval.py, export-hf)."""
-    out = Path(out) if out else Path(str(path).rstrip("/") + ".consolidated.ckpt")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    try:
-        torch.save(load_checkpoint(path), tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
-
-
-def build_module(checkpoint: dict[str, Any]):
-    """The LightningModule and datamodule of a train.py checkpoint, weights loaded."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    if "config" not in checkpoint:
-        raise CheckpointError(
-            "This checkpoint has no stored config (it was not written by train.py), so the model "
-            "cannot be rebuilt from it."
-        )
-    cfg = OmegaConf.create(checkpoint["config"])
-    datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model, **datamodule.model_kwargs)
-    module.load_state_dict(checkpoint["state_dict"])
-    return module.eval(), datamodule
-
-
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads.
-
-    With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
-    also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix tuning cannot be
-    merged: load the base model and the adapter with peft instead.
-    """
-    module, datamodule = build_module(load_checkpoint(path))
-    if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
-        raise CheckpointError(
-            f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, qwen2, mistral, causal_lm) export."
-        )
-    out_dir = Path(out_dir)
-    model = module.model
-    if hasattr(model, "peft_config"):
-        model.save_pretrained(out_dir / "adapter")
-        if not hasattr(model, "merge_and_unload"):
-            print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
-            return out_dir
-        model = model.merge_and_unload()
-    model.save_pretrained(out_dir)
-    hf_tokenizer = getattr(datamodule.tokenizer, "hf", None)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(out_dir)
-    else:  # the byte tokenizer has no HF form: ids are UTF-8 bytes, 256 = EOS
-        (out_dir / "TOKENIZER.md").write_text("Token ids are UTF-8 bytes (0-255); 256 is end-of-text.\n")
-    return out_dir
-
-
-def is_checkpoint(path: str | Path) -> bool:
-    """A train.py checkpoint in any form (file, DCP dir, ZeRO dir), as opposed to a Hugging Face dir."""
-    return Path(path).is_file() or is_sharded(path)
-
-
-def as_pretrained(path: str | Path, cache_dir: str | Path) -> Path:
-    """A Hugging Face dir with the weights of the train.py checkpoint `path` (model.pretrained=CKPT: SFT -> DPO),
-    exported once per version of the checkpoint into cache_dir/pretrained/<key>/. One process exports under a
-    file lock while the others wait; the dir appears whole (renamed into place) or not at all."""
-    import hashlib
-    import shutil
-
-    from filelock import FileLock
-
-    path = Path(path).resolve()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stamp = "\n".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    out = Path(cache_dir) / "pretrained" / hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if not (out / "config.json").is_file():
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            try:
-                export_hf(path, tmp)
-                if not (tmp / "config.json").is_file():
-                    raise CheckpointError(
-                        f"{path} holds a prompt-learning adapter, which does not merge into the "
-                        "weights: it cannot be model.pretrained; start from its base model instead."
-                    )
-                os.replace(tmp, out)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return out
+from src.checkpoint.convert import consolidate, export_hf
+from src.utils.errors import EXIT_USER_ERROR, translate
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ approximation for SwiGLU MLPs and grouped-query attention (not checked against a
 
 Model parallelism divides the model before the strategy above shares what is left over the data-parallel
 ranks (world / (tensor x pipeline)):
-  tensor parallel t (src/distributed/tensor_parallel.py): each block's matrices (12d^2) and column-split
+  tensor parallel t (src/parallel/tensor_parallel.py): each block's matrices (12d^2) and column-split
     biases (7d) are split t ways; row biases, LayerNorms and the embeddings are replicated. Activations per
     layer become seq*batch*d*(10 + 24/t + 5*heads*seq/(d*t)) (Korthikanti et al., no sequence parallel).
   pipeline K stages: each rank holds n_layer/K blocks, the first stage the embeddings, the last ln_f and
@@ -40,9 +40,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from src.distributed import experts
-from src.distributed.tensor_parallel import check_divisible, check_plan
+from src.architectures.gpt2 import GPT2
 from src.models.hf import decoder_layers
+from src.parallel import experts
+from src.parallel.tensor_parallel import check_divisible, check_plan
 
 SIZES = {
     "tiny": (4, 4, 128),
@@ -56,8 +57,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def gpt2_params(n_layer: int, n_embd: int, vocab: int = 50257, n_ctx: int = 1024) -> int:
-    """Exact GPT-2 count with tied embeddings: 12d^2 + 13d per block, embeddings, final LayerNorm."""
-    return n_layer * (12 * n_embd**2 + 13 * n_embd) + (vocab + n_ctx) * n_embd + 2 * n_embd
+    """GPT-2's exact count (its adapter's, src/architectures/gpt2.py) for a size given by its numbers."""
+    from transformers import GPT2Config
+
+    return GPT2.param_count(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=1, vocab_size=vocab, n_positions=n_ctx))
 
 
 def rank_params(

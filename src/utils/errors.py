@@ -8,7 +8,7 @@ exception is a bug and keeps its traceback. HYDRA_FULL_ERROR=1 shows the full tr
 
 Hydra wraps what a `_target_` raises in an InstantiationException, so the cause chain is searched.
 In a multirun the job re-raises a short error instead of exiting: Hydra records that job as failed,
-with the message, and runs the next (like `src.distributed.timeouts.distributed_errors`).
+with the message, and runs the next (like `src.launch.timeouts.distributed_errors`).
 Under DDP the config checks run before the ranks start and the data is first read in `prepare_data`
 (rank 0 alone, the others wait and are stopped by `hydra_ddp.ddp_job` 5 s later), so one rank reports;
 a rank other than 0 that finds an error prefixes it with its rank.

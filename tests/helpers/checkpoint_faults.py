@@ -43,7 +43,7 @@ class HideCheckpointsOnRank(L.Callback):
         import src.run.job as run
 
         if int(os.environ.get("LOCAL_RANK", 0)) == rank:
-            from src.distributed import checkpointing
+            from src.checkpoint import files as checkpointing
 
             checkpointing.candidates = lambda ckpt_dir: []
             run.Path = _NoCheckpoints  # old code looked at Path(...)/"last.ckpt" directly

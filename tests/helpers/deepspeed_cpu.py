@@ -7,7 +7,7 @@ from __future__ import annotations
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 
-from src.distributed.deepspeed import DeepSpeedStrategy
+from src.parallel.deepspeed import DeepSpeedStrategy
 
 
 def skip_shm_allreduce_build() -> None:

@@ -55,17 +55,19 @@ PRELOAD = [
     "torch.utils.tensorboard",
     "lightning.pytorch.loggers.tensorboard",
     "torch.distributed.checkpoint",
-    "src.distributed.resolvers",
+    "src.launch.resolvers",
     "src.utils.config",
     "src.run.job",
     "src.utils.errors",
     "src.callbacks.essentials",
-    "src.distributed.hydra_ddp",
-    "src.distributed.timeouts",
+    "src.launch.hydra_ddp",
+    "src.launch.timeouts",
     "src.models.init",
     "src.models.gpt2",
     "src.datamodules.text",
     "src.tools.checkpoints",
+    "src.checkpoint.latest",
+    "src.checkpoint.convert",
 ]
 
 # The stand-in for `python`: stdlib only and run with -S, so it starts in milliseconds.

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
-from src.distributed.mesh import data_group, data_rank_and_size
+from src.parallel.mesh import data_group, data_rank_and_size
 
 
 def data_parallel_group() -> Any:

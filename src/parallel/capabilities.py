@@ -23,7 +23,7 @@ class Capabilities:
     LitModule.materialize); otherwise the model's configure_model does, for the whole model."""
 
     parallelizes: bool = False
-    """The strategy applies src/distributed/parallelize.py itself, with its meshes (FSDP2, tensor parallel, the
+    """The strategy applies src/parallel/parallelize.py itself, with its meshes (FSDP2, tensor parallel, the
     pipeline's stages); otherwise the model's configure_model applies the per-block wrappers (activation
     checkpointing, compile) without meshes."""
 

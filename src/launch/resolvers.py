@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.distributed import launcher_env
+from src.launch import launcher_env
 from src.utils.machine import available_cores, fastest_attention, fastest_precision
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the dir holding train.py

@@ -24,23 +24,16 @@ heads (and key/value heads, under grouped-query attention) need nothing more. Th
 
 transformers implements the same styles (`transformers.distributed.tensor_parallel`), for its own loading path:
 its replicated_with_grad_allreduce keeps a plain parameter and all-reduces its gradient in a post-accumulate
-hook, which FSDP2 (step 4 of src/distributed/parallelize.py, over the data-parallel ranks) loses when it
+hook, which FSDP2 (step 4 of src/parallel/parallelize.py, over the data-parallel ranks) loses when it
 replaces the parameters, and which sums an already accumulated gradient again under gradient accumulation; and
 torch's fused AdamW and clipping need every parameter a DTensor (`replicate_the_rest`). So the styles map to
 torch's, which need neither. An experts module (moe_tp_experts, with its weights' packed_colwise / rowwise) is
-split by experts instead (src/distributed/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
+split by experts instead (src/parallel/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
 all_reduce, embedding_rowwise, ...) are refused in one sentence naming them.
 
-GPT-2 has no plan, and is the one hand-written adapter here:
-* torch's styles accept `nn.Linear` only, and HF GPT-2 uses `Conv1D` (weight stored [in, out]). We swap
-  in `nn.Linear` with the transposed weight: the same values, the same math.
-* c_attn fuses q, k, v: its outputs are [q | k | v], each n_embd wide. A plain column split would give
-  rank 0 all of q and half of k. We reorder the rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's
-  heads), so the split hands each rank its own heads' q, k and v, and the attention module, told its
-  per-rank head count, splits them as usual.
-GPT-2 checkpoints keep this layout (it is what resumes); `hf_layout` turns a full state dict back into HF
-GPT-2 names and Conv1D layouts for eval.py and export-hf (src/tools/checkpoints.py). Models with a plan
-keep transformers' own layout: their full state dict is already HF's.
+GPT-2 has no plan: its hand-written adapter (src/architectures/gpt2.py) gives one, and turns its Conv1D layers
+into the nn.Linear that torch's styles split (`own_adapter`); its checkpoints keep that layout and say so
+(`layout`). Models with a plan keep transformers' own layout: their full state dict is already HF's.
 """
 
 from __future__ import annotations
@@ -52,25 +45,31 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from src.distributed import experts
-from src.distributed.layouts import COLWISE, GPT2_PLAN, ROWWISE, STYLES, layout, qkv_order
+from src.architectures import adapter_for
+from src.architectures.adapter import Adapter
+from src.architectures.config import head_counts
+from src.parallel import experts
 from src.utils.config import ArchitectureRefused, ConfigError
-from src.utils.hf_config import head_counts
 
 log = logging.getLogger(__name__)
 
 
-def to_linear(conv: nn.Module, order: Optional[torch.Tensor] = None) -> nn.Linear:
-    """An nn.Linear computing what the Conv1D `conv` computes (rows reordered by `order`)."""
-    n_in, n_out = conv.weight.shape
-    linear = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
-    with torch.no_grad():
-        weight, bias = conv.weight.t(), conv.bias
-        if order is not None:
-            weight, bias = weight[order], bias[order]
-        linear.weight.copy_(weight)
-        linear.bias.copy_(bias)
-    return linear
+# the plan styles trainer=tp implements (with torch's DTensor styles, see the module docstring)
+STYLES = (
+    *("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"),
+    *("packed_colwise", "packed_rowwise", "moe_tp_experts"),  # experts: src/parallel/experts.py
+)
+
+
+def own_adapter(config: Any) -> Optional[Adapter]:
+    """The hand-written adapter that splits this model (GPT-2's), None where transformers' plan does."""
+    return None if getattr(config, "base_model_tp_plan", None) else adapter_for(config.model_type)
+
+
+def layout(config: Any, tp: int) -> Optional[dict[str, Any]]:
+    """The checkpoint's LAYOUT_KEY entry when its weights are in a hand-written adapter's layout; None for HF's own."""
+    adapter = own_adapter(config)
+    return adapter.tp_layout(config, tp) if adapter is not None else None
 
 
 def layer_plan(config: Any) -> Optional[dict[str, str]]:
@@ -80,7 +79,8 @@ def layer_plan(config: Any) -> Optional[dict[str, str]]:
     shipped = getattr(config, "base_model_tp_plan", None) or {}
     plan = {pattern.partition(".*.")[2]: style for pattern, style in shipped.items() if ".*." in pattern}
     if not plan:
-        return dict(GPT2_PLAN) if config.model_type == "gpt2" else None
+        adapter = own_adapter(config)
+        return dict(adapter.tp_plan) if adapter is not None else None
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
         raise ConfigError(
@@ -102,18 +102,6 @@ def check_plan(config: Any) -> dict[str, str]:
     return plan
 
 
-def _gpt2_adapter(blocks: list[nn.Module], config: Any, tp: int) -> None:
-    """GPT-2's Conv1D layers become Linear (c_attn's rows in per-rank head order); attention told its heads."""
-    order = qkv_order(config.n_embd, config.n_head, tp)
-    for block in blocks:
-        for name in COLWISE + ROWWISE:
-            parent, child = name.split(".")
-            owner = getattr(block, parent)
-            owner.register_module(child, to_linear(getattr(owner, child), order if child == "c_attn" else None))
-        attn = block.attn  # its forward splits c_attn's output by split_size and views it per head
-        attn.num_heads, attn.embed_dim, attn.split_size = config.n_head // tp, config.n_embd // tp, config.n_embd // tp
-
-
 def torch_style(style: str) -> Any:
     """torch's DTensor style for one of the plan's (STYLES; the module docstring says why each)."""
     from torch.distributed.tensor import Replicate
@@ -131,15 +119,16 @@ def torch_style(style: str) -> Any:
 def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
     """Split `blocks` of the LitModule `module` (all of them, or the ones a pipeline stage holds) over the 1-D
     `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1 of
-    src/distributed/parallelize.py."""
+    src/parallel/parallelize.py."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
     config = module.config
     check_divisible(config, tp)
     plan = check_plan(config)
-    if layout(config, tp) is not None:
-        _gpt2_adapter(blocks, config, tp)
+    adapter = own_adapter(config)
+    if adapter is not None:
+        adapter.prepare_tensor_parallel(blocks, config, tp)
     kinds = {tuple(type(m) for m in b.modules()): b for b in blocks}  # each kind of layer: dense, MoE, hybrid
     for block in kinds.values():
         check_whole_inside(block, plan, config.model_type)
@@ -159,7 +148,7 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
 
 
 def experts_styles(block: nn.Module, plan: dict[str, str], model_type: str, tp: int) -> dict[str, Any]:
-    """The block's experts modules (moe_tp_experts) and their ExpertsParallel (src/distributed/experts.py: the
+    """The block's experts modules (moe_tp_experts) and their ExpertsParallel (src/parallel/experts.py: the
     experts split over the ranks, the plan's own split of their weights replaced). One sentence when that cannot
     be exact: an expert count that does not divide, an experts module that is not transformers' kind (a
     `num_experts` and every weight one row per expert), a weight the plan splits outside an experts module."""
@@ -304,15 +293,11 @@ def replicate_the_rest(network: nn.Module, mesh: DeviceMesh) -> None:
 def check_divisible(config: Any, tp: int) -> None:
     """Every rank gets whole heads (query and key/value) and an equal share of the MLP."""
 
-    heads, kv_heads, hidden = head_counts(config)
+    heads, kv_heads, _ = head_counts(config)
     key = "trainer.strategy.tensor_parallel_size"
-    if config.model_type == "gpt2" and not getattr(config, "base_model_tp_plan", None):
-        if heads % tp or hidden % tp:
-            raise ConfigError(
-                f"model.n_head={heads} and model.n_embd={hidden} must both divide by {key}={tp}: pick a "
-                "tensor-parallel size that divides them."
-            )
-        return
+    adapter = own_adapter(config)
+    if adapter is not None:
+        return adapter.check_divisible(config, tp)
     width = getattr(config, "intermediate_size", None) or 0
     if heads % tp or kv_heads % tp or width % tp:
         raise ConfigError(

@@ -1,7 +1,7 @@
 """The one place that applies parallelism and its companions to a model, from outside it (torchtitan's
 `parallelize`), in this order:
 
-    1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/distributed/tensor_parallel.py)
+    1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor_parallel.py)
     2. activation ckpt    recompute each block's activations in backward instead of storing them
     3. compile            torch.compile each block, in place
     4. FSDP2              shard each block, then the rest as one root unit, over the `data_parallel` ranks
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from src.distributed.tensor_parallel import split_blocks
+from src.parallel.tensor_parallel import split_blocks
 
 log = logging.getLogger(__name__)
 

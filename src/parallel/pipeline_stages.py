@@ -10,8 +10,8 @@ builds the masks and rotary angles it builds in one process (per layer type, wit
 rank does not hold are `Skip`s, a hook hands the received activations to the stage's first layer, and a hook ends
 the forward after its last layer. The last stage runs the causal LM's whole forward, so whatever a model does
 around its layers (Granite's multipliers and logits scaling, Cohere's logit scale, Gemma's soft-capping, ...)
-happens as it does in one process. GPT-2 ships no plan (and its body needs its position embeddings on every
-stage): `GPT2Stage` is its hand-written adapter.
+happens as it does in one process. GPT-2 ships no plan: its hand-written adapter's stage
+(src/architectures/gpt2.py) runs it, and is proved equal alike.
 
 `check_stages` proves it for the model at hand: every stage, as its rank will run it (what other stages hold
 pruned away), chained in float64 on a probe batch, against the model's own forward; a model whose staged forward
@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from src.architectures import adapter_for
 from src.utils.config import ArchitectureRefused, ConfigError
 
 FLOAT64_TOL = 1e-9  # the staged and the model's own forward run the same operations: in float64 they agree to ~1e-15
@@ -35,43 +36,6 @@ FLOAT64_TOL = 1e-9  # the staged and the model's own forward run the same operat
 def stage_ranges(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     per = n_layer // n_stages
     return [(i * per, (i + 1) * per) for i in range(n_stages)]
-
-
-def causal_mask(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive [1, 1, t, t] mask: query i sees keys j <= i."""
-    i, j = torch.arange(t, device=device)[:, None], torch.arange(t, device=device)[None, :]
-    return torch.zeros((t, t), dtype=dtype, device=device).masked_fill(j > i, torch.finfo(dtype).min)[None, None]
-
-
-class GPT2Stage(nn.Module):
-    """Blocks [lo, hi) of a GPT2LMHeadModel, led by the embeddings (first stage) or followed by ln_f + lm_head (last)."""
-
-    def __init__(self, hf: nn.Module, lo: int, hi: int, first: bool, last: bool, eager: bool) -> None:
-        super().__init__()
-        t = hf.transformer
-        self.first, self.last = first, last
-        self.blocks = nn.ModuleList(t.h[lo:hi])
-        self.embed = nn.ModuleDict({"wte": t.wte, "wpe": t.wpe, "drop": t.drop}) if first else None
-        self.head = nn.ModuleDict({"ln_f": t.ln_f, "lm_head": hf.lm_head}) if last else None
-        self.eager = eager  # eager attention adds a mask to its scores; SDPA without one is causal
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # as GPT2Model.forward: token + position embeddings, then dropout
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            x = self.embed["drop"](self.embed["wte"](x) + self.embed["wpe"](positions))
-        # SDPA without a mask is causal (is_causal); eager adds this mask to its scores
-        mask = causal_mask(x.shape[1], x.dtype, x.device) if self.eager else None
-        for block in self.blocks:
-            x = block(x, None, mask)
-        if self.last:
-            x = self.head["lm_head"](self.head["ln_f"](x))
-        return x
-
-    def input_embedding(self) -> Optional[nn.Module]:
-        return self.embed["wte"] if self.first else None
-
-    def output_embedding(self) -> Optional[nn.Module]:
-        return self.head["lm_head"] if self.last else None
 
 
 class Skip(nn.Module):
@@ -157,11 +121,13 @@ def layers_name(hf: nn.Module) -> str:
 
 
 def stage_class(config) -> type[nn.Module]:
-    """DecoderStage for models with transformers' pipeline plan, GPT2Stage for GPT-2; one sentence otherwise."""
+    """DecoderStage for models with transformers' pipeline plan, a hand-written adapter's stage (GPT-2's); one
+    sentence otherwise."""
     if getattr(config, "base_model_pp_plan", None):
         return DecoderStage
-    if config.model_type == "gpt2":
-        return GPT2Stage
+    adapter = adapter_for(config.model_type)
+    if adapter is not None and adapter.stage is not None:
+        return adapter.stage
     raise ConfigError(
         f"trainer=pipeline needs a pipeline plan and {config.model_type}'s config has none "
         "(base_model_pp_plan): GPT-2, Llama, Qwen2, Mistral and the other models transformers ships a "

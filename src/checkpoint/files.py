@@ -184,7 +184,7 @@ class SameResumeOnAllRanks(Callback):
     """Stop with one sentence when ranks chose different resume points, before any checkpoint is loaded.
 
     resume=auto is rank 0's decision for the ranks Lightning's launcher starts (they inherit it) and
-    under torchrun (rank 0 posts it in the rendezvous store): src/run/job.py resume_from. Ranks
+    under torchrun (rank 0 posts it in the rendezvous store): src/checkpoint/latest.py resume_from. Ranks
     started together by other means (SLURM's srun, one Lightning launcher per node) each looked at
     the file system before any process group existed, and on a shared file system their views may
     differ: mixing two steps would train silently wrong, so once the group is up they compare.

@@ -2,7 +2,7 @@
 
 Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF model
 into `pipeline_parallel_size x stages_per_rank` stages of equal layer counts (stage 0 = the embeddings +
-its layers; the last stage = its layers + the final norm + the LM head; src/distributed/pipeline_stages.py
+its layers; the last stage = its layers + the final norm + the LM head; src/parallel/pipeline_stages.py
 reads them from transformers' pipeline plan, or GPT-2's adapter), removes from this rank's copy every
 module it does not hold (so its parameters, optimizer and checkpoint shard are its stages' only, under
 the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of a pipeline group holds
@@ -19,7 +19,7 @@ Exactness (each checked against one process in tests/test_pipeline.py):
   `check_stages` proves the stages chained equal to the model's own forward before anything is pruned.
 
 With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
-(src/distributed/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
+(src/parallel/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
 (replicated) tensors, so rank (dp, pp, tp) sends to (dp, pp + 1, tp) over its pipeline group as before. The
 gradient sums and the clipping norm below then work on each rank's DTensor shards.
 """
@@ -43,12 +43,12 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from src.distributed.mesh import mesh_sizes
-from src.distributed.parallelize import parallelize as compose
-from src.distributed.pipeline_stages import check_stages, prune, stage_class, stage_ranges
-from src.distributed.tensor_parallel import check_divisible, check_plan
+from src.architectures.config import architecture
+from src.parallel.mesh import mesh_sizes
+from src.parallel.parallelize import parallelize as compose
+from src.parallel.pipeline_stages import check_stages, prune, stage_class, stage_ranges
+from src.parallel.tensor_parallel import check_divisible, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
-from src.utils.hf_config import architecture
 
 log = logging.getLogger(__name__)
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}

@@ -1,7 +1,7 @@
 """trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel, tensor_parallel) mesh.
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
-so this subclass builds the mesh (src/distributed/mesh.py), splits the model (src/distributed/pipeline.py)
+so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
 and runs the optimizer step itself: the module is switched to manual optimization, and `training_step`
 here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's own
 training_step is not used; its metrics, optimizer and LR schedule are.
@@ -26,12 +26,13 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
-from src.distributed import mesh as meshes
-from src.distributed import resharding
-from src.distributed.capabilities import Capabilities
-from src.distributed.checkpointing import save_sharded
-from src.distributed.layouts import LAYOUT_KEY, layout
-from src.distributed.pipeline import Pipeline, check_config, parallelize
+from src.checkpoint import resharding
+from src.checkpoint.files import save_sharded
+from src.checkpoint.resharding import LAYOUT_KEY
+from src.parallel import mesh as meshes
+from src.parallel.capabilities import Capabilities
+from src.parallel.pipeline import Pipeline, check_config, parallelize
+from src.parallel.tensor_parallel import layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class PipelineStrategy(ModelParallelStrategy, Capabilities):
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
-    parallelizes = True  # applies src/distributed/parallelize.py to its stages (the model's configure_model does not)
+    parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-GPT2_KEYS = ("n_layer", "n_head", "n_embd")  # model=gpt2's shape keys (src/models/gpt2.py)
+from src.architectures import adapter_for
 
 
 def architecture(model: DictConfig) -> Optional[Any]:
@@ -23,7 +23,8 @@ def architecture(model: DictConfig) -> Optional[Any]:
         if model_type:
             fields = dict(model.get("config") or {})
             fields = OmegaConf.to_container(OmegaConf.create(fields), resolve=True)
-            fields.update({key: model[key] for key in GPT2_KEYS if key in model})
+            adapter = adapter_for(model_type)  # model=gpt2's top-level n_layer, n_head, n_embd
+            fields.update({key: model[key] for key in (adapter.shape_keys if adapter else ()) if key in model})
             return AutoConfig.for_model(model_type, **fields)
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -1,6 +1,6 @@
 """trainer=tp: Lightning's ModelParallelStrategy on a (data_parallel, tensor_parallel) mesh. Tensor parallel
-within groups of `tensor_parallel_size` ranks (src/distributed/tensor_parallel.py), FSDP2 across the groups,
-both applied by src/distributed/parallelize.py."""
+within groups of `tensor_parallel_size` ranks (src/parallel/tensor_parallel.py), FSDP2 across the groups,
+both applied by src/parallel/parallelize.py."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
-from src.distributed import resharding
-from src.distributed.capabilities import Capabilities
-from src.distributed.checkpointing import save_sharded
-from src.distributed.layouts import LAYOUT_KEY, layout
-from src.distributed.mesh import build_mesh, mesh_sizes, split_data_over
-from src.distributed.parallelize import parallelize, parallelized
-from src.distributed.tensor_parallel import check_divisible, check_forward, check_plan
+from src.architectures.config import architecture
+from src.checkpoint import resharding
+from src.checkpoint.files import save_sharded
+from src.checkpoint.resharding import LAYOUT_KEY
+from src.parallel.capabilities import Capabilities
+from src.parallel.mesh import build_mesh, mesh_sizes, split_data_over
+from src.parallel.parallelize import parallelize, parallelized
+from src.parallel.tensor_parallel import check_divisible, check_forward, check_plan, layout
 from src.utils.config import ConfigError, check_int, check_unsupported
-from src.utils.hf_config import architecture
 
 
 def check_config(cfg: Any) -> None:
@@ -49,10 +49,10 @@ class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
 
     Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
     only). Checkpoints are DCP dirs (each rank its shard), marked with our layout so that
-    src/tools/checkpoints.py can give them back in HF GPT-2 form.
+    src/checkpoint/convert.py can give them back in HF GPT-2 form.
     """
 
-    parallelizes = True  # applies src/distributed/parallelize.py itself (the model's configure_model does not)
+    parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
@@ -65,7 +65,7 @@ class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
         return self.mesh if self.mesh is not None else super().device_mesh
 
     def setup_environment(self) -> None:
-        # Lightning's own (world x 1) mesh is built and unused; ours (src/distributed/mesh.py) is the pipeline's
+        # Lightning's own (world x 1) mesh is built and unused; ours (src/parallel/mesh.py) is the pipeline's
         self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
         self.mesh = build_mesh(self.world_size, self.root_device.type, tensor_parallel=self.tp_size)

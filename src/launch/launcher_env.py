@@ -181,7 +181,7 @@ def device_count(cpu_processes: int = 2) -> int:
     visible GPU, else `cpu_processes` CPU ranks (gloo).
 
     SLURM with one task per node (--ntasks-per-node=1 --gpus-per-node=8) is not a rank count: there
-    Lightning starts a rank per GPU on each node (src/distributed/hydra_ddp.py prepares it).
+    Lightning starts a rank per GPU on each node (src/launch/hydra_ddp.py prepares it).
     Lightning's own `devices=auto` means 1 process on CPU, which would make `trainer=ddp`
     a no-op on a laptop; this keeps the same config meaningful on both kinds of machine.
     """

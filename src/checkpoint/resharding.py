@@ -16,7 +16,7 @@ Which path a checkpoint takes depends on the form it was written in and the form
 More than Lightning's loaders: Lightning reads a full file into FSDP2 by numbering the optimizer's parameters
 in `named_parameters()` order, which is wrong as soon as the optimizer has two parameter groups (ours: decay
 and no decay), and reads a DCP dir into nothing but the strategy that wrote it. So every checkpoint also stores
-its optimizer's parameter names (NAMES_KEY) and its data position (src/distributed/resume.py).
+its optimizer's parameter names (NAMES_KEY) and its data position (src/checkpoint/resume.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from src.distributed.checkpointing import AtomicCheckpointIO
-from src.distributed.layouts import LAYOUT_KEY, hf_layout, tp_layout
+from src.architectures import adapter_for
+from src.checkpoint.files import AtomicCheckpointIO
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,21 @@ log = logging.getLogger(__name__)
 NAMES_KEY = "optimizer_param_names"  # per optimizer, per param group: the parameters' names, in the group's order
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # not part of a parameter's name
 METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a DCP checkpoint
+# checkpoint entry: {"model_type", "size", ...} when the weights are in a hand-written adapter's tensor-parallel
+# layout (GPT-2's: src/architectures/gpt2.py), absent when in the model's own
+LAYOUT_KEY = "tensor_parallel"
+
+
+def to_hf(state_dict: dict, entry: dict) -> dict:
+    """A full state dict in the layout `entry` names -> the model's own (transformers') layout."""
+    entry = dict(entry)
+    return adapter_for(entry.pop("model_type", "gpt2")).to_hf(state_dict, **entry)  # older entries: GPT-2's
+
+
+def from_hf(state_dict: dict, entry: dict) -> dict:
+    """`to_hf`'s inverse."""
+    entry = dict(entry)
+    return adapter_for(entry.pop("model_type", "gpt2")).from_hf(state_dict, **entry)
 
 
 # ---- forms ----
@@ -59,7 +74,7 @@ def form_of(path: str | Path) -> str:
 
 
 def stored_layout(path: str | Path) -> Optional[dict]:
-    """A DCP dir's GPT-2 tensor-parallel layout entry (src/distributed/layouts.py), None when in the model's own."""
+    """A DCP dir's tensor-parallel layout entry (LAYOUT_KEY), None when in the model's own."""
     meta = Path(path) / METADATA
     if not meta.is_file():
         return None
@@ -197,7 +212,7 @@ def read_full(path: str | Path) -> dict:
     ckpt.pop(NAMES_KEY, None)
     entry = ckpt.pop(LAYOUT_KEY, None)
     if entry is not None:
-        relayout(ckpt, lambda sd: hf_layout(sd, **entry))
+        relayout(ckpt, lambda sd: to_hf(sd, entry))
     return ckpt
 
 
@@ -241,8 +256,8 @@ def load_full(module: torch.nn.Module, optimizers: list, ckpt: dict, layout: Opt
         set_optimizer_state_dict,
     )
 
-    if layout is not None:  # a GPT-2 in trainer=tp's layout
-        relayout(ckpt, lambda sd: tp_layout(sd, **layout))
+    if layout is not None:  # a hand-written adapter's tensor-parallel layout (GPT-2's)
+        relayout(ckpt, lambda sd: from_hf(sd, layout))
     sharded = any(isinstance(p, DTensor) for p in module.parameters())
     options = StateDictOptions(full_state_dict=sharded)
     held = set(get_model_state_dict(module))

@@ -17,9 +17,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 from omegaconf import DictConfig, OmegaConf
 
-from src.distributed.capabilities import Capabilities
-from src.distributed.checkpointing import save_sharded
-from src.distributed.sync_batchnorm import apply_layer_sync
+from src.checkpoint.files import save_sharded
+from src.parallel.capabilities import Capabilities
+from src.parallel.sync_batchnorm import apply_layer_sync
 from src.utils.config import ConfigError
 
 OURS = {  # DeepSpeed key -> the config keys that decide it here

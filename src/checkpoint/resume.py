@@ -3,7 +3,7 @@
 The data position is global: a checkpoint stores how many samples of the epoch's one global permutation were
 consumed (POSITION_KEY), not per-rank offsets, so the next global batch after resuming on M ranks is the one the
 uninterrupted run would have drawn, and each rank's micro-batch is recomputed from the unchanged global batch.
-Moving the weights and optimizer state between forms is src/distributed/resharding.py's.
+Moving the weights and optimizer state between forms is src/checkpoint/resharding.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Optional
 from lightning.pytorch import Callback
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-from src.distributed.resharding import NAMES_KEY, fit_to, is_named, param_names
+from src.checkpoint.resharding import NAMES_KEY, fit_to, is_named, param_names
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)

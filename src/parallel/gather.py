@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from src.distributed.samplers import data_parallel_group, rank_and_world
+from src.parallel.samplers import data_parallel_group, rank_and_world
 
 
 def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:

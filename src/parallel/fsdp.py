@@ -1,5 +1,5 @@
 """trainer=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied from outside the model by
-src/distributed/parallelize.py. Lightning's `ModelParallelStrategy` runs it: it works on GPUs (NCCL) and on
+src/parallel/parallelize.py. Lightning's `ModelParallelStrategy` runs it: it works on GPUs (NCCL) and on
 CPU (gloo), where Lightning's FSDP1 `FSDPStrategy` refuses to start.
 """
 
@@ -12,11 +12,11 @@ from typing import Optional
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from src.distributed import resharding
-from src.distributed.capabilities import Capabilities
-from src.distributed.checkpointing import save_sharded
-from src.distributed.parallelize import parallelize, parallelized
-from src.distributed.sync_batchnorm import apply_layer_sync
+from src.checkpoint import resharding
+from src.checkpoint.files import save_sharded
+from src.parallel.capabilities import Capabilities
+from src.parallel.parallelize import parallelize, parallelized
+from src.parallel.sync_batchnorm import apply_layer_sync
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class FSDP2Strategy(ModelParallelStrategy, Capabilities):
     """
 
     materializes_shards = True  # the model's configure_model leaves a meta model to us
-    parallelizes = True  # applies src/distributed/parallelize.py itself (the model's configure_model does not)
+    parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
 
     def __init__(
         self,
@@ -75,6 +75,6 @@ class FSDP2Strategy(ModelParallelStrategy, Capabilities):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Its own DCP dirs through Lightning's resharding load (any N); files and other strategies' dirs through
-        the full form (src/distributed/resharding.py)."""
+        the full form (src/checkpoint/resharding.py)."""
         own = lambda: super(FSDP2Strategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
         return resharding.load(self, checkpoint_path, ("dcp", None), own)

@@ -3,7 +3,7 @@
 The mesh always has the three named dims ("data_parallel", "pipeline_parallel", "tensor_parallel"),
 in that order (tensor parallel innermost: its ranks are neighbours, on one node), sizes from config
 and 1 for what is not used. Strategies build it once, then call `split_data_over(mesh)`: from then on
-the samplers (src/distributed/samplers.py) shard the data over the data-parallel ranks only, so every
+the samplers (src/parallel/samplers.py) shard the data over the data-parallel ranks only, so every
 rank of one pipeline or tensor-parallel group reads the same samples.
 
     mesh = build_mesh(world_size, "cpu", pipeline_parallel=2)   # data_parallel = world_size / 2

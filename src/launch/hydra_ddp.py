@@ -17,7 +17,7 @@ its overrides and runs the rest.
 
 Before a job starts, ranks that SLURM or torchrun started are prepared here too: a SLURM job with
 one task per node lets Lightning start the ranks per node, and a group torchrun restarted gets a
-fresh store (src/distributed/launcher_env.py says why).
+fresh store (src/launch/launcher_env.py says why).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 
-from src.distributed import launcher_env, timeouts
+from src.launch import launcher_env, timeouts
 
 RENDEZVOUS_VARS = (
     "MASTER_ADDR",
@@ -130,7 +130,7 @@ def prepare_slurm(devices: Any = None) -> None:
 @contextmanager
 def ddp_job(devices: Any = None) -> Iterator[None]:
     """Run one Hydra job whose DDP ranks are started by Lightning; leave the process clean for the next.
-    A job stopped by SIGTERM (exit 143, src/distributed/timeouts.py) ends the process as soon as its ranks
+    A job stopped by SIGTERM (exit 143, src/launch/timeouts.py) ends the process as soon as its ranks
     are reaped: Python's own shutdown took 2-6 s more (garbage collection), past a short SLURM KillWait."""
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     prepare_slurm(devices)

@@ -1,0 +1,17 @@
+"""What the code knows of an architecture without building it: the transformers config a `model:` node builds
+(config.py), and the one hand-written adapter, GPT-2's (gpt2.py, behind adapter.py's interface), for the model
+transformers ships no tensor-parallel or pipeline plan for."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from src.architectures.adapter import Adapter
+from src.architectures.gpt2 import GPT2
+
+ADAPTERS: dict[str, Adapter] = {"gpt2": GPT2}
+
+
+def adapter_for(model_type: Optional[str]) -> Optional[Adapter]:
+    """The hand-written adapter of `model_type`; None for every architecture whose config carries its plans."""
+    return ADAPTERS.get(model_type)

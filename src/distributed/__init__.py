@@ -1,1 +1,0 @@
-"""Everything that makes N processes behave like one: sharding, SyncBatchNorm, gathering. Models do not know about it."""

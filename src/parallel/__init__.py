@@ -1,0 +1,1 @@
+"""Everything that makes N processes train as one: the strategies, their one mesh, the composer that splits a model from outside it (tensor parallel, pipeline stages, FSDP2), data-parallel sampling. Models do not know about it."""

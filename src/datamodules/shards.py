@@ -26,7 +26,7 @@ import logging
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -146,13 +146,29 @@ class ShardBlocks(Dataset):
 
 def open_reader(input_dir: str, seq_len: int, cache_dir: Optional[str] = None):
     """litdata's random-access reader over blocks of seq_len + 1 tokens (chunks of a remote dir are
-    downloaded to `cache_dir` on first use)."""
+    downloaded to `cache_dir` on first use).
+
+    Opened under a file lock on `cache_dir`: litdata 0.2's StreamingDataset deletes a cache dir that does not hold
+    exactly its one version subdir before creating that subdir, so a rank that looks between another rank's two
+    mkdirs deletes the other's parent and that rank fails (FileNotFoundError, seen in CI on 2 local ranks)."""
+    import contextlib
+
+    from filelock import FileLock
     from litdata import StreamingDataset
     from litdata.streaming.item_loader import TokensLoader
 
-    return StreamingDataset(
-        input_dir, item_loader=TokensLoader(block_size=seq_len + 1), shuffle=False, drop_last=False, cache_dir=cache_dir
-    )
+    lock: Any = contextlib.nullcontext()
+    if cache_dir is not None:
+        Path(cache_dir).parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(cache_dir).rstrip("/") + ".lock")
+    with lock:
+        return StreamingDataset(
+            input_dir,
+            item_loader=TokensLoader(block_size=seq_len + 1),
+            shuffle=False,
+            drop_last=False,
+            cache_dir=cache_dir,
+        )
 
 
 def is_remote(input_dir: str) -> bool:

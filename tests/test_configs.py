@@ -82,7 +82,7 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     if (
         group == "model/peft"
         or (group, option) == ("model", "causal_lm")
-        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo")
+        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo", "chat_sft")
     ):
         # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
         extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]

@@ -26,13 +26,17 @@ class GenerateText(L.Callback):
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: int = 0,
+        held_out: int = 0,  # also complete the data's first N held-out conversations (data=chat: sample_prompts)
     ) -> None:
-        self.prompts, self.max_new_tokens, self.seed = list(prompts), max_new_tokens, seed
+        self.prompts, self.max_new_tokens, self.seed, self.held_out = list(prompts), max_new_tokens, seed, held_out
         self.sampling = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_k=top_k, top_p=top_p)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.held_out and hasattr(trainer.datamodule, "sample_prompts") and stage == "fit":
+            self.prompts += trainer.datamodule.sample_prompts(self.held_out)  # rendered by the chat template
+            self.held_out = 0
         if not hasattr(trainer.datamodule, "tokenizer") or not hasattr(getattr(pl_module, "model", None), "generate"):
             rank_zero_warn(
                 "callbacks.generate_text is on but this model/data cannot generate text: skipping samples "

@@ -2,9 +2,9 @@
 
 Each record becomes prompt + response + EOS. Labels (already shifted: labels[t] is the token after
 input t) are -100 where that token is the prompt's, so the loss (and the gradient) comes from the
-response and its EOS only. Records are tokenized once, at setup,
-and batches are padded to their longest record with an attention mask; no packing (packing
-without attention crossing records would need a block-diagonal mask).
+response and its EOS only. Records are tokenized once, at setup, and batches are padded to their longest
+record with an attention mask; or, with `data.packing=true`, several records share a row, attention and
+positions restarting at each (src/datamodules/packing.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import CorpusError, utf8_lines, utf8_text
+from src.datamodules.packing import PackedRows, packed_collate
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import ConfigError, check_sequence_data
@@ -138,6 +139,7 @@ class InstructDataModule(ShardedDataModule):
         seed: int = 42,
         special_tokens: Sequence[str] = (),
         overfit_batches: int = 0,
+        packing: bool = False,
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
@@ -147,6 +149,7 @@ class InstructDataModule(ShardedDataModule):
         self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.special_tokens = list(special_tokens)
+        self.packing = packing
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -185,11 +188,10 @@ class InstructDataModule(ShardedDataModule):
             f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
             f"{n_train}/{n_val}/{n_test} train/val/test"
         )
-        return {
-            "train": Records(items[:n_train]),
-            "val": Records(items[n_train : n_train + n_val]),
-            "test": Records(items[n_train + n_val :]),
-        }
+        parts = {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}
+        if self.packing:
+            return {name: PackedRows(part, self.seq_len) for name, part in parts.items()}
+        return {name: Records(part) for name, part in parts.items()}
 
     def collate_fn(self):
-        return pad_collate(self.tokenizer.eos_id)
+        return packed_collate(self.tokenizer.eos_id) if self.packing else pad_collate(self.tokenizer.eos_id)

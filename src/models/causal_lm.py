@@ -346,9 +346,42 @@ class CausalLMLitModule(LitModule):
         return out
 
     def _forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
+        """A packed batch (src/datamodules/packing.py) brings position ids and no mask: transformers then keeps its
+        records apart, without a cache (which would hide them) on any device."""
+        packed = {"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch else None
         return self.model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **self.cache_kwargs(), **kwargs
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            **(packed or self.cache_kwargs()),
+            **kwargs,
         )
+
+    @torch.no_grad()
+    def check_packing(self) -> None:
+        """data.packing=true: before step 1, on every rank alike, two random records packed in one row give the
+        logits each gives alone, or the run stops in one sentence (a model whose forward ignores the position ids'
+        boundaries would let packed conversations see each other)."""
+        if self._balance is not None:
+            raise ConfigError(
+                "data.packing=true and a mixture-of-experts router loss: the load-balancing loss is taken per row, "
+                "which would mix packed conversations; set model.router_aux_loss=false or data.packing=false."
+            )
+        generator = torch.Generator().manual_seed(0)
+        a, b = (torch.randint(0, self._vocab_size, (1, n), generator=generator).to(self.device) for n in (6, 5))
+        positions = torch.cat([torch.arange(6), torch.arange(5)])[None].to(self.device)
+        was_training = self.training
+        self.eval()
+        packed = self._forward({"input_ids": torch.cat([a, b], 1), "position_ids": positions}).logits.float()
+        alone = torch.cat([self._forward({"input_ids": x}).logits.float() for x in (a, b)], 1)
+        self.train(was_training)
+        fp32 = next(self.model.parameters()).dtype == torch.float32
+        gap, scale = (packed - alone).abs().max().item(), alone.abs().max().item()
+        if not gap <= (1e-4 if fp32 else 3e-2) * scale + 1e-6:
+            raise ConfigError(
+                f"data.packing=true: {self.config.model_type}'s forward ({self.attn_implementation} attention) lets "
+                f"packed conversations see each other (packed logits {gap:.3g} apart from each alone): set "
+                "data.packing=false, or another model.attn_implementation."
+            )
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
@@ -426,6 +459,8 @@ class CausalLMLitModule(LitModule):
         self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=stage == "val")
 
     def on_fit_start(self) -> None:
+        if getattr(self.trainer.datamodule, "packing", False):
+            self.check_packing()
         if self.dpo is not None and self.dpo.precompute:  # before the first step moves the policy
             self.dpo.precompute_table(self, self.trainer.datamodule)
 

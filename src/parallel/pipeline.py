@@ -80,6 +80,11 @@ def check_config(cfg: DictConfig) -> None:
             "causal_lm), and this model is not one."
         )
     stage_class(config)  # one sentence for a model without a pipeline plan
+    if cfg.get("data", {}).get("packing", False):
+        raise ConfigError(
+            "data.packing=true with trainer=pipeline: the stages do not carry the position ids that keep packed "
+            "conversations apart; set data.packing=false, or use trainer=fsdp, trainer=tp or trainer=ddp."
+        )
     if getattr(config, "router_aux_loss_coef", None) and cfg.model.get("router_aux_loss", False):
         raise ConfigError(
             f"trainer=pipeline does not carry {config.model_type}'s router load-balancing loss between stages: "

@@ -1,0 +1,102 @@
+"""data=chat from 1 device to N: the shared tool-call conversations (ShareGPT, GPT-2's tokenizer, ChatML, the loss on
+the assistant's turns), packed and padded, 1 x 8 = DDP 2 x 4 = FSDP2 2 x 4 = 1 x 4 x accumulation 2 (every step's
+train/loss and the final parameters within 1e-5, fp32), through train.py as real subprocesses; a mid-epoch
+checkpoint of 2 ranks resumed on 1 process ends as the straight run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import FULL_MATRIX_ONLY, shared
+from test_parity import assert_same_series, max_param_diff, train
+from test_token_loss import tiny_gpt2_without_dropout
+
+from tests.helpers.margins import within
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    return tiny_gpt2_without_dropout(tmp_path_factory.mktemp("pretrained"))
+
+
+def chat_args(pretrained: Path, packing: bool) -> list[str]:
+    return [
+        "data=chat",
+        f"model.pretrained={pretrained}",
+        f"data.path={shared('chat', 'glaive_toolcall_en_demo.json')}",
+        "data.seq_len=512",
+        f"data.packing={str(packing).lower()}",
+        "data.global_batch_size=8",
+        "seed=7",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "model.scheduler.num_warmup_steps=1",
+        "model.optimizer.lr=1e-2",
+    ]
+
+
+SPLITS = {
+    "ddp": ["trainer=ddp", "trainer.devices=2"],
+    "fsdp": ["trainer=fsdp", "trainer.devices=2", "trainer.strategy.save_distributed_checkpoint=false"],
+    "accumulate": ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=8"],
+}
+CASES = [
+    pytest.param(packing, split, marks=[] if packing else [FULL_MATRIX_ONLY])
+    for packing in (True, False)
+    for split in SPLITS
+]
+
+
+@pytest.mark.parametrize(
+    "packing,split", CASES, ids=[f"{'packed' if c.values[0] else 'padded'}-{c.values[1]}" for c in CASES]
+)
+def test_chat_on_n_ranks_matches_one_process(tmp_path, pretrained, reference, packing, split):
+    args = chat_args(pretrained, packing)
+    one = reference(args)
+    run = train(tmp_path, split, args + SPLITS[split])
+    assert len(one["scalars"]["train/loss"]) == 4
+    assert_same_series(one, run, "train/loss", 1e-5)
+    within(max_param_diff(one["params"], run["params"]), 1e-5, "params")
+
+
+MID = (  # a mid-epoch checkpoint at step 2, kept beside last.ckpt
+    "+callbacks.mid={_target_:lightning.pytorch.callbacks.ModelCheckpoint,dirpath:${paths.output_dir}/checkpoints,"
+    "filename:'mid_{step}',auto_insert_metric_name:false,every_n_train_steps:2,save_top_k:-1,monitor:null}"
+)
+
+
+@FULL_MATRIX_ONLY
+def test_packed_chat_resumed_mid_epoch_on_another_rank_count_ends_as_the_straight_run(tmp_path, pretrained, reference):
+    """A step-2 checkpoint of 2 ranks resumed on 1 process: steps 2-3 and the final weights as 1 process throughout."""
+    args = chat_args(pretrained, True)
+    one = reference(args)
+    train(tmp_path, "two", args + SPLITS["ddp"] + [MID])
+    (mid,) = (tmp_path / "two" / "train" / "runs").glob("*/checkpoints/mid_2.ckpt")
+    resumed = train(tmp_path, "resumed", args + [f"ckpt_path={mid}"])
+    straight = dict(one["scalars"]["train/loss"])
+    steps = [step for step, _ in resumed["scalars"]["train/loss"]]
+    assert steps == [2, 3]
+    within(max(abs(v - straight[s]) for s, v in resumed["scalars"]["train/loss"]), 1e-5, "train/loss")
+    within(max_param_diff(one["params"], resumed["params"]), 1e-5, "params")
+
+
+def test_chat_mistakes_are_one_sentence(tmp_path, pretrained):
+    """As a user runs it (no HYDRA_FULL_ERROR): one line on stderr, exit 2, before any training."""
+    from test_errors import assert_one_clear_line, run_as_user
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}, {"prompt": "x"}]))
+    paths = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    cases = [
+        (["trainer=pipeline", "trainer.devices=2"], "data.packing=true with trainer=pipeline"),
+        ([f"data.path={bad}"], "record 1 has neither layout (keys: ['prompt'])"),
+    ]
+    for extra, fragment in cases:
+        rc, out, _ = run_as_user(["train.py", *chat_args(pretrained, True), *paths, *extra])
+        assert_one_clear_line(rc, out, fragment)

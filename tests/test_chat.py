@@ -211,3 +211,24 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
     packed = loss_and_grads(packed_collate(tokenizer.eos_id)([rows[i] for i in range(len(rows))]))
     assert abs(padded[0] - packed[0]) <= 1e-9 * abs(padded[0])
     assert max((a - b).abs().max().item() for a, b in zip(padded[1], packed[1])) <= 1e-9
+
+
+@pytest.mark.parametrize(
+    "model_type, config, refused",
+    [
+        ("gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2}, False),
+        ("llama", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}, False),
+        # OPT's forward builds its mask without transformers' packed-sequence check: packed records see each other
+        ("opt", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64,
+                 "word_embed_proj_dim": 32}, True),
+    ],
+)  # fmt: skip
+def test_a_model_that_lets_packed_records_see_each_other_is_refused_before_step_1(model_type, config, refused):
+    from src.models.causal_lm import CausalLMLitModule
+
+    module = CausalLMLitModule(vocab_size=100, seq_len=32, model_type=model_type, config=config)
+    if refused:
+        with pytest.raises(ConfigError, match=r"data.packing=true: opt's forward \(.* attention\) lets packed"):
+            module.check_packing()
+    else:
+        module.check_packing()

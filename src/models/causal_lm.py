@@ -193,8 +193,11 @@ class CausalLMLitModule(LitModule):
         return config
 
     def fill(self, model: torch.nn.Module) -> init.Fill:
-        """Initial values of a model built from a config (src/models/init.py): transformers' default rule."""
-        return hf.standard_fill(model, model.config.initializer_range)
+        """Initial values of a model built from a config (src/models/init.py): transformers' default rule, at the
+        config's standard deviation (`initializer_range`; OPT names it `init_std`)."""
+        config = model.config
+        std = getattr(config, "initializer_range", None) or getattr(config, "init_std", None) or 0.02
+        return hf.standard_fill(model, std)
 
     # ---- building ----
 

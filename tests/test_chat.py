@@ -232,3 +232,19 @@ def test_a_model_that_lets_packed_records_see_each_other_is_refused_before_step_
             module.check_packing()
     else:
         module.check_packing()
+
+
+def test_packing_under_pipeline_stages_is_one_sentence_before_any_rank_starts(tmp_path):
+    """The stages pass no position ids between them: packed conversations would see each other (checked by
+    src/run/checks.py on the composed config, as train.py does)."""
+    from test_configs import compose_cfg
+
+    from src.run.checks import check_values
+
+    cfg = compose_cfg(
+        ["data=chat", "data.packing=true", "trainer=pipeline", "trainer.devices=2", "model.n_layer=2"], tmp=tmp_path
+    )
+    with pytest.raises(ConfigError, match=r"^data.packing=true with trainer=pipeline: .* set data.packing=false"):
+        check_values(cfg)
+    cfg.data.packing = False
+    check_values(cfg)  # the same config unpacked passes

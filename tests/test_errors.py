@@ -68,6 +68,7 @@ def bad(tmp_path_factory) -> Path:
     (d / "nofield.jsonl").write_text('{"text": "fine"}\n{"body": "x"}\n')
     (d / "tiny.txt").write_text("hi")
     (d / "records.json").write_text(json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "c"}]))
+    (d / "chats.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}, {"prompt": "x"}]))
     (d / "pairs.json").write_text(
         json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
     )
@@ -97,6 +98,7 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "missing_field": (["data.path={bad}/nofield.jsonl"], ["nofield.jsonl:2", "data.text_field"]),
     "too_small": (["data.path={bad}/tiny.txt"], ["too few", "data.seq_len"]),
     "bad_record": (["data=instruct", "data.path={bad}/records.json"], ["records.json: record 1", "'output'"]),
+    "chat_without_layout": (["data=chat", "data.path={bad}/chats.json"], ["chats.json: record 1 has neither layout"]),
     "dpo_on_text": (["model.objective=dpo"], ["model.objective=dpo", "data=preference"]),
     "pair_without_rejected": (
         ["data=preference", "model.objective=dpo", "data.path={bad}/pairs.json"],

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from src.datamodules.corpus import CorpusError
 from src.parallel.samplers import ShardSampler, rank_and_world, train_sampler
 from src.utils.labels import IGNORE_INDEX
 
@@ -92,6 +93,20 @@ def working_shapes(global_batch_size: int, world_size: int, accumulate: int) -> 
         options.append(f"trainer.accumulate_grad_batches={best} on {world_size} device(s)")
     options.append(f"a data.global_batch_size that is a multiple of {world_size * accumulate}")
     return ", or ".join(options)
+
+
+def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, unit: str) -> tuple[int, int, int]:
+    """(train, val, test) counts of `n` records in file order, val and test at least one each when asked for; one
+    sentence when no training record is left."""
+    n_val = max(1, round(n * val_fraction)) if val_fraction else 0
+    n_test = max(1, round(n * test_fraction)) if test_fraction else 0
+    n_train = n - n_val - n_test
+    if n_train < 1:
+        raise CorpusError(
+            f"{where}: {n} usable {unit}(s) are too few for a train split plus {n_val} val and {n_test} test "
+            f"{unit}(s): add {unit}s or lower data.val_fraction / data.test_fraction."
+        )
+    return n_train, n_val, n_test
 
 
 class ShardedDataModule(L.LightningDataModule):

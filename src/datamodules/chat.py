@@ -39,7 +39,7 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule
+from src.datamodules.base import ShardedDataModule, split_sizes
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import Records, pad_collate, read_json_records
 from src.datamodules.packing import PackedRows, packed_collate, padding_share
@@ -324,14 +324,9 @@ class ChatDataModule(ShardedDataModule):
                 f"No conversation of {self.path} trains at data.seq_len={self.seq_len} ({counts['no_assistant']} "
                 f"without an assistant turn, {counts['dropped']} too long): raise data.seq_len or fix the data."
             )
-        n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
-        n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
-        n_train = len(items) - n_val - n_test
-        if n_train < 1:
-            raise CorpusError(
-                f"{self.path}: {len(items)} usable conversation(s) are too few for a train split plus {n_val} val "
-                f"and {n_test} test one(s): add conversations or lower data.val_fraction / data.test_fraction."
-            )
+        n_train, n_val, n_test = split_sizes(
+            len(items), self.val_fraction, self.test_fraction, self.path, "conversation"
+        )
         self.held_out = conversations[n_train:]
         parts = {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}
         lengths = np.array([len(ids) for ids, _ in parts["train"]])

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule
+from src.datamodules.base import ShardedDataModule, split_sizes
 from src.datamodules.corpus import CorpusError, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
 from src.datamodules.text import IGNORE_INDEX
@@ -175,15 +175,7 @@ class InstructDataModule(ShardedDataModule):
             items.append((ids, labels))
         if not items:
             raise CorpusError(f"No record of {self.path} fits data.seq_len={self.seq_len}.")
-        n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
-        n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
-        n_train = len(items) - n_val - n_test
-        if n_train < 1:
-            raise CorpusError(
-                f"{self.path}: {len(items)} usable record(s) are too few for a train split plus {n_val} "
-                f"val and {n_test} test record(s). Add records or lower data.val_fraction / "
-                "data.test_fraction."
-            )
+        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "record")
         log.info(
             f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
             f"{n_train}/{n_val}/{n_test} train/val/test"

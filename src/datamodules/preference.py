@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule
+from src.datamodules.base import ShardedDataModule, split_sizes
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.text import IGNORE_INDEX
@@ -233,15 +233,7 @@ class PreferenceDataModule(ShardedDataModule):
             raise CorpusError(
                 f"No pair of {self.path} fits data.seq_len={self.seq_len}: raise it or use data.overlong=truncate."
             )
-        n_val = max(1, round(len(items) * self.val_fraction)) if self.val_fraction else 0
-        n_test = max(1, round(len(items) * self.test_fraction)) if self.test_fraction else 0
-        n_train = len(items) - n_val - n_test
-        if n_train < 1:
-            raise CorpusError(
-                f"{self.path}: {len(items)} usable pair(s) are too few for a train split plus {n_val} "
-                f"val and {n_test} test pair(s). Add pairs or lower data.val_fraction / "
-                "data.test_fraction."
-            )
+        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "pair")
         c = self.counts
         log.info(
             f"{c['pairs']} pairs: {c['prompt_cut']} prompts cut from the left, {c['answer_cut']} answers cut, "

@@ -15,14 +15,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from src.checkpoint import resharding
 from src.checkpoint.files import save_sharded
 from src.parallel.capabilities import Capabilities
-from src.parallel.mesh import build_mesh
+from src.parallel.mesh import OwnMesh
 from src.parallel.parallelize import parallelize, parallelized
 from src.parallel.sync_batchnorm import apply_layer_sync
 
 log = logging.getLogger(__name__)
 
 
-class FSDP2Strategy(ModelParallelStrategy, Capabilities):
+class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
     """Pure data-parallel FSDP2 over all ranks, with FSDP2's switches as config (activation checkpointing and
     compile are the model's: model.gradient_checkpointing, model.compile).
 
@@ -45,7 +45,6 @@ class FSDP2Strategy(ModelParallelStrategy, Capabilities):
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout=timeout)
         self.meta_init = meta_init  # read by train.py
-        self.mesh = None
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.options = dict(
             reshard_after_forward=reshard_after_forward,
@@ -53,17 +52,6 @@ class FSDP2Strategy(ModelParallelStrategy, Capabilities):
             reduce_dtype=reduce_dtype,
             cpu_offload=cpu_offload,
         )
-
-    @property
-    def device_mesh(self):
-        return self.mesh if self.mesh is not None else super().device_mesh
-
-    def setup_environment(self) -> None:
-        # Lightning's own mesh (every rank data parallel) is built and unused; ours is the one of src/parallel/mesh.py,
-        # as every strategy's: data_parallel over every rank, the other dims 1
-        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
-        super().setup_environment()
-        self.mesh = build_mesh(self.world_size, self.root_device.type)
 
     def setup(self, trainer) -> None:
         if not parallelized(self.lightning_module):  # setup runs again for test after fit

@@ -81,3 +81,28 @@ def data_rank_and_size() -> Optional[tuple[int, int]]:
 def data_group():
     """The process group of this rank's data-parallel dim, or None (the default group: all ranks)."""
     return _DATA_MESH.get_group() if _DATA_MESH is not None else None
+
+
+class OwnMesh:
+    """For a Lightning ModelParallelStrategy (listed before it among the bases): this module's mesh instead of
+    Lightning's, which is built (every rank data parallel) and unused, since Lightning's has no pipeline dim.
+    The strategy says its sizes in `mesh_dims()`; the samplers split data over the mesh's data-parallel dim."""
+
+    mesh: Optional[DeviceMesh] = None
+
+    def mesh_dims(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh if self.mesh is not None else super().device_mesh
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        super().setup_environment()
+        self.mesh = build_mesh(self.world_size, self.root_device.type, **self.mesh_dims())
+        split_data_over(self.mesh)
+
+    def teardown(self) -> None:
+        split_data_over(None)
+        super().teardown()

@@ -29,8 +29,8 @@ from torch.profiler import record_function
 from src.checkpoint import resharding
 from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
-from src.parallel import mesh as meshes
 from src.parallel.capabilities import Capabilities
+from src.parallel.mesh import OwnMesh
 from src.parallel.pipeline import Pipeline, check_config, parallelize
 from src.parallel.tensor_parallel import layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
 
 
-class PipelineStrategy(ModelParallelStrategy, Capabilities):
+class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
@@ -64,28 +64,14 @@ class PipelineStrategy(ModelParallelStrategy, Capabilities):
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
-        self.mesh = None
         self.pipeline: Pipeline | None = None
-
-    @property
-    def device_mesh(self):
-        return self.mesh if self.mesh is not None else super().device_mesh
 
     def connect(self, model) -> None:
         super().connect(model)
         model.automatic_optimization = False  # the step is ours (training_step below)
 
-    def setup_environment(self) -> None:
-        # Lightning's own (world x 1) mesh is built and unused; ours has the pipeline dim.
-        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
-        super().setup_environment()
-        self.mesh = meshes.build_mesh(
-            self.world_size,
-            self.root_device.type,
-            pipeline_parallel=self.pipeline_parallel_size,
-            tensor_parallel=self.tensor_parallel_size,
-        )
-        meshes.split_data_over(self.mesh)
+    def mesh_dims(self) -> dict[str, int]:
+        return {"pipeline_parallel": self.pipeline_parallel_size, "tensor_parallel": self.tensor_parallel_size}
 
     def setup(self, trainer) -> None:
         if self.pipeline is None:  # setup runs again for test after fit
@@ -98,10 +84,6 @@ class PipelineStrategy(ModelParallelStrategy, Capabilities):
                 self.root_device,
             )
         super().setup(trainer)
-
-    def teardown(self) -> None:
-        meshes.split_data_over(None)
-        super().teardown()
 
     # ---- steps ----
 

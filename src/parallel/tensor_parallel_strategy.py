@@ -16,7 +16,7 @@ from src.checkpoint import resharding
 from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
-from src.parallel.mesh import build_mesh, mesh_sizes, split_data_over
+from src.parallel.mesh import OwnMesh, mesh_sizes
 from src.parallel.parallelize import parallelize, parallelized
 from src.parallel.tensor_parallel import check_divisible, check_forward, check_plan, layout
 from src.utils.config import ConfigError, check_int, check_unsupported
@@ -44,7 +44,7 @@ def check_config(cfg: Any) -> None:
     check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))
 
 
-class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
+class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
 
     Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
@@ -58,18 +58,9 @@ class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=True, timeout=timeout)
         self.tp_size = tensor_parallel_size
-        self.mesh = None
 
-    @property
-    def device_mesh(self):
-        return self.mesh if self.mesh is not None else super().device_mesh
-
-    def setup_environment(self) -> None:
-        # Lightning's own (world x 1) mesh is built and unused; ours (src/parallel/mesh.py) is the pipeline's
-        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
-        super().setup_environment()
-        self.mesh = build_mesh(self.world_size, self.root_device.type, tensor_parallel=self.tp_size)
-        split_data_over(self.mesh)  # samplers deal samples over the data-parallel dim only
+    def mesh_dims(self) -> dict[str, int]:
+        return {"tensor_parallel": self.tp_size}
 
     def setup(self, trainer) -> None:
         module = self.lightning_module
@@ -85,10 +76,6 @@ class TensorParallelStrategy(ModelParallelStrategy, Capabilities):
         super().setup(trainer)
         if first:
             check_forward(module)  # on its device: a split forward that fails is one sentence
-
-    def teardown(self) -> None:
-        split_data_over(None)
-        super().teardown()
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""

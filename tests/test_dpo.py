@@ -515,6 +515,7 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_8_pairs(tmp_path):
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time (stop 55): DPO from a pretrained dir stays in the suite
 def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_path):
     """Instruction tuning under FSDP2 (a DCP dir) and ZeRO-2 (a ZeRO dir), 2 steps each; then DPO with
     model.pretrained=<that checkpoint>, and =<its consolidated .ckpt file>: the policy and its reference start

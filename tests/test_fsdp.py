@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import path_overrides, run_script
+from conftest import FULL_MATRIX_ONLY, path_overrides, run_script
 from test_parity import GPT2, GPT2_DDP, QUIET, VISION_10_11, assert_same_series, max_param_diff
 
 from src.checkpoint.convert import build_module, export_hf, is_sharded, load_checkpoint
@@ -139,6 +139,7 @@ def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path, reference):
     within(max_param_diff(one["params"], params_of(last_ckpt(tmp_path, "fsdp"))), 1e-5, "params")
 
 
+@FULL_MATRIX_ONLY  # suite time (stop 55): FSDP2's default = DDP stays in the suite
 def test_fsdp_switches(tmp_path, reference):
     """Activation checkpointing recomputes the same numbers; bf16 params stay close to fp32; ZeRO-2-like too."""
     ddp = reference(GPT2_DDP)

@@ -11,26 +11,14 @@ import pytest
 import torch
 from conftest import shared
 
-from src.datamodules.chat import CHATML, ChatDataModule, ChatTemplate, encode, read_conversations, spans
+from src.datamodules.chat import ChatDataModule, ChatTemplate, encode, read_conversations, spans
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import pad_collate
 from src.datamodules.packing import PackedRows, pack, packed_collate
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import load_tokenizer
 from src.utils.config import ConfigError
-
-# the same layout as CHATML, with transformers' {% generation %} markers around what the assistant says: what
-# transformers' return_assistant_tokens_mask reads, an independent account of the assistant's tokens
-MARKED = CHATML.replace(
-    "<|im_start|>{{ message.role }}\n{{ message.content or '' }}"
-    "{% for call in message.tool_calls or [] %}<tool_call>\n{{ call.function | tojson }}\n</tool_call>{% endfor %}"
-    "{{ eos_token }}",
-    "<|im_start|>{{ message.role }}\n{% if message.role == 'assistant' %}{% generation %}"
-    "{{ message.content or '' }}"
-    "{% for call in message.tool_calls or [] %}<tool_call>\n{{ call.function | tojson }}\n</tool_call>{% endfor %}"
-    "{{ eos_token }}{% endgeneration %}{% else %}{{ message.content or '' }}{{ eos_token }}{% endif %}",
-)
-assert "generation" in MARKED
+from tests.helpers.chat_template import MARKED
 
 
 def as_messages(path, out) -> None:
@@ -158,6 +146,55 @@ def test_bad_chat_input_is_one_sentence_naming_it(tmp_path, records, kw, message
         datamodule(tmp_path, records, **kw)
 
 
+def test_a_hugging_face_dataset_trains_as_its_json_file(tmp_path):
+    """data.path=hf:<name>: the rows `datasets.load_dataset` gives (here a local parquet dir, as a hub dataset
+    arrives; the hub itself needs internet) become the same conversations, tokens and targets as the JSON file;
+    a split the dataset lacks is one sentence."""
+    datasets = pytest.importorskip("datasets", reason="needs the `datasets` package (pip install -e '.[hf]')")
+    records = json.loads(shared("chat", "glaive_toolcall_en_demo.json").read_text())[:60]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(records))
+    (tmp_path / "hub").mkdir()
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "hub" / "train.parquet"))
+    kw = dict(tokenizer=str(shared("gpt2-tokenizer")), seq_len=2048, val_fraction=0.1, test_fraction=0.0)
+    from_json, from_hub = ChatDataModule(str(path), **kw), ChatDataModule(f"hf:{tmp_path / 'hub'}", **kw)
+    for dm in (from_json, from_hub):
+        dm.setup("fit")
+    assert len(from_json.splits["train"]) == len(from_hub.splits["train"]) == 54
+    for a, b in zip(from_json.splits["train"].items, from_hub.splits["train"].items, strict=True):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+    with pytest.raises(
+        CorpusError, match=r"^The Hugging Face dataset .*\(split 'test'\) could not be loaded .*data.hf_split"
+    ):
+        ChatDataModule(f"hf:{tmp_path / 'hub'}", hf_split="test", **kw).prepare_data()
+
+
+@pytest.mark.parametrize("kind", ["instruct", "preference"])
+def test_instructions_and_pairs_read_from_a_hugging_face_dataset_split(tmp_path, kind):
+    """data=instruct and data=preference read data.path=hf:<name> too, the split named by data.hf_split."""
+    datasets = pytest.importorskip("datasets", reason="needs the `datasets` package (pip install -e '.[hf]')")
+    from src.datamodules.instruct import InstructDataModule
+    from src.datamodules.preference import PreferenceDataModule
+
+    module, name = {
+        "instruct": (InstructDataModule, ("alpaca", "alpaca_en_demo.json")),
+        "preference": (PreferenceDataModule, ("preference", "dpo_en_demo.json")),
+    }[kind]
+    records = json.loads(shared(*name).read_text())[:30]
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    (tmp_path / "hub").mkdir()
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "hub" / "validation.parquet"))
+    kw = dict(seq_len=256, val_fraction=0.0, test_fraction=0.0)
+    ours, hub = module(str(tmp_path / "rows.json"), **kw), module(f"hf:{tmp_path / 'hub'}", hf_split="validation", **kw)
+    for dm in (ours, hub):
+        dm.setup("fit")
+    assert len(ours.splits["train"]) == len(hub.splits["train"]) > 0
+    for a, b in zip(ours.splits["train"].items, hub.splits["train"].items, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_packing_is_data_the_same_rows_for_any_rank_count():
     """Rows filled in order, records whole, positions restarting at each record; padding a record of its own."""
     items = [(np.arange(n), np.arange(n) + 1) for n in (5, 4, 3, 6, 2)]
@@ -190,11 +227,19 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
             items.append((ids, labels))
         if len(items) == 6:
             break
+    # the ids renumbered into the few the six use (suite time: a 50257-wide float64 head was most of the test)
+    used = np.unique(np.concatenate([ids for ids, _ in items] + [[tokenizer.eos_id]]))
+    new = {int(t): i for i, t in enumerate(used)}
+    items = [
+        (np.array([new[int(t)] for t in ids]), np.array([new.get(int(t), IGNORE_INDEX) for t in labels]))
+        for ids, labels in items
+    ]
+    eos, vocab = new[tokenizer.eos_id], len(used)
     sizes = {"n_layer": 2, "n_embd": 32, "n_head": 2} if model_type == "gpt2" else {
         "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 64,
     }  # fmt: skip
-    config = AutoConfig.for_model(model_type, vocab_size=tokenizer.vocab_size, **sizes)
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, **sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).double().eval()  # no dropout: the two runs draw alike
 
@@ -205,10 +250,10 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]
 
-    padded = loss_and_grads(pad_collate(tokenizer.eos_id)(items))
+    padded = loss_and_grads(pad_collate(eos)(items))
     rows = PackedRows(items, 700)
     assert len(rows) < len(items)  # packing did pack
-    packed = loss_and_grads(packed_collate(tokenizer.eos_id)([rows[i] for i in range(len(rows))]))
+    packed = loss_and_grads(packed_collate(eos)([rows[i] for i in range(len(rows))]))
     assert abs(padded[0] - packed[0]) <= 1e-9 * abs(padded[0])
     assert max((a - b).abs().max().item() for a, b in zip(padded[1], packed[1])) <= 1e-9
 

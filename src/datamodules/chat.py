@@ -146,8 +146,14 @@ def conversation(record: Any, where: str, layout: str) -> tuple[list[Message], O
     return messages, tool_list(record.get("tools"), where)
 
 
-def read_conversations(path: str, layout: str) -> list[tuple[list[Message], Optional[list[dict]]]]:
-    """Every record of a .json / .jsonl file, or of the dir's files in name order; errors name file and record."""
+def read_conversations(
+    path: str, layout: str, hf_split: str = "train"
+) -> list[tuple[list[Message], Optional[list[dict]]]]:
+    """Every record of a .json / .jsonl file, of the dir's files in name order, or of a Hugging Face dataset's split
+    (`hf:<name>`); errors name file and record."""
+    if path.startswith("hf:"):
+        records = read_json_records(path, "a chat", hf_split)
+        return [conversation(record, f"{path}[{hf_split}]: record {i}", layout) for i, record in enumerate(records)]
     where = Path(path).expanduser()
     files = sorted(p for p in where.iterdir() if p.suffix in (".json", ".jsonl")) if where.is_dir() else [where]
     if not files:
@@ -257,6 +263,7 @@ class ChatDataModule(ShardedDataModule):
         seed: int = 42,
         special_tokens: Sequence[str] = (),
         overfit_batches: int = 0,
+        hf_split: str = "train",
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
@@ -268,7 +275,7 @@ class ChatDataModule(ShardedDataModule):
         self.path, self.tokenizer_name, self.seq_len, self.layout = path, tokenizer, seq_len, layout
         self.chat_template, self.train_on, self.overlong, self.packing = chat_template, train_on, overlong, packing
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.special_tokens = list(special_tokens)
+        self.special_tokens, self.hf_split = list(special_tokens), hf_split
         self.held_out: list[tuple[list[Message], Optional[list[dict]]]] = []
 
     @cached_property
@@ -284,7 +291,7 @@ class ChatDataModule(ShardedDataModule):
         return {"vocab_size": self.tokenizer.vocab_size}
 
     def prepare_data(self) -> None:
-        read_conversations(self.path, self.layout)  # bad records fail here, on rank 0 alone
+        read_conversations(self.path, self.layout, self.hf_split)  # bad records fail here, on rank 0 alone
 
     def fit(self, messages: list[Message], tools: Optional[list[dict]], where: str):
         """(input_ids, labels, how) of the conversation within seq_len as data.overlong says, how being "" (it
@@ -306,7 +313,7 @@ class ChatDataModule(ShardedDataModule):
 
     def build_splits(self) -> dict[str, Dataset]:
         items, counts, conversations = [], {"turns": 0, "truncated": 0, "dropped": 0, "no_assistant": 0}, []
-        for i, (messages, tools) in enumerate(read_conversations(self.path, self.layout)):
+        for i, (messages, tools) in enumerate(read_conversations(self.path, self.layout, self.hf_split)):
             if not any(m["role"] == "assistant" for m in messages):
                 counts["no_assistant"] += 1
                 continue

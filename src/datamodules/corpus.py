@@ -224,11 +224,29 @@ class Corpus:
                 parts = []
 
 
-def _load_hf(name: str, split: str, text_field: str, streaming: bool = False):
+def _datasets():
     try:
         import datasets
     except ImportError as e:
         raise CorpusError("data.hf_dataset needs the `datasets` package: pip install -e '.[hf]'") from e
+    return datasets
+
+
+def hf_records(name: str, split: str) -> list[dict]:
+    """The rows of a Hugging Face dataset as dicts: a hub name (online, cached by `datasets`) or anything
+    `datasets.load_dataset` reads, such as a local dir of .parquet / .jsonl files."""
+    datasets = _datasets()
+    try:
+        return datasets.load_dataset(name, split=split).to_list()
+    except Exception as e:  # noqa: BLE001 - no network, no such dataset or split: one sentence naming it
+        raise CorpusError(
+            f"The Hugging Face dataset {name!r} (split {split!r}) could not be loaded ({type(e).__name__}: "
+            f"{str(e)[:200]}): check its name, data.hf_split and the network, or give a local file."
+        ) from None
+
+
+def _load_hf(name: str, split: str, text_field: str, streaming: bool = False):
+    datasets = _datasets()
     ds = (
         datasets.load_dataset(name, split=split, streaming=True)
         if streaming

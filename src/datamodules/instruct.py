@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.datamodules.base import ShardedDataModule, split_sizes
-from src.datamodules.corpus import CorpusError, utf8_lines, utf8_text
+from src.datamodules.corpus import CorpusError, hf_records, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
@@ -41,9 +41,11 @@ ALPACA_NO_INPUT = (
 FIELDS = ("instruction", "input", "output")
 
 
-def read_json_records(path: str, kind: str) -> list:
+def read_json_records(path: str, kind: str, hf_split: str = "train") -> list:
     """A JSON array of records, or JSONL with one record per line; errors name the line. `kind` names the format
-    expected, for the error of a missing file."""
+    expected, for the error of a missing file. `hf:<name>` is a Hugging Face dataset's `hf_split` instead."""
+    if path.startswith("hf:"):
+        return hf_records(path[3:], hf_split)
     file = Path(path).expanduser()
     if not file.is_file():
         raise CorpusError(f"data.path={path!r} does not exist. Point it at {kind} .json or .jsonl file.")
@@ -65,9 +67,9 @@ def read_json_records(path: str, kind: str) -> list:
     return records
 
 
-def read_records(path: str) -> list[dict]:
+def read_records(path: str, hf_split: str = "train") -> list[dict]:
     """Alpaca records; errors name the record (or line)."""
-    records = read_json_records(path, "an Alpaca-style")
+    records = read_json_records(path, "an Alpaca-style", hf_split)
     for i, record in enumerate(records):
         bad = [
             k for k in ("instruction", "output") if not isinstance(record, dict) or not isinstance(record.get(k), str)
@@ -140,6 +142,7 @@ class InstructDataModule(ShardedDataModule):
         special_tokens: Sequence[str] = (),
         overfit_batches: int = 0,
         packing: bool = False,
+        hf_split: str = "train",
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
@@ -149,7 +152,7 @@ class InstructDataModule(ShardedDataModule):
         self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.special_tokens = list(special_tokens)
-        self.packing = packing
+        self.packing, self.hf_split = packing, hf_split
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -160,11 +163,13 @@ class InstructDataModule(ShardedDataModule):
         return {"vocab_size": self.tokenizer.vocab_size}
 
     def prepare_data(self) -> None:
-        read_records(self.path)  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
+        read_records(
+            self.path, self.hf_split
+        )  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
 
     def build_splits(self) -> dict[str, Dataset]:
         items, dropped, truncated = [], 0, 0
-        for record in read_records(self.path):
+        for record in read_records(self.path, self.hf_split):
             ids, labels = encode(record, self.tokenizer, self.template, self.template_no_input)
             if len(ids) > self.seq_len:
                 # truncate: keep the first seq_len tokens (the response is cut, its EOS lost); drop: skip it

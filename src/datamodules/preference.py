@@ -164,6 +164,7 @@ class PreferenceDataModule(ShardedDataModule):
         num_workers: int = 0,
         seed: int = 42,
         overfit_batches: int = 0,
+        hf_split: str = "train",
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
         max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
@@ -177,7 +178,7 @@ class PreferenceDataModule(ShardedDataModule):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.path, self.tokenizer_name, self.seq_len, self.max_prompt_len = path, tokenizer, seq_len, max_prompt_len
-        self.template, self.overlong = template, overlong
+        self.template, self.overlong, self.hf_split = template, overlong, hf_split
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.counts: dict[str, int] = {}
 
@@ -191,7 +192,9 @@ class PreferenceDataModule(ShardedDataModule):
 
     def records(self) -> list[tuple]:
         where = f"{self.path}: record"
-        return [parse(r, f"{where} {i}") for i, r in enumerate(read_json_records(self.path, "a preference"))]
+        return [
+            parse(r, f"{where} {i}") for i, r in enumerate(read_json_records(self.path, "a preference", self.hf_split))
+        ]
 
     def prepare_data(self) -> None:
         self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()

@@ -26,15 +26,20 @@ def test_the_docs_show_the_sbatch_script_that_the_cluster_tests_run():
 
 def test_a_resumed_run_appends_to_the_csv_logger_history(tmp_path):
     """Lightning's CSVLogger deleted the first attempt's metrics.csv when a run resumed in its dir; this one
-    appends, and a metric the first attempt never logged rewrites the file with every earlier row kept."""
+    appends, and a metric the first attempt never logged rewrites the file with every earlier row kept. The steps
+    the first attempt logged after its checkpoint (2 and 3 here), which the resumed one trains again, are in the
+    file once, with the resumed attempt's values (was: twice)."""
     from src.utils.logging import ResumableCSVLogger
 
     first = ResumableCSVLogger(tmp_path, name="csv", version="")
     first.log_metrics({"train/loss": 2.0}, step=0)
     first.log_metrics({"train/loss": 1.5, "val/loss": 1.7}, step=1)
+    first.log_metrics({"train/loss": 1.2}, step=2)
+    first.log_metrics({"train/loss": 1.1}, step=3)
     first.finalize("failed")
     second = ResumableCSVLogger(tmp_path, name="csv", version="")
     second.log_metrics({"train/loss": 1.0, "lr": 0.1}, step=2)
+    second.log_metrics({"train/loss": 0.9}, step=3)
     second.finalize("success")
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -42,6 +47,7 @@ def test_a_resumed_run_appends_to_the_csv_logger_history(tmp_path):
         ("0", "2.0", "", ""),
         ("1", "1.5", "1.7", ""),
         ("2", "1.0", "", "0.1"),
+        ("3", "0.9", "", ""),
     ]
 
 

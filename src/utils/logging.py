@@ -51,18 +51,19 @@ class BelowError(logging.Filter):
 
 class ResumableCSVLogger(CSVLogger):
     """Lightning's CSVLogger, except that a run resumed in its run dir (resume=auto after a requeue or a crash)
-    appends to csv/metrics.csv instead of deleting it.
+    keeps csv/metrics.csv's history, every step once.
 
     Lightning's writer deletes the metrics.csv it finds ("Previous log files in this directory will be deleted"),
     so a requeued job kept only the steps after its requeue. Here the file is moved aside while the writer
     starts and put back, and the writer is told its header (its public `metrics_keys`), so the next rows are
-    appended under it (a new column rewrites the file with every row). After a crash rather than a requeue, the
-    steps trained again since the last checkpoint appear twice, the later rows being the ones the run kept.
+    appended under it (a new column rewrites the file with every row). The steps a crashed attempt logged after
+    its last checkpoint are trained again: the resumed attempt's first row (step s) drops the kept rows of steps
+    s and later, so every step is in the file once, with the values of the run that went on.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._history_kept = False
+        self._history_kept, self._resumed = False, False
 
     @property
     def experiment(self) -> Any:
@@ -79,5 +80,28 @@ class ResumableCSVLogger(CSVLogger):
             os.replace(aside, path)
             with path.open(newline="") as f:
                 writer.metrics_keys = next(csv.reader(f), [])
+            self._resumed = True
         self._history_kept = True
         return writer
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        writer = self.experiment
+        if self._resumed and step is not None:
+            self._resumed = False
+            writer.save()  # rows still in memory first (none yet, or the hparams')
+            drop_rows_from(Path(self.log_dir) / "metrics.csv", step)
+        super().log_metrics(metrics, step)
+
+
+def drop_rows_from(path: Path, step: int) -> None:
+    """Rewrites a metrics.csv without its rows of `step` and later (written to a temporary file and renamed)."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames or [], [r for r in reader if not r.get("step") or int(r["step"]) < step]
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)

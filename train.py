@@ -15,7 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
+from src.callbacks import trackers
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
+from src.callbacks.trackers import TrackerRuns
 from src.checkpoint.latest import resume_from
 from src.checkpoint.resume import ResumeAnywhere
 from src.launch.hydra_ddp import ddp_job
@@ -38,8 +40,10 @@ def train(cfg: DictConfig) -> Optional[float]:
         ConfigInCheckpoint(cfg),
         StepsInProgressBar(),
         ResumeAnywhere(allow_new_batch=cfg.get("resume_with_new_batch", False)),  # resume on another N or strategy
+        TrackerRuns(),  # MLflow / W&B: the run's id in every checkpoint
     ]
-    loggers = instantiate_group(cfg.logger, "logger")
+    ckpt_path = resume_from(cfg) if cfg.train else None  # ckpt_path=, or resume=auto's newest checkpoint
+    loggers = trackers.loggers(cfg.logger, ckpt_path)  # a tracker continues the run the checkpoint was logged to
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it
     with deferred_init(capabilities.of(trainer.strategy).meta_init):
@@ -48,7 +52,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 
     metrics = {}
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resume_from(cfg))
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics.update(trainer.callback_metrics)
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

@@ -4,6 +4,7 @@ run, Optuna trials with DDP stay in their sweep, and short runs validate at the 
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -244,7 +245,13 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
 @pytest.mark.slow
 def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight):
     """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 5); torchrun --max-restarts=1 restarts both ranks,
-    which come back to the same agreed run dir and end with an uninterrupted run's parameters."""
+    which come back to the same agreed run dir and end with an uninterrupted run's parameters; csv/metrics.csv
+    holds every step once (was: the steps after the checkpoint twice, 23 rows for 20 steps), and so do the MLflow
+    run (an `mlflow server`) and the W&B run (offline), each one run continued by the restart, with the CSV's
+    values (tests/test_trackers.py for the rest of the trackers)."""
+    mlflow = pytest.importorskip("mlflow", reason="needs the trackers extra (pip install -e '.[trackers]')")
+    from tests.helpers.trackers import mlflow_server, wandb_history, wandb_runs
+
     cmd = [
         sys.executable,
         "-m",
@@ -257,22 +264,38 @@ def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight)
         "callbacks.last_checkpoint.every_n_train_steps=5",
         "+callbacks.kill._target_=tests.helpers.launchers.KillRankAtStep",
         "+callbacks.kill.step=8",
+        "logger=[csv,mlflow,wandb]",
     ]
-    proc = subprocess.run(
-        cmd + QUIET + GPT2 + RUN + path_overrides(dirs),
-        cwd=ROOT,
-        env=clean_env(PYTHON_EXEC=python()),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    with mlflow_server(dirs["log_dir"].parent) as uri:
+        proc = subprocess.run(
+            cmd + QUIET + GPT2 + RUN + path_overrides(dirs) + [f"logger.mlflow.tracking_uri={uri}"],
+            cwd=ROOT,
+            env=clean_env(PYTHON_EXEC=python(), WANDB_MODE="offline", WANDB_API_KEY=""),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        client = mlflow.MlflowClient(uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED", [r.info for r in runs]
+        points = client.get_metric_history(runs[0].info.run_id, "train/loss")
+        assert sorted(m.step for m in points) == list(range(20))  # every step once
+        mlflow_loss = {m.step: m.value for m in points}
     assert "resume=auto: continuing from" in out
     run = only_dir(dirs["log_dir"] / "train" / "runs")  # the restarted group found the first attempt's dir
     resumed = last_ckpt(run)
     assert resumed["global_step"] == straight["global_step"] == 20
     within(max_param_diff(resumed["state_dict"], straight["state_dict"]), 1e-6, "params")
+    with open(run / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == list(range(20))
+    assert {int(r["step"]): float(r["train/loss"]) for r in rows if r["train/loss"]} == mlflow_loss
+    attempts = wandb_runs(run / "wandb")
+    assert len(attempts) == 2 and attempts[0]["id"] == attempts[1]["id"] and attempts[1]["exit_code"] == 0
+    logged = [(r["trainer/global_step"], r["train/loss"]) for r in wandb_history(run / "wandb") if "train/loss" in r]
+    assert dict(logged) == mlflow_loss and [s for s, _ in logged] == list(range(20))
 
 
 @pytest.mark.slow

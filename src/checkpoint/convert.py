@@ -91,8 +91,13 @@ def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:
-    """The model/data config train.py stored in a checkpoint, read without loading or gathering weights:
-    a DCP dir's meta.pt, a DeepSpeed dir's client state, a single file memory-mapped."""
+    """The model/data config train.py stored in a checkpoint (see `read_stored`)."""
+    return read_stored(path, "config")
+
+
+def read_stored(path: str | Path, key: str) -> Any:
+    """What train.py stored under `key` in a checkpoint (its config, its tracker runs), read without loading or
+    gathering weights: a DCP dir's meta.pt, a DeepSpeed dir's client state, a single file memory-mapped."""
     path = Path(path)
     if is_dcp(path):
         files = [path / "meta.pt"]
@@ -103,8 +108,8 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
     for file in files:
         if file.is_file():
             state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-            if isinstance(state, dict) and "config" in state:
-                return state["config"]
+            if isinstance(state, dict) and key in state:
+                return state[key]
     return None
 
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.convert import as_pretrained, is_checkpoint, read_config
 from src.run.checks import check_machine, check_top_level_keys, check_values
-from src.utils.config import ConfigError, check_targets
+from src.utils.config import ConfigError, check_targets, flatten
 from src.utils.logging import quiet_console
 
 log = logging.getLogger(__name__)
@@ -133,19 +133,10 @@ def log_hyperparameters(trainer: Any, model: Any, cfg: DictConfig) -> None:
             # declaring the metric tags instead lets TensorBoard show the real val/test values per run.
             from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-            flat = dict(_flatten(hparams))
+            flat = dict(flatten(hparams))
             writer = logger.experiment.file_writer  # SummaryWriter's public FileWriter
             for summary in hparams_summary(flat, {m: 0.0 for m in HPARAM_METRICS}):
                 writer.add_summary(summary)
-
-
-def _flatten(d: dict, prefix: str = ""):
-    for key, value in d.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            yield from _flatten(value, name)
-        else:
-            yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def optimizing_sweeper() -> bool:

@@ -115,6 +115,16 @@ def check_targets(cfg: Any, key: str = "") -> None:
         check_targets(node, f"{key}.{name}" if key else str(name))
 
 
+def flatten(d: dict, prefix: str = ""):
+    """(a/b/c, value) for each leaf of a nested dict; a value that is no bool, number or string as its text."""
+    for key, value in d.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            yield from flatten(value, name)
+        else:
+            yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
 def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
     """Instantiate every `_target_` entry of a dict group such as `callbacks` or `logger`."""
     from hydra.utils import instantiate

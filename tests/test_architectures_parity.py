@@ -158,7 +158,6 @@ CORE = [
     ("qwen2", "zero3"),
     ("qwen2", "fsdp_lora"),
     ("qwen2", "accumulate"),
-    ("mistral", "ddp"),
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
     ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included

@@ -5,6 +5,7 @@ checkpoint of 2 ranks resumed on 1 process ends as the straight run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,19 @@ def pretrained(tmp_path_factory) -> Path:
     return tiny_gpt2_without_dropout(tmp_path_factory.mktemp("pretrained"))
 
 
-def chat_args(pretrained: Path, packing: bool) -> list[str]:
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    """The demo's first 80 conversations (suite time: each rank renders and tokenizes them all at setup)."""
+    path = tmp_path_factory.mktemp("chats") / "chats.json"
+    path.write_text(json.dumps(json.loads(shared("chat", "glaive_toolcall_en_demo.json").read_text())[:80]))
+    return path
+
+
+def chat_args(pretrained: Path, packing: bool, chats: Path) -> list[str]:
     return [
         "data=chat",
         f"model.pretrained={pretrained}",
-        f"data.path={shared('chat', 'glaive_toolcall_en_demo.json')}",
+        f"data.path={chats}",
         "data.seq_len=512",
         f"data.packing={str(packing).lower()}",
         "data.global_batch_size=8",
@@ -61,8 +70,8 @@ CASES = [
 @pytest.mark.parametrize(
     "packing,split", CASES, ids=[f"{'packed' if c.values[0] else 'padded'}-{c.values[1]}" for c in CASES]
 )
-def test_chat_on_n_ranks_matches_one_process(tmp_path, pretrained, reference, packing, split):
-    args = chat_args(pretrained, packing)
+def test_chat_on_n_ranks_matches_one_process(tmp_path, pretrained, chats, reference, packing, split):
+    args = chat_args(pretrained, packing, chats)
     one = reference(args)
     if split == "zero2":  # a sharded checkpoint dir, read back whole
         run = train_sharded(tmp_path, split, args + SPLITS[split])
@@ -81,9 +90,11 @@ MID = (  # a mid-epoch checkpoint at step 2, kept beside last.ckpt
 
 
 @FULL_MATRIX_ONLY
-def test_packed_chat_resumed_mid_epoch_on_another_rank_count_ends_as_the_straight_run(tmp_path, pretrained, reference):
+def test_packed_chat_resumed_mid_epoch_on_another_rank_count_ends_as_the_straight_run(
+    tmp_path, pretrained, chats, reference
+):
     """A step-2 checkpoint of 2 ranks resumed on 1 process: steps 2-3 and the final weights as 1 process throughout."""
-    args = chat_args(pretrained, True)
+    args = chat_args(pretrained, True, chats)
     one = reference(args)
     train(tmp_path, "two", args + SPLITS["ddp"] + [MID])
     (mid,) = (tmp_path / "two" / "train" / "runs").glob("*/checkpoints/mid_2.ckpt")

@@ -279,8 +279,14 @@ def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
     return worst
 
 
-@pytest.mark.parametrize(
-    "loss_type,data", [("sigmoid", EN), ("ipo", EN), ("hinge", EN), ("ipo", "preference/dpo_zh_demo.json")]
+@pytest.mark.parametrize(  # suite time (stop 56): ipo and hinge on the English pairs in the full matrix
+    "loss_type,data",
+    [
+        ("sigmoid", EN),
+        pytest.param("ipo", EN, marks=FULL_MATRIX_ONLY),
+        pytest.param("hinge", EN, marks=FULL_MATRIX_ONLY),
+        ("ipo", "preference/dpo_zh_demo.json"),
+    ],
 )
 def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, data, tmp_path):
     """Our DPO loss and its gradients against TRL's DPOTrainer, both models in float64 on the same ids.
@@ -434,8 +440,9 @@ STATS_LOGGED = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # suite time: ZeRO-2 and Llama in the full matrix; ZeRO-3 and GPT-2 under FSDP2 stay
-    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero2_2", "llama_fsdp_2") else []) for c in CASES]
+@pytest.mark.parametrize(  # suite time: ZeRO-2, ZeRO-3 (stop 56) and Llama in the full matrix; GPT-2 under FSDP2 stays
+    "case",
+    [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero2_2", "zero3_2", "llama_fsdp_2") else []) for c in CASES],
 )
 def test_n_ranks_match_one_process(tmp_path, reference, case):
     """The 1 x 8 run (a frozen copy of the starting weights as reference; with LoRA, the model without its adapter)

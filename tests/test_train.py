@@ -139,7 +139,10 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
     too_many = {"OMP_NUM_THREADS": str(2 * len(os.sched_getaffinity(0)))}
     proc = run_script(
         "train.py",
-        FAST + path_overrides(dirs) + ["trainer=ddp", "model=gpt2", "callbacks.throughput.peak_flops=4e11"],
+        FAST
+        + path_overrides(dirs)
+        + ["trainer=ddp", "model=gpt2", "callbacks.throughput.peak_flops=4e11"]
+        + ["trainer.max_steps=10", "trainer.val_check_interval=5"],  # suite time (stop 56): 20 steps prove no more
         env=too_many,
     )
     out = proc.stdout + proc.stderr

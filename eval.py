@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.checkpoint.convert import consolidate, is_sharded, read_config
+from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.run.job import prepare
 from src.utils.config import ConfigError, instantiate_group, register_schemas
@@ -84,4 +85,5 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    check_choices()  # logger=nosuch: one sentence listing conf/logger/'s options, before Hydra composes
     main()

@@ -6,9 +6,12 @@ from `conf/`, fit, test the best checkpoint, return the metric a sweeper optimiz
 
 from typing import Optional
 
+from src.launch.choices import check_choices
 from src.launch.launcher_env import catch_preemption_signal_early
 
 catch_preemption_signal_early()  # before the imports below, which take seconds: SLURM's SIGUSR2 would end the job
+if __name__ == "__main__":
+    check_choices()  # logger=nosuch: one sentence listing conf/logger/'s options, at once, before Hydra composes
 
 import hydra
 from hydra.utils import instantiate

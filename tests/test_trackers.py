@@ -4,9 +4,12 @@ The kill -9 + resume case (one run, every step once) is tests/test_launchers.py'
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import path_overrides, run_script
+from conftest import ROOT, path_overrides, run_script
 from test_parity import GPT2, QUIET
 
 from tests.helpers.trackers import mlflow_server, wandb_history, wandb_runs
@@ -142,3 +145,24 @@ def test_an_unreachable_tracking_server_or_wandb_online_without_a_key_is_one_sen
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(UserError, match=r"^logger.wandb.offline=false needs a W&B API key: set WANDB_API_KEY"):
         WandbTracker("x", str(tmp_path), offline=False)
+
+
+@pytest.mark.parametrize(
+    "args, sentence",
+    [
+        (["logger=nosuch"], "logger=nosuch: no such option in conf/logger/: use one of csv, many, mlflow, none,"),
+        (["logger=[many,mlfow]"], "logger=mlfow: no such option in conf/logger/"),
+        (["model/size=huge"], "model/size=huge: no such option in conf/model/size/"),
+    ],
+)
+def test_an_unknown_logger_or_other_option_is_one_sentence(args, sentence):
+    """An option conf/ lacks: one sentence listing the ones there, exit 2 (was Hydra's paragraph, exit 1); the
+    options it has, sweeps of them and Hydra's functions pass."""
+    from test_errors import assert_one_clear_line
+
+    from src.launch.choices import unknown_choice
+
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert_one_clear_line(proc.returncode, proc.stdout + proc.stderr, sentence)
+    for fine in (["logger=[many,mlflow]"], ["-m", "logger=csv,wandb"], ["model=glob(*)"], ["experiment=null"]):
+        assert unknown_choice(fine) is None, fine

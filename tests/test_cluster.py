@@ -197,10 +197,17 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_twice(env, submit, straig
     """`scancel --signal=USR2` mid-training, twice: each time the ranks agree on a step, write last.ckpt, rank 0
     runs the real `scontrol requeue`, the old allocation ends on slurmd's SIGTERM within seconds (exit 143, not
     SIGKILL after KillWait), and the job, same id, same run dir, resumes with resume=auto (Restarts=1, then 2).
-    It ends with the uninterrupted job's parameters (<= 1e-6) and its whole metric history in TensorBoard and CSV.
+    It ends with the uninterrupted job's parameters (<= 1e-6) and its whole metric history in TensorBoard and CSV;
+    MLflow (logger.mlflow, a SQLite store) holds one run for the job's three attempts, FINISHED, every step once.
     Prints how long each stage of a preemption took, from the signal to the first step of the resumed job."""
+    mlflow = pytest.importorskip("mlflow", reason="needs the trackers extra (pip install -e '.[trackers]')")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job_id = submit(
-        tmp_path, TWO_TASKS, ARGS + [SLOW, "+callbacks.slow.seconds=0.5", "callbacks.preemption.check_every_n_steps=2"]
+        tmp_path,
+        TWO_TASKS,
+        ARGS
+        + [SLOW, "+callbacks.slow.seconds=0.5", "callbacks.preemption.check_every_n_steps=2"]
+        + ["logger=[many,mlflow]", f"logger.mlflow.tracking_uri={store}"],
     )
     run = tmp_path / "logs" / "train" / "runs" / f"slurm-{job_id}"
     signalled, released, running = [], [], []
@@ -231,6 +238,10 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_twice(env, submit, straig
     assert_requeues_ended_by_sigterm(run, 2)
     assert (run / "train.log").read_text().count("resume=auto: continuing from") == 2
     assert_ends_like(straight, run)
+    client = mlflow.MlflowClient(store)
+    (tracked,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert tracked.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(tracked.info.run_id, "train/loss")) == list(range(20))
     steps = progress(run)
     for attempt, times in enumerate(zip(signalled, requeued, released, running), 1):
         signal_at, requeue_at, gone_at, running_at = times

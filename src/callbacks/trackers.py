@@ -61,7 +61,11 @@ def sweep_tags() -> dict[str, str]:
 
 
 class Tracker:
-    """What both trackers add: points held until a checkpoint holds their step (see the module's docstring)."""
+    """What both trackers add: points held until a checkpoint holds their step (see the module's docstring).
+
+    A point is final once a checkpoint holds it: it was logged before the checkpoint was saved, or after it with a
+    step below the checkpoint's (the step's own train metrics, logged once the callbacks have run). Final points
+    go to `ready` and are sent at the next log call (the save has returned by then), the others wait in `pending`."""
 
     key = "tracker"
     dedupes = False  # whether the tracker stores a point sent twice (same key, step, time and value) once
@@ -69,38 +73,40 @@ class Tracker:
     def setup_tracker(self, flush: str, resume: Optional[dict]) -> None:
         if flush not in FLUSH:
             raise ConfigError(f"logger.{self.key}.flush={flush!r}: use checkpoint or step.")
-        self.flush, self.pending, self.final_below = flush, [], -1
-        self.resent = list((resume or {}).get("pending", []))
+        self.flush, self.pending, self.ready = flush, [], []
+        # the points a killed attempt had not sent, from the checkpoint this run resumed from
+        self.ready = [tuple(p) for p in (resume or {}).get("pending", [])]
         self.final_below = int((resume or {}).get("step", -1))
 
     def hold(self, metrics: Mapping[str, Any], step: Optional[int]) -> None:
         stamp, step = int(time.time() * 1000), int(step or 0)
         points = [(k, float(v), stamp, step) for k, v in metrics.items() if not isinstance(v, str)]
-        if self.resent:  # the points a killed attempt had not sent, from the checkpoint this run resumed from
-            points, self.resent = [tuple(p) for p in self.resent] + points, []
-        if self.flush == "step" or step < self.final_below:
-            self.send(points)
-        else:
-            self.pending.extend(points)
+        final = self.flush == "step" or step < self.final_below
+        (self.ready if final else self.pending).extend(points)
+        self.send_ready()
 
-    def release(self, failed: bool = False) -> None:
-        """Sends the points held; those of a failed run under `unsaved/<key>`: a resume trains their steps again."""
-        points, self.pending = self.pending, []
+    def send_ready(self) -> None:
+        points, self.ready = self.ready, []
         if points:
-            self.send([(f"unsaved/{k}", *rest) for k, *rest in points] if failed else points)
+            self.send(points)
 
     def checkpoint_state(self, step: int) -> dict:
         """What a checkpoint at `step` keeps: the run's id, and (a tracker that dedupes) the points not sent yet,
-        sent when the file is complete and again on resume. A tracker that does not dedupe is sent them now."""
-        self.saving_step = step
+        sent once the save has returned and again on resume. A tracker that does not dedupe is sent them now,
+        before the file is written."""
+        self.ready, self.pending = self.ready + self.pending, []
+        self.final_below = max(self.final_below, step)
         if not self.dedupes:
-            self.final_below = max(self.final_below, step)
-            self.release()
-        return {"run_id": self.tracker_run_id(), "pending": [list(p) for p in self.pending], "step": step}
+            self.send_ready()
+        return {"run_id": self.tracker_run_id(), "pending": [list(p) for p in self.ready], "step": step}
 
-    def checkpoint_written(self) -> None:
-        self.final_below = max(self.final_below, getattr(self, "saving_step", -1))
-        self.release()
+    def release(self, failed: bool = False) -> None:
+        """At the end: every point; a failed run's points no checkpoint holds under `unsaved/<key>` (a resume trains
+        their steps again)."""
+        self.send_ready()
+        points, self.pending = self.pending, []
+        if points:
+            self.send([(f"unsaved/{k}", *rest) for k, *rest in points] if failed else points)
 
     def send(self, points: list[Point]) -> None:
         raise NotImplementedError
@@ -139,10 +145,14 @@ class MLflowTracker(Tracker, MLFlowLogger):
         all_tags = {**sweep_tags(), **{str(k): str(v) for k, v in (tags or {}).items()}}
         if artifact_location is None and tracking_uri.startswith("sqlite:///"):  # else MLflow's ./mlruns in the cwd
             artifact_location = str(Path(tracking_uri[len("sqlite:///") :]).parent / "mlflow-artifacts")
+        # MlflowClient opens its store when built, and every rank creating one SQLite store at once fails ("table
+        # experiments already exists", seen under srun). The other ranks never use theirs (Lightning's
+        # rank_zero_experiment): it points at a server that is not asked anything.
+        store = tracking_uri if rank_zero_only.rank == 0 else "http://127.0.0.1:9"
         super().__init__(
             experiment_name,
             run_name,
-            tracking_uri,
+            store,
             all_tags,
             log_model=log_model,
             artifact_location=artifact_location,
@@ -186,7 +196,7 @@ class MLflowTracker(Tracker, MLFlowLogger):
             self.experiment.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.checkpoint_written()
+        self.send_ready()  # the file is complete
         super().after_save_checkpoint(checkpoint_callback)
 
     @rank_zero_only
@@ -261,7 +271,7 @@ class WandbTracker(Tracker, WandbLogger):
             self.experiment.log({**by_step[step], "trainer/global_step": step})
 
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.checkpoint_written()
+        self.send_ready()  # the file is complete
         super().after_save_checkpoint(checkpoint_callback)
 
     @rank_zero_only

@@ -108,6 +108,15 @@ class Tracker:
         if points:
             self.send([(f"unsaved/{k}", *rest) for k, *rest in points] if failed else points)
 
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.send_ready()  # the file is complete
+        super().after_save_checkpoint(checkpoint_callback)  # the Lightning logger's (checkpoints as artifacts)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.release(failed=status == "failed")
+        super().finalize(status)
+
     def send(self, points: list[Point]) -> None:
         raise NotImplementedError
 
@@ -195,15 +204,6 @@ class MLflowTracker(Tracker, MLFlowLogger):
         for i in range(0, len(metrics), 1000):  # MLflow's most metrics per call
             self.experiment.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.send_ready()  # the file is complete
-        super().after_save_checkpoint(checkpoint_callback)
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        self.release(failed=status == "failed")
-        super().finalize(status)
-
 
 class WandbTracker(Tracker, WandbLogger):
     """Weights & Biases: offline unless an API key is set (`offline: auto`; the run is written under the run dir's
@@ -270,13 +270,8 @@ class WandbTracker(Tracker, WandbLogger):
         for step in sorted(by_step):
             self.experiment.log({**by_step[step], "trainer/global_step": step})
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.send_ready()  # the file is complete
-        super().after_save_checkpoint(checkpoint_callback)
-
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        self.release(failed=status == "failed")
         super().finalize(status)
         if status == "failed":  # else it stays open for trainer.test; the next job or the exit finishes it
             self.experiment.finish(exit_code=1)

@@ -106,42 +106,36 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
     ]
 
 
-def run_trl(args) -> None:
-    """TRL's DPOTrainer on the same pair texts (it tokenizes prompt and answers apart with the same tokenizer, as
-    the template does; max_length = seq_len + 1 because its inputs also hold the last target), the same GPT-2
-    shape, a frozen copy as reference, fused AdamW, clipping 1.0, constant LR, no dropout."""
-    import copy
-
+def trl_parts(args, n_positions: int) -> tuple:
+    """What the benches' TRL runs share (bench/sft.py too): GPT-2's tokenizer with its EOS declared, a fresh GPT-2 of
+    `args.shape` without dropout (seed 0, SDPA), a step timer and the times it records, and the trainer arguments
+    both trainers take alike: fused AdamW, clipping 1.0, a constant LR, no weight decay, CPU, no saving."""
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
 
     layers, heads, width = map(int, args.shape.split(","))
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=len(tokenizer),
-            n_positions=args.seq_len + 1,
-            n_layer=layers,
-            n_head=heads,
-            n_embd=width,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            activation_function="gelu",
-            attn_implementation="sdpa",
-        )
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_layer=layers,
+        n_head=heads,
+        n_embd=width,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu",
+        attn_implementation="sdpa",
     )
-    times = []
+    times: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, *a, **k):
             times.append(clock())
 
-    config = DPOConfig(
+    common = dict(
         output_dir=f"{args.work}/trl",
         per_device_train_batch_size=args.batch,
         max_steps=args.steps,
@@ -154,13 +148,26 @@ def run_trl(args) -> None:
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        bf16=args.precision == "bf16-mixed",
         dataloader_num_workers=0,
         disable_tqdm=True,
-        gradient_checkpointing=False,
-        max_length=args.seq_len + 1,
         pad_token="<|endoftext|>",
         seed=0,
+    )
+    return tokenizer, GPT2LMHeadModel(config), times, Timer(), common
+
+
+def run_trl(args) -> None:
+    """TRL's DPOTrainer on the same pair texts (it tokenizes prompt and answers apart with the same tokenizer, as
+    the template does; max_length = seq_len + 1 because its inputs also hold the last target), the same GPT-2
+    shape, a frozen copy as reference, fused AdamW, clipping 1.0, constant LR, no dropout."""
+    import copy
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer, model, times, timer, common = trl_parts(args, n_positions=args.seq_len + 1)
+    config = DPOConfig(
+        **common, bf16=args.precision == "bf16-mixed", gradient_checkpointing=False, max_length=args.seq_len + 1
     )
     pairs = Dataset.from_list(json.loads(Path(args.pairs).read_text()))
     DPOTrainer(
@@ -169,7 +176,7 @@ def run_trl(args) -> None:
         args=config,
         train_dataset=pairs,
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[timer],
     ).train()
     report(times, args.warmup, 2 * args.batch * args.seq_len, args.out)
 

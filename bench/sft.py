@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, StepTimer, clock, paired_ratio  # noqa: F401  (StepTimer: train.py loads it)
+from bench.throughput import LR, StepTimer, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
@@ -117,63 +117,21 @@ def report(times: list[float], warmup: int, tokens_per_step: float, out: str, ro
 def run_trl(args) -> None:
     """TRL's SFTTrainer on the same file: the same GPT-2 shape, ChatML with generation markers, packing (its
     default best-fit decreasing, padding-free), assistant_only_loss, fused AdamW, clipping 1.0, constant LR."""
-    import torch
     from datasets import load_dataset
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
+    from bench.dpo import trl_parts
     from tests.helpers.chat_template import MARKED
 
-    layers, heads, width = map(int, args.shape.split(","))
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
+    tokenizer, model, times, timer, common = trl_parts(args, n_positions=args.seq_len + 1)
     tokenizer.chat_template = MARKED
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=args.seq_len + 1,
-        n_layer=layers,
-        n_head=heads,
-        n_embd=width,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu",
-        attn_implementation="sdpa",
-    )
-    times = []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            times.append(clock())
-
-    sft = SFTConfig(
-        output_dir=f"{args.work}/trl",
-        per_device_train_batch_size=args.batch,
-        max_steps=args.steps,
-        learning_rate=LR,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch_fused",
-        lr_scheduler_type="constant",
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=args.seq_len,
-        packing=True,
-        assistant_only_loss=True,
-        pad_token="<|endoftext|>",
-        seed=0,
-    )
+    sft = SFTConfig(**common, max_length=args.seq_len, packing=True, assistant_only_loss=True)
     trainer = SFTTrainer(
-        model=GPT2LMHeadModel(config),
+        model=model,
         args=sft,
         train_dataset=load_dataset("json", data_files=str(args.chats), split="train"),
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[timer],
     )
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     trainer.train()

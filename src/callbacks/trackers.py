@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from src.checkpoint.convert import read_stored
-from src.utils.config import ConfigError, flatten
+from src.utils.config import ConfigError, flatten, instantiate_group
 from src.utils.errors import UserError
 
 FLUSH = ("checkpoint", "step")
@@ -318,15 +318,13 @@ class TrackerRuns(L.Callback):
 
 
 def loggers(cfg: Optional[DictConfig], ckpt_path: Optional[str]) -> list[Any]:
-    """The `logger` group's loggers; a tracker is given the run a checkpoint it resumes from was logged to."""
-    stored = (read_stored(ckpt_path, "trackers") or {}) if ckpt_path else {}
-    out = []
-    for name, node in (cfg or {}).items():
-        if node is None:
-            continue
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(f"logger.{name} must be a config with a _target_, got: {node}")
+    """The `logger` group's loggers; a tracker is given the run a checkpoint it resumes from was logged to (read on
+    rank 0, the only rank that writes to a tracker)."""
+    stored = (read_stored(ckpt_path, "trackers") or {}) if ckpt_path and rank_zero_only.rank == 0 else {}
+
+    def resume(node: DictConfig) -> dict:
         cls = get_class(node._target_)
-        resume = stored.get(getattr(cls, "key", None)) if issubclass(cls, Tracker) else None
-        out.append(instantiate(node, resume=resume) if resume else instantiate(node))
-    return out
+        run = stored.get(cls.key) if isinstance(cls, type) and issubclass(cls, Tracker) else None
+        return {"resume": run} if run else {}
+
+    return instantiate_group(cfg, "logger", resume)

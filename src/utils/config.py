@@ -9,6 +9,7 @@ Two layers catch typos before any work starts:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -125,8 +126,11 @@ def flatten(d: dict, prefix: str = ""):
             yield name, value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
-def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
-    """Instantiate every `_target_` entry of a dict group such as `callbacks` or `logger`."""
+def instantiate_group(
+    cfg: Optional[DictConfig], key: str, extra: Optional[Callable[[DictConfig], dict]] = None
+) -> list[Any]:
+    """Instantiate every `_target_` entry of a dict group such as `callbacks` or `logger`; `extra(node)`: keyword
+    arguments to add to an entry."""
     from hydra.utils import instantiate
 
     if not cfg:
@@ -137,7 +141,7 @@ def instantiate_group(cfg: Optional[DictConfig], key: str) -> list[Any]:
             continue
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise ConfigError(f"{key}.{name} must be a config with a _target_, got: {node}")
-        objects.append(instantiate(node))
+        objects.append(instantiate(node, **(extra(node) if extra else {})))
     return objects
 
 

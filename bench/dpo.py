@@ -1,4 +1,4 @@
-"""DPO throughput and memory: the template (train.py, model.objective=dpo) against TRL's DPOTrainer on the same
+"""DPO throughput and memory: the template (train.py, model/objective=dpo) against TRL's DPOTrainer on the same
 model, the same token ids, global batch, optimizer (fused AdamW), clipping and precision; and the template's three
 reference policies: a frozen copy (`template`), the model without its LoRA adapter (`template_lora`), a precomputed
 table (`template_precompute`).
@@ -74,7 +74,7 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
         sys.executable,
         "train.py",
         "data=preference",
-        "model.objective=dpo",
+        "model/objective=dpo",
         f"data.path={args.pairs}",
         f"data.tokenizer={TOKENIZER}",
         f"data.seq_len={args.seq_len}",
@@ -204,7 +204,11 @@ def main() -> None:
     args.pairs = str(Path(args.work) / f"pairs_{args.seq_len}.json")
     n = full_window_pairs(args.seq_len, Path(args.pairs))
     ways, results = args.ways.split(","), {}
-    extra = {"template": [], "template_lora": LORA, "template_precompute": ["model.dpo.precompute_reference=true"]}
+    extra = {
+        "template": [],
+        "template_lora": LORA,
+        "template_precompute": ["model.objective.precompute_reference=true"],
+    }
     for r in range(args.rounds):
         for way in ways[r % len(ways) :] + ways[: r % len(ways)]:  # rotate who goes first
             out = os.path.join(args.work, f"{way}_{r}.json")

@@ -26,6 +26,7 @@ GROUPS = [
     "model",
     "model/size",
     "model/peft",
+    "model/objective",
     "data",
     "callbacks",
     "logger",
@@ -82,7 +83,7 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     if (
         group == "model/peft"
         or (group, option) == ("model", "causal_lm")
-        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo", "chat_sft")
+        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo", "gpt2_reward", "chat_sft")
     ):
         # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
         extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]

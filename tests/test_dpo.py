@@ -1,4 +1,4 @@
-"""Preference tuning (model.objective=dpo, data=preference): the pairs, the losses against TRL's DPOTrainer and the
+"""Preference tuning (model/objective=dpo, data=preference): the pairs, the losses against TRL's DPOTrainer and the
 papers' formulas, the one-sentence errors, and (slow) N ranks equal to one process under DDP, FSDP2, ZeRO and with
 the LoRA reference."""
 
@@ -152,10 +152,10 @@ def test_bad_records_are_one_sentence_each(tmp_path, caplog):
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["model.objective=dpo"], r"model.objective=dpo trains on preference pairs, but data is TextDataModule"),
-        (["data=instruct", "model.objective=dpo"], "but data is InstructDataModule: use data=preference"),
-        (["data=preference"], "model.objective=sft does not train on: set model.objective=dpo"),
-        (["data=preference", "model.objective=dpo", "trainer=pipeline"], "does not run under trainer=pipeline"),
+        (["model/objective=dpo"], r"model/objective=dpo trains on pairs, but data is TextDataModule, which holds tok"),
+        (["data=instruct", "model/objective=dpo"], "but data is InstructDataModule, which holds tokens: use data=pref"),
+        (["data=preference"], "model/objective=sft trains on tokens, but data is PreferenceDataModule, which holds pa"),
+        (["data=preference", "model/objective=dpo", "trainer=pipeline"], "does not run under trainer=pipeline"),
     ],
 )
 def test_objective_and_data_must_agree(overrides, words):
@@ -170,7 +170,7 @@ def test_objective_and_data_must_agree(overrides, words):
 @pytest.mark.parametrize(
     "kwargs,words",
     [
-        ({"beta": 0}, r"model.dpo.beta=0 is not valid"),
+        ({"beta": 0}, r"model.objective.beta=0 is not valid"),
         ({"beta": -0.1}, r"beta=-0.1 is not valid"),
         ({"loss_type": "kto"}, "use one of sigmoid, hinge, ipo"),
         ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type=sigmoid only"),
@@ -223,7 +223,7 @@ def unmasked_sequence(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarra
 def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
     """The tiny pretrained GPT-2 as policy, its reference the pretrained weights; the policy's weights then moved,
     so the log-ratios (and so each loss type's shape) are far from zero. In float64, policy and reference."""
-    module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=str(shared("tiny-gpt2")), objective="dpo", dpo=dpo)
+    module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=str(shared("tiny-gpt2")), objective=DPO(**dpo))
     module.double()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -233,7 +233,7 @@ def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
 
 
 def mean_loss_and_grads(module: GPT2LitModule, batch: dict, mean: bool = True) -> tuple[torch.Tensor, dict]:
-    sums, pairs = module.dpo.pair_sums(module, batch)
+    sums, pairs = module.objective.pair_sums(module, batch)
     loss = sums[0] / pairs if mean else sums[0]  # mean=False: a planted mistake
     module.model.zero_grad()
     loss.backward()
@@ -377,7 +377,7 @@ GPT2_SHAPE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
 def dpo_run_args(shape: list[str] = GPT2_SHAPE) -> list[str]:
     return [
         "data=preference",
-        "model.objective=dpo",
+        "model/objective=dpo",
         f"data.path={shared(*EN.split('/'))}",
         "data.seq_len=48",
         "data.max_prompt_len=24",
@@ -416,7 +416,7 @@ CASES = {  # name: (args, whether the run holds the LoRA adapter, whether its ch
     "zero3_2": (CPU_DS + ["trainer.strategy.stage=3"], False, True),
     "lora_reference_ddp_2x4": (LORA + ["trainer=ddp", "trainer.devices=2"], True, False),
     "precomputed_reference_ddp_2x4": (
-        ["model.dpo.precompute_reference=true", "trainer=ddp", "trainer.devices=2"],
+        ["model.objective.precompute_reference=true", "trainer=ddp", "trainer.devices=2"],
         False,
         False,
     ),
@@ -622,8 +622,7 @@ def precompute_one_step(tmp_path, **data) -> tuple:
         n_layer=1,
         n_head=2,
         n_embd=16,
-        objective="dpo",
-        dpo={"precompute_reference": True},
+        objective=DPO(precompute_reference=True),
         optimizer=functools.partial(torch.optim.SGD, lr=0.0),
     )
     L.Trainer(
@@ -644,10 +643,30 @@ def test_precomputed_reference_when_overfitting_a_few_batches(tmp_path):
     """data.overfit_batches=2: the splits are a Subset of the training pairs, which keep their numbers in the table."""
     dm, module = precompute_one_step(tmp_path, global_batch_size=8, overfit_batches=2)
     numbers = sorted(dm.splits["train"][i][0] for i in range(16))
-    assert (module.dpo.table < 0).all(dim=1).nonzero().flatten().tolist() == numbers  # those 16 pairs, no others
+    assert (module.objective.table < 0).all(dim=1).nonzero().flatten().tolist() == numbers  # those 16 pairs, no others
 
 
 def test_precomputed_reference_with_no_validation_split(tmp_path):
     """data.val_fraction=0 and test_fraction=0: the table covers the training pairs (an empty split is skipped)."""
     _, module = precompute_one_step(tmp_path, val_fraction=0, test_fraction=0)
-    assert module.dpo.table.shape == (300, 2) and (module.dpo.table < 0).all()  # every pair's log-probs, once
+    assert (
+        module.objective.table.shape == (300, 2) and (module.objective.table < 0).all()
+    )  # every pair's log-probs, once
+
+
+def test_a_checkpoint_from_before_objectives_were_a_config_group_builds_its_dpo_model(tmp_path):
+    """A checkpoint stored `model.objective: dpo` and `model.dpo: {...}` until stop 57: eval.py, export-hf and
+    SFT -> DPO read its config as `model.objective: {_target_: ...DPO, ...}`, with its settings."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from test_configs import compose_cfg
+
+    from src.checkpoint.convert import read_config
+
+    cfg = compose_cfg(["experiment=gpt2_dpo", "model.pretrained=null", *GPT2_SHAPE, "model.objective.beta=0.3"])
+    stored = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
+    settings = {k: v for k, v in stored["model"].pop("objective").items() if k != "_target_"}
+    stored["model"] |= {"objective": "dpo", "dpo": settings}  # as train.py stored it before
+    torch.save({"config": stored}, tmp_path / "old.ckpt")
+    module = instantiate(OmegaConf.create(read_config(tmp_path / "old.ckpt")).model, vocab_size=257)
+    assert isinstance(module.objective, DPO) and module.objective.beta == 0.3 and module.reference is not None

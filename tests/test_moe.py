@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from src.models.causal_lm import CausalLMLitModule
+from src.models.dpo import DPO
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
 
@@ -63,6 +64,6 @@ def test_trained_loss_is_the_token_loss_plus_each_sequences_transformers_aux_los
 
 
 def test_dpo_on_an_moe_model_is_one_sentence():
-    with pytest.raises(ConfigError, match="model.objective=dpo does not add MixtralForCausalLM's router load-bal"):
-        module("mixtral", objective="dpo")
-    module("mixtral", objective="dpo", router_aux_loss=False)  # said how to go on: it builds
+    with pytest.raises(ConfigError, match="model/objective=dpo does not add MixtralForCausalLM's router load-bal"):
+        module("mixtral", objective=DPO())
+    module("mixtral", objective=DPO(), router_aux_loss=False)  # said how to go on: it builds

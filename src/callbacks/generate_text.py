@@ -37,7 +37,12 @@ class GenerateText(L.Callback):
         if self.held_out and hasattr(trainer.datamodule, "sample_prompts") and stage == "fit":
             self.prompts += trainer.datamodule.sample_prompts(self.held_out)  # rendered by the chat template
             self.held_out = 0
-        if not hasattr(trainer.datamodule, "tokenizer") or not hasattr(getattr(pl_module, "model", None), "generate"):
+        writes = getattr(getattr(pl_module, "objective", None), "generates", True)  # a reward model does not
+        if not (
+            writes
+            and hasattr(trainer.datamodule, "tokenizer")
+            and hasattr(getattr(pl_module, "model", None), "generate")
+        ):
             rank_zero_warn(
                 "callbacks.generate_text is on but this model/data cannot generate text: skipping samples "
                 "(switch it off with callbacks.generate_text=null)."

@@ -91,8 +91,25 @@ def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:
-    """The model/data config train.py stored in a checkpoint (see `read_stored`)."""
-    return read_stored(path, "config")
+    """The model/data config train.py stored in a checkpoint (see `read_stored`), as this version reads it."""
+    config = read_stored(path, "config")
+    return upgraded(config) if config is not None else None
+
+
+# the objectives a checkpoint written before they were a config group (stop 57) can name
+OBJECTIVES = {"sft": "src.models.sft.SFT", "dpo": "src.models.dpo.DPO"}
+
+
+def upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored config as this version builds it: one from before objectives were a config group (`model.objective:
+    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.models.dpo.DPO, beta: ...}`."""
+    model = config.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("objective"), str):
+        return config
+    name, settings = model["objective"], model.get("dpo") or {}
+    model = {k: v for k, v in model.items() if k != "dpo"}
+    model["objective"] = {"_target_": OBJECTIVES[name], **(settings if name == "dpo" else {})}
+    return {**config, "model": model}
 
 
 def read_stored(path: str | Path, key: str) -> Any:
@@ -139,7 +156,7 @@ def build_module(checkpoint: dict[str, Any]):
             "This checkpoint has no stored config (it was not written by train.py), so the model "
             "cannot be rebuilt from it."
         )
-    cfg = OmegaConf.create(checkpoint["config"])
+    cfg = OmegaConf.create(upgraded(checkpoint["config"]))
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, **datamodule.model_kwargs)
     module.load_state_dict(checkpoint["state_dict"])
@@ -166,6 +183,8 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
             print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
             return out_dir
         model = model.merge_and_unload()
+    if hasattr(module, "objective"):  # a reward model: transformers' sequence-classification model
+        model = module.objective.export(model, getattr(datamodule.tokenizer, "eos_id", None))
     model.save_pretrained(out_dir)
     hf_tokenizer = getattr(datamodule.tokenizer, "hf", None)
     if hf_tokenizer is not None:

@@ -112,6 +112,10 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, u
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
+    # what a batch holds, for the objective that trains on it (src/models/objective.py): tokens (input ids and their
+    # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference)
+    batch_kind = "tokens"
+
     def __init__(
         self,
         global_batch_size: int,

@@ -1,4 +1,4 @@
-"""Preference pairs for DPO (`data=preference`, `model.objective=dpo`): a prompt, a chosen and a rejected answer,
+"""Preference pairs for DPO (`data=preference`, `model/objective=dpo`): a prompt, a chosen and a rejected answer,
 from a .json array or .jsonl, in any of three formats:
 
 - ShareGPT pairwise (LLaMA-Factory's dpo_*_demo.json): {"conversations": [{"from": "system"|"human"|"gpt", "value"}],
@@ -149,6 +149,8 @@ def pair_collate(pad_id: int):
 
 
 class PreferenceDataModule(ShardedDataModule):
+    batch_kind = "pairs"
+
     def __init__(
         self,
         path: str,

@@ -1,6 +1,7 @@
 """The config group options a command line names (`logger=mlflow`, `model/size=small`, `trainer=[...]`), checked
 before Hydra composes: an option that is no file of conf/ is one sentence listing the ones there, exit 2 (Hydra's
-own message is a paragraph with its search path, exit 1). Hydra's own groups (`hydra/...`) and options a plugin
+own message is a paragraph with its search path, exit 1); so is an option given as a key's value
+(`model.objective=dpo` for `model/objective=dpo`). Hydra's own groups (`hydra/...`) and options a plugin
 brings are left to Hydra."""
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ def unknown_choice(args: list[str], conf: Path = CONF) -> str | None:
         return None
     for arg in args:
         key, sep, value = arg.lstrip("+~").partition("=")
+        group = key.replace(".", "/")
+        if sep and "." in key and (conf / group).is_dir() and (conf / group / f"{value}.yaml").is_file():
+            return (
+                f"{key}={value} sets a key, and {key} is chosen from a config group: write {group}={value} "
+                f"(and its options as {key}.<option>)."
+            )
         if not sep or "." in key or "(" in value or key.startswith("hydra") or not key or not (conf / key).is_dir():
             continue
         options = sorted(p.stem for p in (conf / key).glob("*.yaml"))

@@ -20,9 +20,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.models import hf, init, moe
 from src.models.base import LitModule
-from src.models.dpo import DPO, STATS, disable_dropout, frozen
 from src.models.flops import FlopCount, count_flops
-from src.models.loss import TokenMeanLoss, run_logits, summed_token_loss, token_loss_function
+from src.models.loss import run_logits, summed_token_loss, token_loss_function
+from src.models.objective import Objective
+from src.models.sft import SFT
 from src.parallel import capabilities
 from src.parallel.parallelize import parallelize, parallelized
 from src.utils.config import ConfigError
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def check_choices(
-    model_type: Optional[str], pretrained: Optional[str], size_for: Optional[str], objective: str, lora: bool, peft: Any
+    model_type: Optional[str], pretrained: Optional[str], size_for: Optional[str], objective: Any, lora: bool, peft: Any
 ) -> None:
     """One sentence for a combination of model options that cannot work."""
     if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
@@ -39,8 +40,11 @@ def check_choices(
             f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
             f"model={size_for} with it, or a {model_type} size (conf/model/size/)."
         )
-    if objective not in ("sft", "dpo"):
-        raise ConfigError(f"model.objective={objective!r}: use sft (next-token loss) or dpo (preference pairs).")
+    if not isinstance(objective, Objective):  # model.objective=dpo (before objectives were a config group)
+        raise ConfigError(
+            f"model.objective={objective!r} is not an objective: choose one with model/objective=sft|dpo "
+            "(conf/model/objective/) and set its options as model.objective.<option>."
+        )
     if lora and peft is not None:
         raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
     if not pretrained and not model_type:
@@ -79,8 +83,7 @@ class CausalLMLitModule(LitModule):
         attn_implementation: str = "auto",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
-        objective: str = "sft",
-        dpo: Optional[dict[str, Any]] = None,
+        objective: Optional[Objective] = None,
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
         fastest_attention: str = "sdpa",
@@ -89,8 +92,9 @@ class CausalLMLitModule(LitModule):
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
         use_lora = bool(lora.pop("enabled", False))
+        objective = SFT() if objective is None else objective
         check_choices(model_type, pretrained, size_for, objective, use_lora, peft)
-        self.dpo = DPO(**(dpo or {})) if objective == "dpo" else None
+        self.objective = objective  # what the step optimises (src/models/objective.py)
         adapter = use_lora or peft is not None
         # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
@@ -118,14 +122,8 @@ class CausalLMLitModule(LitModule):
         self.flop_count: FlopCount = flops_of(model, peft)
         self.model = model
         # an MoE model's load-balancing loss (src/models/moe.py), read before a strategy wraps the model's class
-        self._balance = moe.balance_loss_function(self.hf_model) if router_aux_loss else None
-        if self._balance is not None and self.dpo is not None:
-            raise ConfigError(
-                f"model.objective=dpo does not add {type(self.hf_model).__name__}'s router load-balancing loss: "
-                "set model.router_aux_loss=false to train the preference loss alone."
-            )
-        self.val_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
-        self.test_metrics = torch.nn.ModuleDict({"loss": TokenMeanLoss()})
+        self.router_balance = moe.balance_loss_function(self.hf_model) if router_aux_loss else None
+        objective.check(self)
 
     def _build(self, seq_len: int, model_type: Optional[str], fields: dict[str, Any]) -> PreTrainedModel:
         """The transformers model: pretrained (the checkpoint's shape wins over the config fields) or from a
@@ -143,13 +141,12 @@ class CausalLMLitModule(LitModule):
         return model
 
     def _reference_of(self, model: PreTrainedModel, adapter: bool) -> Optional[PreTrainedModel]:
-        """DPO's frozen copy of the starting policy (with an adapter, the reference is the model without it;
-        with precomputed reference log-probabilities, none)."""
-        if self.dpo is None or adapter or self.dpo.precompute:
+        """A frozen copy of the starting policy where the objective asks for one (DPO's reference)."""
+        if not self.objective.needs_reference(adapter):
             return None
         # Lightning warns of modules in eval mode at the start of fit: the reference's are, on purpose
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=PossibleUserWarning)
-        return frozen(copy.deepcopy(model))
+        return init.frozen(copy.deepcopy(model))
 
     # ---- what an architecture may decide (src/models/gpt2.py overrides these) ----
 
@@ -201,10 +198,17 @@ class CausalLMLitModule(LitModule):
 
     # ---- building ----
 
+    @torch.no_grad()
     def _prepare(self, model: PreTrainedModel) -> PreTrainedModel:
+        """What the objective changes in the model; a parameter it adds gets the value src/models/init.py gives it
+        on any layout (on meta or partitioned by ZeRO-3, it is filled with the others when materialised)."""
         model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
-        if self.dpo is not None and self.dpo.disable_dropout:
-            disable_dropout(model)
+        self._added = self.objective.prepare(model)
+        fill = self.fill(model)
+        for name in self._added:
+            param = model.get_parameter(name)
+            if not param.is_meta and not hasattr(param, "ds_shape"):
+                param.copy_(init.full_value(fill, self._base_seed, name, param.shape))
         return model
 
     def _add_adapter(self, model: PreTrainedModel, peft: Any, seq_len: int) -> torch.nn.Module:
@@ -218,6 +222,8 @@ class CausalLMLitModule(LitModule):
                 f"{hf.context_length(model.config)}; lower data.seq_len."
             )
         model = get_peft_model(model, peft)
+        for name in self._added:  # what the objective added (a reward head) is new: it trains
+            model.get_base_model().get_parameter(name).requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
@@ -237,8 +243,8 @@ class CausalLMLitModule(LitModule):
             return
         state = None
         if self._pretrained and (not sharded or torch.distributed.get_rank() == 0):
-            state = self._load_pretrained().state_dict()
-        for network in self.networks():  # the policy, and DPO's reference: the same starting values
+            state = self._prepare(self._load_pretrained()).state_dict()
+        for network in self.networks():  # the policy, and a reference: the same starting values
             if self._pretrained and sharded:
                 init.load_full_state_sharded(network, state, device)
             elif self._pretrained:
@@ -272,8 +278,9 @@ class CausalLMLitModule(LitModule):
                 with no_init_weights():
                     model = AutoModelForCausalLM.from_config(self.config)
                 model.tie_weights()
+                model = self._prepare(model) if name == "model" else model  # what it adds is filled below
                 init.materialize_zero3(model, self.fill(model), self._base_seed)
-                setattr(self, name, self._prepare(model) if name == "model" else frozen(model))
+                setattr(self, name, model if name == "model" else init.frozen(model))
         else:
             self.materialize(torch.device("cpu"), sharded=False)
 
@@ -364,7 +371,7 @@ class CausalLMLitModule(LitModule):
         """data.packing=true: before step 1, on every rank alike, two random records packed in one row give the
         logits each gives alone, or the run stops in one sentence (a model whose forward ignores the position ids'
         boundaries would let packed conversations see each other)."""
-        if self._balance is not None:
+        if self.router_balance is not None:
             raise ConfigError(
                 "data.packing=true and a mixture-of-experts router loss: the load-balancing loss is taken per row, "
                 "which would mix packed conversations; set model.router_aux_loss=false or data.packing=false."
@@ -390,21 +397,6 @@ class CausalLMLitModule(LitModule):
         """(sum of the batch's token losses, number of targets)."""
         return self.token_loss(self._forward(batch).logits, batch["labels"])
 
-    def _balanced_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
-        each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
-        train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
-        out = self._forward(batch, output_router_logits=True)
-        loss = self.token_mean_loss(*self.token_loss(out.logits, batch["labels"]), batch_idx)
-        hf_model, n = self.hf_model, batch["input_ids"].shape[0]
-        balance, counts = moe.sequence_balance(
-            self._balance, out.router_logits, batch.get("attention_mask"), n, hf_model.num_experts,
-            hf_model.num_experts_per_tok,
-        )  # fmt: skip
-        self.log_train_loss(loss, batch_idx, torch.cat([balance.detach()[None], counts, counts.new_tensor([n])]))
-        aux = self.sequence_mean_loss(balance, n, batch_idx)
-        return self.loss_for_backward(loss + hf_model.router_aux_loss_coef * aux)
-
     def cache_kwargs(self) -> dict[str, bool]:
         """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
         a copy of each layer's keys and values that nothing reads: 1-3% of a step's wall time on a 2-core CPU
@@ -413,70 +405,41 @@ class CausalLMLitModule(LitModule):
         cache stays. (model.compile compiles each block, not the model's body, where that check runs.)"""
         return {"use_cache": False} if self.device.type == "cpu" else {}
 
+    # ---- the objective's (src/models/objective.py) ----
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self._balance is not None:
-            return self._balanced_step(batch, batch_idx)
-        if self.dpo is None:
-            loss = self.token_mean_loss(*self._loss_and_count(batch), batch_idx)
-            self.log_train_loss(loss, batch_idx)
-        else:  # the mean over the step's pairs; the other statistics ride along with the logged loss
-            sums, pairs = self.dpo.pair_sums(self, batch)
-            loss = self.token_mean_loss(sums[0], pairs, batch_idx)
-            self.log_train_loss(loss, batch_idx, torch.cat([sums[1:].detach(), pairs[None].to(sums.dtype)]))
-        return self.loss_for_backward(loss)
+        return self.loss_for_backward(self.objective.training_step(self, batch, batch_idx))
 
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-        if self.dpo is None and sums is None:
-            return {"train/loss": loss, "train/ppl": torch.exp(loss)}
-        if self.dpo is None:  # an MoE model's: [load-balancing loss sum, tokens per expert..., sequences]
-            counts = sums[1:-1]
-            return {
-                "train/loss": loss,
-                "train/ppl": torch.exp(loss),
-                "train/aux_loss": sums[0] / sums[-1],
-                "train/expert_load_max": counts.max() / counts.mean(),
-            }
-        return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(STATS[1:], sums[:-1])}}
+        return self.objective.train_metrics(loss, sums)
+
+    @property
+    def val_metrics(self) -> torch.nn.ModuleDict:
+        return self.objective.val_metrics
+
+    @property
+    def test_metrics(self) -> torch.nn.ModuleDict:
+        return self.objective.test_metrics
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        if self.dpo is None:
-            self.val_metrics["loss"].update(*self._loss_and_count(batch))
-        else:
-            self.dpo.val_stats.update(*self.dpo.pair_sums(self, batch))
+        self.objective.evaluation_step(self, batch, self.val_metrics)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        if self.dpo is None:
-            self.test_metrics["loss"].update(*self._loss_and_count(batch))
-        else:
-            self.dpo.test_stats.update(*self.dpo.pair_sums(self, batch))
+        self.objective.evaluation_step(self, batch, self.test_metrics)
 
-    def _log_epoch(self, stage: str, metrics: torch.nn.ModuleDict) -> None:
-        if self.dpo is not None:
-            stats = self.dpo.val_stats if stage == "val" else self.dpo.test_stats
-            self.log_dict(
-                {f"{stage}/{name}": value for name, value in stats.compute().items()}, prog_bar=stage == "val"
-            )
-            stats.reset()
-            return
-        loss = self.log_epoch_metrics(stage, metrics)[f"{stage}/loss"]
-        self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=stage == "val")
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.objective.epoch_metrics("val", self.val_metrics), prog_bar=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.objective.epoch_metrics("test", self.test_metrics))
 
     def on_fit_start(self) -> None:
         if getattr(self.trainer.datamodule, "packing", False):
             self.check_packing()
-        if self.dpo is not None and self.dpo.precompute:  # before the first step moves the policy
-            self.dpo.precompute_table(self, self.trainer.datamodule)
+        self.objective.on_fit_start(self)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.dpo is not None and self.dpo.precompute:
-            checkpoint["dpo_reference"] = self.dpo.state()
+        self.objective.on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.dpo is not None and "dpo_reference" in checkpoint:
-            self.dpo.load_state(checkpoint["dpo_reference"])
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_epoch("val", self.val_metrics)
-
-    def on_test_epoch_end(self) -> None:
-        self._log_epoch("test", self.test_metrics)
+        self.objective.on_load_checkpoint(checkpoint)

@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (Rafailov et al. 2023) as an objective of CausalLMLitModule: `model.objective=dpo`
+"""Direct Preference Optimization (Rafailov et al. 2023) as an objective (src/models/objective.py): `model/objective=dpo`
 with `data=preference`. No reward model, no sampling: a frozen reference policy and a loss on the log-probability
 ratios of a chosen and a rejected answer.
 
@@ -16,6 +16,7 @@ token mean over its micro-batch, which changes with the split; ours does not.
 The reference policy (`reference_logps`): the model with its peft adapter disabled (LoRA & co.: no second copy);
 a precomputed table (`precompute_reference`: one pass before training, kept in the checkpoint); else a frozen
 copy of the starting weights that strategies shard like the policy (CausalLMLitModule.networks()).
+An MoE model's router loss is not added (refused: set model.router_aux_loss=false).
 """
 
 from __future__ import annotations
@@ -27,25 +28,15 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import Metric
 
 from src.models.loss import IGNORE_INDEX
+from src.models.objective import PairObjective
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
 log = logging.getLogger(__name__)
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo")
-# Per-pair statistics, summed over pairs and logged as their mean (train steps and evaluation alike)
-STATS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,31 +49,20 @@ def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return token.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 
 
-class PairStats(Metric):
-    """Σ of each of STATS over the pairs of all ranks, and their count: compute() gives the means. Evaluation's
-    padding pairs (no targets) are not counted, so every pair counts once on any number of ranks."""
+class DPO(PairObjective):
+    """The objective's settings, its loss and the precomputed reference table."""
 
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("sums", default=torch.zeros(len(STATS), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("pairs", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, sums: torch.Tensor, pairs: torch.Tensor) -> None:
-        self.sums += sums.detach().double()
-        self.pairs += pairs
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        return means(self.sums, self.pairs)
-
-
-def means(sums: torch.Tensor, pairs: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {name: (s / pairs).float() for name, s in zip(STATS, sums)}
-
-
-class DPO(nn.Module):
-    """The objective's settings, its evaluation metrics and the precomputed reference table."""
+    name = "dpo"
+    # per pair, summed over pairs and logged as their mean (train steps and evaluation alike)
+    STATS = (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    )
 
     def __init__(
         self,
@@ -96,29 +76,59 @@ class DPO(nn.Module):
         super().__init__()
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
             raise ConfigError(
-                f"model.dpo.beta={beta!r} is not valid: use a positive number (0.1 is usual; smaller "
+                f"model.objective.beta={beta!r} is not valid: use a positive number (0.1 is usual; smaller "
                 "lets the policy move further from the reference)."
             )
         if loss_type not in LOSS_TYPES:
-            raise ConfigError(f"model.dpo.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}.")
+            raise ConfigError(f"model.objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}.")
         if not 0 <= label_smoothing < 0.5:
             raise ConfigError(
-                f"model.dpo.label_smoothing={label_smoothing!r}: use a probability in [0, 0.5) that a "
+                f"model.objective.label_smoothing={label_smoothing!r}: use a probability in [0, 0.5) that a "
                 "pair's preference is flipped (conservative DPO), or 0."
             )
         if label_smoothing and loss_type != "sigmoid":
-            raise ConfigError(f"model.dpo.label_smoothing applies to loss_type=sigmoid only, not {loss_type}.")
+            raise ConfigError(f"model.objective.label_smoothing applies to loss_type=sigmoid only, not {loss_type}.")
         if not sft_weight >= 0:
-            raise ConfigError(f"model.dpo.sft_weight={sft_weight!r}: use 0 (off) or a positive weight (RPO uses 1).")
+            raise ConfigError(
+                f"model.objective.sft_weight={sft_weight!r}: use 0 (off) or a positive weight (RPO uses 1)."
+            )
         self.beta, self.loss_type, self.label_smoothing = float(beta), loss_type, float(label_smoothing)
         self.sft_weight, self.precompute, self.disable_dropout = (
             float(sft_weight),
             precompute_reference,
             disable_dropout,
         )
-        self.val_stats, self.test_stats = PairStats(), PairStats()
         self.table: Optional[torch.Tensor] = None  # (pairs, 2) reference log-probs of chosen and rejected
         self.fingerprint: Optional[str] = None  # of the data the table was computed on
+
+    # ---- the objective (src/models/objective.py) ----
+
+    def prepare(self, model: nn.Module) -> list[str]:
+        if self.disable_dropout:
+            disable_dropout(model)
+        return []
+
+    def needs_reference(self, adapter: bool) -> bool:
+        return not adapter and not self.precompute
+
+    def check(self, module: Any) -> None:
+        if module.router_balance is not None:
+            raise ConfigError(
+                f"model/objective=dpo does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
+                "set model.router_aux_loss=false to train the preference loss alone."
+            )
+
+    def on_fit_start(self, module: Any) -> None:
+        if self.precompute:  # before the first step moves the policy
+            self.precompute_table(module, module.trainer.datamodule)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.precompute:
+            checkpoint["dpo_reference"] = self.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "dpo_reference" in checkpoint:
+            self.load_state(checkpoint["dpo_reference"])
 
     # ---- the loss ----
 
@@ -187,7 +197,7 @@ class DPO(nn.Module):
         if self.table is not None:
             if self.fingerprint != fingerprint:
                 raise ConfigError(
-                    "model.dpo.precompute_reference: the checkpoint's reference log-probs were computed "
+                    "model.objective.precompute_reference: the checkpoint's reference log-probs were computed "
                     "on other preference pairs than this run reads (data.path, the tokenizer, seq_len or "
                     "the splits changed); resume with the same data, or start a new run."
                 )
@@ -246,10 +256,3 @@ def disable_dropout(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-
-
-def frozen(model: nn.Module) -> nn.Module:
-    """`model` in evaluation mode with every parameter frozen (the reference policy)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()

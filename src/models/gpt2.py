@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
+from src.models.objective import Objective
 from src.utils.config import ConfigError, check_int
 
 
@@ -43,8 +44,7 @@ class GPT2LitModule(CausalLMLitModule):
         attn_implementation: str = "auto",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
-        objective: str = "sft",
-        dpo: Optional[dict[str, Any]] = None,
+        objective: Optional[Objective] = None,
         size_for: Optional[str] = None,
         compile_loss: Any = "auto",
         fastest_attention: str = "sdpa",
@@ -93,7 +93,6 @@ class GPT2LitModule(CausalLMLitModule):
             resize_embeddings=resize_embeddings,
             tokenizer=tokenizer,
             objective=objective,
-            dpo=dpo,
             size_for=size_for,
             compile_loss=compile_loss,
             fastest_attention=fastest_attention,

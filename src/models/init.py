@@ -164,3 +164,10 @@ def local_param_bytes(module: nn.Module) -> int:
         if not local.is_meta:
             total += local.numel() * local.element_size()
     return total
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    """`model` in evaluation mode with every parameter frozen (a reference policy)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

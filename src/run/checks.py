@@ -140,25 +140,26 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def _check_objective(cfg: DictConfig) -> None:
-    """DPO trains on preference pairs and nothing else trains on them; the pipeline schedule runs one loss only."""
-    objective = OmegaConf.select(cfg, "model.objective", default="sft")
-    data = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
-    pairs = data == "PreferenceDataModule"
-    if objective == "dpo" and not pairs:
+    """The objective trains on the kind of batch the data holds (DPO on preference pairs, SFT on tokens); the
+    pipeline schedule computes the next-token loss only."""
+    objective = OmegaConf.select(cfg, "model.objective", default=None)
+    data = OmegaConf.select(cfg, "data._target_", default=None)
+    if not isinstance(objective, DictConfig) or "_target_" not in objective or not data:  # convnet: no objective
+        return
+    objective, data = get_object(objective._target_), get_object(data)
+    name, kind = objective.name, objective.batch_kind
+    data_kind = getattr(data, "batch_kind", "tokens")
+    if kind != data_kind:
         raise ConfigError(
-            f"model.objective=dpo trains on preference pairs, but data is {data or 'not set'}: use "
-            "data=preference (data.path=pairs.json), or model.objective=sft for this data."
+            f"model/objective={name} trains on {kind}, but data is {data.__name__}, which holds {data_kind}: use "
+            f"data={'preference' if kind == 'pairs' else 'text, instruct or chat'}, or another model/objective "
+            "(conf/model/objective/)."
         )
-    if pairs and objective != "dpo":
+    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).rsplit(".", 1)[-1]
+    if strategy in objective.refused_strategies:
         raise ConfigError(
-            f"data=preference holds preference pairs, which model.objective={objective} does not train "
-            "on: set model.objective=dpo (or use experiment=gpt2_dpo)."
-        )
-    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
-    if objective == "dpo" and strategy.endswith("PipelineStrategy"):
-        raise ConfigError(
-            "model.objective=dpo does not run under trainer=pipeline (its schedule computes the "
-            "next-token loss only): use trainer=ddp, fsdp, tp or deepspeed."
+            f"model/objective={name} does not run under {objective.refused_strategies[strategy]}; use "
+            "trainer=ddp, fsdp or deepspeed."
         )
 
 

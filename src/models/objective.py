@@ -1,0 +1,139 @@
+"""What a causal LM's training step optimises, as a config choice: `model/objective=sft|dpo` (conf/model/objective/),
+each objective in its own module behind this one small interface, so that CausalLMLitModule stays the same when an
+objective is added.
+
+An objective owns its training step (a loss normalised over the whole optimizer step, so that N ranks train what one
+process trains: LitModule.token_mean_loss), the statistics it logs, its evaluation metrics, what it adds to a
+checkpoint, the kind of batch it trains on (checked against the data before the ranks start, src/run/checks.py) and
+what it changes in the model it trains (dropout off, a frozen reference copy). `module` below is the
+CausalLMLitModule: its model, its forward (`_forward`), the token loss and the step normalisers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+
+class Objective(nn.Module):
+    name = ""  # its option in conf/model/objective/
+    # What its batches hold, as the datamodule's `batch_kind` says: tokens (input ids with shifted targets: text,
+    # instructions, chats) | pairs (a chosen and a rejected answer to one prompt: data=preference)
+    batch_kind = "tokens"
+    # strategies it cannot run under: class name -> the option and why (trainer=pipeline's schedule computes the
+    # next-token loss on its last stage, and nothing else)
+    refused_strategies: dict[str, str] = {
+        "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)"
+    }
+    generates = True  # whether the trained model writes text (callbacks.generate_text)
+
+    def __init__(self) -> None:
+        super().__init__()
+        # what evaluation adds up over the ranks, per stage (torchmetrics: synced in compute())
+        self.val_metrics = nn.ModuleDict()
+        self.test_metrics = nn.ModuleDict()
+
+    def prepare(self, model: nn.Module) -> list[str]:
+        """Change the freshly built model in place, before an adapter is added (DPO: dropout off; a reward model:
+        a scalar head). Returns the names of the parameters it added: the module gives them the layout-independent
+        initial values of src/models/init.py, and keeps them trainable under an adapter."""
+        return []
+
+    def needs_reference(self, adapter: bool) -> bool:
+        """Whether the module keeps a frozen copy of the starting model (`module.reference`), sharded like it."""
+        return False
+
+    def check(self, module: Any) -> None:
+        """One sentence (ConfigError) for a model this objective cannot train, once it is built."""
+
+    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's share of the step's loss (what LitModule.token_mean_loss returns); logs it through
+        module.log_train_loss, with any per-step sums that train_metrics turns into means."""
+        raise NotImplementedError
+
+    def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """The logged training metrics from the step's loss (reduced over ranks) and the sums logged with it."""
+        return {"train/loss": loss}
+
+    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+        """Add a validation or test batch to `metrics` (val_metrics or test_metrics)."""
+        raise NotImplementedError
+
+    def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
+        """The stage's logged metrics over all ranks' batches; then reset for the next epoch."""
+        raise NotImplementedError
+
+    def export(self, model: nn.Module, pad_id: Optional[int] = None) -> nn.Module:
+        """The transformers model that export-hf saves: the trained model itself, unless the objective changed what
+        it is (`pad_id`: the data's padding token)."""
+        return model
+
+    def on_fit_start(self, module: Any) -> None:
+        """Before the first step (DPO: the precomputed reference table)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add what the objective needs to resume exactly."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read back what on_save_checkpoint added."""
+
+
+class PairObjective(Objective):
+    """An objective on preference pairs (DPO, a reward model): each pair's loss and statistics (`STATS`, the loss
+    first) from `pair_sums`; the loss is their mean over the optimizer step's pairs (LitModule.token_mean_loss with
+    one target per pair), so 1 x 8 = 2 x 4 = 1 x 4 x accumulation 2 pairs."""
+
+    batch_kind = "pairs"
+    STATS: tuple[str, ...] = ("loss",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
+        self.test_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
+
+    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
+        pairs; evaluation's padding pairs (no targets) left out."""
+        raise NotImplementedError
+
+    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The mean over the step's pairs; the other statistics ride along with the logged loss."""
+        sums, pairs = self.pair_sums(module, batch)
+        loss = module.token_mean_loss(sums[0], pairs, batch_idx)
+        module.log_train_loss(loss, batch_idx, torch.cat([sums[1:].detach(), pairs[None].to(sums.dtype)]))
+        return loss
+
+    def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(self.STATS[1:], sums[:-1])}}
+
+    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+        metrics["pairs"].update(*self.pair_sums(module, batch))
+
+    def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
+        values = {f"{stage}/{name}": value for name, value in metrics["pairs"].compute().items()}
+        metrics["pairs"].reset()
+        return values
+
+
+class PairStats(Metric):
+    """Σ of each of `names` (per-pair statistics, a pair's loss first) over the pairs of all ranks, and their count:
+    compute() gives the means. Evaluation's padding pairs (no targets) are not counted, so every pair counts once on
+    any number of ranks."""
+
+    full_state_update = False
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+        self.add_state("sums", default=torch.zeros(len(names), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("pairs", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, sums: torch.Tensor, pairs: torch.Tensor) -> None:
+        self.sums += sums.detach().double()
+        self.pairs += pairs
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        return {name: (s / self.pairs).float() for name, s in zip(self.names, self.sums)}

@@ -1,0 +1,107 @@
+"""A reward model from preference pairs (`model/objective=reward` with `data=preference`): any causal LM with its
+output layer replaced by a one-output head, trained with the Bradley-Terry loss -log σ(r(chosen) - r(rejected)),
+plus `center_rewards` x (r(chosen) + r(rejected))² (Eisenstein et al. 2023, TRL's center_rewards_coefficient).
+
+A sequence's reward is the head's output at the last token the model reads: the whole prompt and answer but the
+answer's closing EOS (the inputs are shifted, as for every objective here). That is the token transformers'
+`AutoModelForSequenceClassification` and TRL's RewardTrainer score when the pad token is the EOS (GPT-2's case):
+the rightmost token that is not a pad. export-hf writes that sequence-classification model (`score.weight`,
+`num_labels=1`, `pad_token_id` = the data's EOS), which gives the same scores.
+
+Why a head of ours in place of the LM's output layer rather than transformers' sequence-classification class: the
+model stays the causal LM every part of this template builds, shards and checks (deferred init, FSDP2 units,
+ZeRO-3, pretrained loading, adapters, the FLOP count), and no vocabulary-sized logits are computed. The head's
+initial values come from src/models/init.py, the same on any layout.
+
+Exact from 1 device to N as DPO is: every term is per pair, the loss their mean over the optimizer step's pairs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.models.objective import PairObjective
+from src.utils.config import ConfigError
+from src.utils.precision import at_least_fp32
+
+
+class Reward(PairObjective):
+    name = "reward"
+    generates = False
+    # per pair, summed over pairs and logged as their mean (named as DPO's)
+    STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+    refused_strategies = {
+        "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)",
+        "TensorParallelStrategy": "trainer=tp (the model's tp plan splits its output layer over the vocabulary)",
+    }
+
+    def __init__(self, center_rewards: float = 0.0) -> None:
+        super().__init__()
+        if isinstance(center_rewards, bool) or not isinstance(center_rewards, (int, float)) or center_rewards < 0:
+            raise ConfigError(
+                f"model.objective.center_rewards={center_rewards!r}: use 0 (off) or a positive weight (0.01 is usual)."
+            )
+        self.center_rewards = float(center_rewards)
+
+    # ---- the model ----
+
+    def prepare(self, model: nn.Module) -> list[str]:
+        """The output layer becomes a one-output head (untied from the embeddings), on the model's device."""
+        old = model.get_output_embeddings()
+        if old.out_features == 1:  # prepared already
+            return []
+        model.config.get_text_config().tie_word_embeddings = False
+        head = nn.Linear(old.in_features, 1, bias=False, device=old.weight.device, dtype=old.weight.dtype)
+        model.set_output_embeddings(head)
+        return [next(name for name, p in model.named_parameters() if p is head.weight)]
+
+    def check(self, module: Any) -> None:
+        if module.router_balance is not None:
+            raise ConfigError(
+                f"model/objective=reward does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
+                "set model.router_aux_loss=false to train the reward loss alone."
+            )
+
+    def export(self, model: nn.Module, pad_id: Optional[int] = None) -> nn.Module:
+        """The same weights as transformers' sequence-classification model with one label, which scores the
+        rightmost token that is not `pad_id` (the data's EOS): the token `scores` reads."""
+        from transformers import AutoModelForSequenceClassification
+
+        config = copy.deepcopy(model.config)
+        config.num_labels, config.pad_token_id = 1, pad_id
+        config.architectures = None
+        classifier = AutoModelForSequenceClassification.from_config(config).to(model.dtype)
+        head = next(name for name, p in model.named_parameters() if p is model.get_output_embeddings().weight)
+        state = {("score.weight" if k == head else k): v for k, v in model.state_dict().items()}
+        classifier.load_state_dict(state, strict=True)
+        return classifier
+
+    # ---- the loss ----
+
+    def scores(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(2B,) each row's reward: the head's output at its last real input token, fp32 at least."""
+        mask = batch["attention_mask"]
+        out = module.model(input_ids=batch["input_ids"], attention_mask=mask, **module.cache_kwargs()).logits
+        out = at_least_fp32(out[:, -mask.shape[1] :, 0])  # prompt tuning prepends virtual tokens
+        last = (mask.sum(dim=1) - 1).clamp(min=0)
+        return out[torch.arange(out.shape[0], device=out.device), last]
+
+    def pair_stats(self, rewards: torch.Tensor) -> torch.Tensor:
+        """(pairs, len(STATS)) from the (2B,) rewards, chosen rows first."""
+        chosen, rejected = rewards.chunk(2)
+        margin = chosen - rejected
+        loss = -F.logsigmoid(margin)
+        if self.center_rewards:
+            loss = loss + self.center_rewards * (chosen + rejected) ** 2
+        detached = [chosen.detach(), rejected.detach(), (margin > 0).to(loss.dtype), margin.detach()]
+        return torch.stack([loss, *detached], dim=1)
+
+    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = self.pair_stats(self.scores(module, batch))
+        real = (batch["labels"] != -100).any(dim=1).chunk(2)[0]
+        return (stats * real[:, None]).sum(dim=0), real.sum()

@@ -1,0 +1,63 @@
+"""Next-token prediction on the data's targets (`model/objective=sft`, the default): pretraining on packed text and
+supervised fine-tuning on instructions and chats alike, the loss the mean over the optimizer step's target tokens;
+an MoE model adds its router's load-balancing loss (src/models/moe.py). Metrics: loss and perplexity."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from src.models import moe
+from src.models.loss import TokenMeanLoss
+from src.models.objective import Objective
+
+
+class SFT(Objective):
+    name = "sft"
+    refused_strategies: dict[str, str] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_metrics = nn.ModuleDict({"loss": TokenMeanLoss()})
+        self.test_metrics = nn.ModuleDict({"loss": TokenMeanLoss()})
+
+    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if module.router_balance is not None:
+            return self._balanced_step(module, batch, batch_idx)
+        loss = module.token_mean_loss(*module._loss_and_count(batch), batch_idx)
+        module.log_train_loss(loss, batch_idx)
+        return loss
+
+    def _balanced_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
+        each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
+        train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
+        out = module._forward(batch, output_router_logits=True)
+        loss = module.token_mean_loss(*module.token_loss(out.logits, batch["labels"]), batch_idx)
+        hf_model, n = module.hf_model, batch["input_ids"].shape[0]
+        balance, counts = moe.sequence_balance(
+            module.router_balance, out.router_logits, batch.get("attention_mask"), n, hf_model.num_experts,
+            hf_model.num_experts_per_tok,
+        )  # fmt: skip
+        module.log_train_loss(loss, batch_idx, torch.cat([balance.detach()[None], counts, counts.new_tensor([n])]))
+        aux = module.sequence_mean_loss(balance, n, batch_idx)
+        return loss + hf_model.router_aux_loss_coef * aux
+
+    def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        metrics = {"train/loss": loss, "train/ppl": torch.exp(loss)}
+        if sums is not None:  # an MoE model's: [load-balancing loss sum, tokens per expert..., sequences]
+            counts = sums[1:-1]
+            metrics.update(
+                {"train/aux_loss": sums[0] / sums[-1], "train/expert_load_max": counts.max() / counts.mean()}
+            )
+        return metrics
+
+    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+        metrics["loss"].update(*module._loss_and_count(batch))
+
+    def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
+        loss = metrics["loss"].compute()
+        metrics["loss"].reset()
+        return {f"{stage}/loss": loss, f"{stage}/ppl": torch.exp(loss)}

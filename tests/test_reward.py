@@ -1,0 +1,225 @@
+"""A reward model (model/objective=reward, data=preference): the loss and gradients against TRL's RewardTrainer on the
+same ids, the export that transformers loads as a sequence-classification model with the same scores, the
+one-sentence errors, and (slow) N ranks equal to one process under DDP, FSDP2 and accumulation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import shared
+from test_dpo import GPT2_SHAPE, dpo_run_args, our_batch, tiny_pairs
+
+from src.models.gpt2 import GPT2LitModule
+from src.models.reward import Reward
+from src.utils.config import ConfigError
+from tests.helpers.margins import within
+
+EOS = 50256
+
+
+def reward_model(seed: int = 0, **settings) -> GPT2LitModule:
+    """A 2-layer GPT-2 with a reward head, in float64, every weight moved (so the rewards are far from 0). Not the
+    shared tiny GPT-2: its 2-wide hidden states leave LayerNorm two values to give, whatever the input."""
+    module = GPT2LitModule(vocab_size=50257, seq_len=64, n_layer=2, n_head=2, n_embd=32, objective=Reward(**settings))
+    module.double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.5)
+    return module.train()
+
+
+def mean_loss_and_grads(module: GPT2LitModule, batch: dict, mean: bool = True) -> tuple[torch.Tensor, dict]:
+    sums, pairs = module.objective.pair_sums(module, batch)
+    loss = sums[0] / pairs if mean else sums[0]  # mean=False: a planted mistake
+    module.model.zero_grad()
+    loss.backward()
+    head = "lm_head.weight"  # the reward head's name in the causal LM; transformers' classifier names it score
+    return loss.detach(), {
+        ("score.weight" if n == head else n): p.grad.clone() for n, p in module.model.named_parameters()
+    }
+
+
+def trls_loss_and_grads(module: GPT2LitModule, pairs: list[dict], center: float, tmp_path) -> tuple:
+    """TRL's RewardTrainer.compute_loss and its gradients on the exported sequence-classification model (float64),
+    fed what TRL's own pipeline tokenizes: prompt + answer + EOS, padded with EOS."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    tokenizer = AutoTokenizer.from_pretrained(shared("tiny-gpt2"))
+    model = module.objective.export(module.model, EOS)
+    args = RewardConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=len(pairs),
+        center_rewards_coefficient=center or None,
+    )
+    texts = Dataset.from_list([{"chosen": "a", "rejected": "b"}])  # RewardTrainer wants one; unused
+    trainer = RewardTrainer(model=model, args=args, train_dataset=texts, processing_class=tokenizer)
+    trainer.model.train()
+    assert next(trainer.model.parameters()).dtype == torch.float64  # the Trainer did not cast it
+    examples = [{"chosen_ids": p["prompt_ids"] + p[f"{k}_ids"] for k in ("chosen",)} for p in pairs]
+    for example, p in zip(examples, pairs):
+        example["rejected_ids"] = p["prompt_ids"] + p["rejected_ids"]
+    loss = trainer.compute_loss(trainer.model, DataCollatorForPreference(pad_token_id=EOS)(examples))
+    loss.backward()
+    return loss.detach().double(), {n: p.grad for n, p in trainer.model.named_parameters()}
+
+
+def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
+    """The largest of |Δ loss| / |loss| and, per gradient tensor, max |Δ g| / max |g|, floored at 1e-9 of the
+    largest gradient entry: ln_f's bias gets none from the Bradley-Terry loss (it adds alike to both rewards)."""
+    (loss, grads), (their_loss, their_grads) = ours, theirs
+    assert grads.keys() == their_grads.keys()
+    floor = 1e-9 * max(g.abs().max().item() for g in their_grads.values())
+    worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
+    for name, g in their_grads.items():
+        worst = max(worst, (grads[name] - g).abs().max().item() / max(g.abs().max().item(), floor))
+    return worst
+
+
+def scored_at_the_eos(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A planted mistake: the whole sequence read, so the reward is read at the closing EOS."""
+    tokens = np.concatenate([prompt, answer]).astype(np.int64)
+    return tokens, np.concatenate([tokens[1:], [EOS]])
+
+
+@pytest.mark.parametrize("center", [0.0, 0.01])
+def test_loss_and_gradients_equal_trls_reward_trainer(center, tmp_path):
+    """Our Bradley-Terry loss (and center_rewards) and its gradients against TRL's RewardTrainer on transformers'
+    GPT2ForSequenceClassification built by our export, both in float64 on the same pairs: one computation on both
+    sides but for the pooling and the loss, so they agree to float64 rounding (allowed: 1e-9 relative). Mistakes
+    it tells apart: the reward read at the EOS (one token later), the pairs' losses summed, no centering term."""
+    from transformers import AutoTokenizer
+
+    pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")))
+    batch = our_batch(pairs)
+    ours = reward_model(center_rewards=center)
+    theirs = trls_loss_and_grads(ours, pairs, center, tmp_path)
+    loss_and_grads = mean_loss_and_grads(ours, batch)
+    within(worst_relative_difference(loss_and_grads, theirs), 1e-9, "reward vs TRL, relative")
+    assert abs(loss_and_grads[0].item() - np.log(2)) > 1e-2  # the rewards are not all equal
+    planted = {
+        "read at the EOS": mean_loss_and_grads(ours, our_batch(pairs, scored_at_the_eos)),
+        "sum over pairs": mean_loss_and_grads(ours, batch, mean=False),
+        "centering off" if center else "centering on": mean_loss_and_grads(
+            reward_model(center_rewards=0.01 - center), batch
+        ),
+    }
+    for mistake, wrong in planted.items():
+        assert worst_relative_difference(wrong, theirs) > 1e-6, mistake
+
+
+def test_the_export_is_a_sequence_classifier_with_the_same_scores(tmp_path):
+    """export writes what AutoModelForSequenceClassification loads (num_labels=1, pad = EOS): its scores on the
+    padded batch are the head's at each row's last input token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    module = reward_model().float().eval()
+    batch = our_batch(tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2"))))
+    module.objective.export(module.model, EOS).save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        ours = module.objective.scores(module, batch)
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == EOS
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert ours.std() > 0.1  # not a constant head
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model/objective=reward"], "model/objective=reward trains on pairs, but data is TextDataModule"),
+        (["data=preference", "model/objective=reward", "trainer=tp"], "does not run under trainer=tp"),
+        (["data=preference", "model/objective=reward", "trainer=pipeline"], "does not run under trainer=pipeline"),
+    ],
+)
+def test_objective_data_and_strategy_must_agree(overrides, words):
+    from test_configs import compose_cfg
+
+    from src.run.checks import check_values
+
+    with pytest.raises(ConfigError, match=words):
+        check_values(compose_cfg(overrides))
+
+
+def test_the_head_trains_under_lora_and_is_filled_alike_on_every_build_path():
+    """Under LoRA the base weights freeze and the new head trains; built on the meta device and materialised (as
+    FSDP2 does) the head gets the values of an eager build."""
+    from src.models import init
+
+    torch.manual_seed(0)
+    eager = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward())
+    torch.manual_seed(0)
+    with init.deferred_init():
+        deferred = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward())
+    deferred.materialize(torch.device("cpu"), sharded=False)
+    head = eager.hf_model.get_output_embeddings().weight
+    assert head.shape == (1, 16) and head.data_ptr() != eager.hf_model.get_input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(deferred.hf_model.get_output_embeddings().weight, head, rtol=0, atol=0)
+    lora = GPT2LitModule(
+        vocab_size=257,
+        seq_len=32,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        objective=Reward(),
+        lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None},
+    )
+    trainable = {n for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert any("lm_head" in n for n in trainable) and any("lora_" in n for n in trainable)
+    assert not any("wte" in n for n in trainable)
+
+
+def test_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"model.objective.center_rewards=-1: use 0 \(off\) or a positive weight"):
+        Reward(center_rewards=-1)
+
+
+# ---- N ranks == 1 process (slow): every logged statistic and the final weights within 1e-5 (fp32) ----
+
+STATS_LOGGED = [f"{stage}/{name}" for stage in ("train", "val") for name in Reward.STATS]
+CASES = {  # name: (args, whether its checkpoint is a sharded dir)
+    "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
+    "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], True),
+    # val_check_interval counts micro-batches: 10 of them are the 5 steps
+    "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=10"], False),
+}
+
+
+def reward_run_args() -> list[str]:
+    """With center_rewards: without it the loss sees only reward differences, so the part of a reward common to
+    every sequence (ln_f's bias through the head) gets a gradient that is 0 up to fp32 rounding, which Adam turns
+    into lr-sized steps that differ with the rounding (seen: that bias 2.4e-4 apart after 5 steps, the margins
+    4e-8). Centering gives it a real gradient, and every statistic and weight is then compared."""
+    args = [a.replace("model/objective=dpo", "model/objective=reward") for a in dpo_run_args(GPT2_SHAPE)]
+    return args + ["model.objective.center_rewards=0.01", "callbacks.generate_text=null"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_n_ranks_match_one_process(tmp_path, reference, case):
+    """The 1 x 8 run against 2 x 4 under DDP and FSDP2 (the head sharded with the model) and 1 x 4 x accumulation
+    2: every logged statistic at every step, the validation's (15 pairs over 2 ranks, one rank padded), and the
+    final weights, head included."""
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import assert_same_series, max_param_diff, train
+
+    from src.checkpoint.convert import load_checkpoint
+
+    args, sharded = CASES[case]
+    one = reference(reward_run_args())
+    run = (train_sharded if sharded else train)(tmp_path, case, reward_run_args() + args)
+    params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
+    for tag in STATS_LOGGED:
+        assert_same_series(one, run, tag, 1e-5)
+    assert len(run["scalars"]["train/loss"]) == 5
+    assert params["model.lm_head.weight"].shape == (1, 32)  # the head, not the embeddings: untied
+    within(max_param_diff(one["params"], params), 1e-5, "params")
+    assert one["scalars"]["train/rewards/margins"][-1][1] != one["scalars"]["train/rewards/margins"][0][1]

@@ -223,3 +223,26 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     assert params["model.lm_head.weight"].shape == (1, 32)  # the head, not the embeddings: untied
     within(max_param_diff(one["params"], params), 1e-5, "params")
     assert one["scalars"]["train/rewards/margins"][-1][1] != one["scalars"]["train/rewards/margins"][0][1]
+    if case == "ddp_2x4":  # eval.py reports the statistics: val/ as the run logged it last, test/ too
+        from test_eval import evaluate
+
+        metrics, _ = evaluate(tmp_path, last_ckpt(tmp_path, case), ["trainer.precision=32-true"])
+        assert {f"test/{name}" for name in Reward.STATS} <= metrics.keys()
+        for name in Reward.STATS:
+            within(abs(metrics[f"val/{name}"] - run["scalars"][f"val/{name}"][-1][1]), 1e-5, f"eval.py val/{name}")
+    if case == "fsdp_2":  # the sharded checkpoint exports as transformers' classifier, with the template's scores
+        from transformers import AutoModelForSequenceClassification
+
+        from src.checkpoint.convert import build_module, export_hf
+
+        classifier = AutoModelForSequenceClassification.from_pretrained(
+            export_hf(last_ckpt(tmp_path, case), tmp_path / "hf")
+        )
+        module, datamodule = build_module(load_checkpoint(last_ckpt(tmp_path, case)))
+        datamodule.setup("validate")
+        batch = next(iter(datamodule.eval_loader("val")))
+        with torch.no_grad():
+            theirs = classifier.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
+                :, 0
+            ]
+            torch.testing.assert_close(module.objective.scores(module, batch), theirs, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,155 @@
+"""Prompts for online RL (`data=prompts`, `model/objective=grpo`): a .json array or .jsonl of records, each with a
+`prompt` (plain text, used as it is, or chat messages `[{"role", "content"}]` / ShareGPT turns, rendered with the
+tokenizer's chat template when it has one, else `data.template`) and any other fields (a reference `answer`, ...),
+which the reward functions receive by name, as TRL's GRPOTrainer passes a dataset's columns.
+
+A batch holds prompts, not targets: the objective samples the completions. An item is (the prompt's number in the
+file, its token ids); prompts longer than `data.max_prompt_len` lose their start. Each prompt counts one in the
+optimizer step's normaliser (LitModule.token_mean_loss), so the loss is a mean over the step's prompts on any
+number of ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from src.datamodules.base import ShardedDataModule, split_sizes
+from src.datamodules.corpus import CorpusError
+from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
+from src.datamodules.preference import Message, Renderer, message
+from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.utils.config import ConfigError, check_int, check_sequence_data
+
+log = logging.getLogger(__name__)
+
+
+def parse(record: Any, where: str) -> tuple[list[Message] | str, dict[str, Any]]:
+    """(the prompt: messages or plain text, the record's other fields)."""
+    if not isinstance(record, dict) or "prompt" not in record:
+        raise CorpusError(
+            f"{where} has no 'prompt': every record needs one (text, or chat messages [{{'role', 'content'}}])."
+        )
+    prompt = record["prompt"]
+    if isinstance(prompt, list):
+        prompt = [message(turn, where) for turn in prompt]
+    elif not isinstance(prompt, str):
+        raise CorpusError(f"{where}: 'prompt' is a {type(prompt).__name__}, not text or a list of messages.")
+    return prompt, {k: v for k, v in record.items() if k != "prompt"}
+
+
+class Prompts(Dataset):
+    """Item i: (the prompt's number in the file, its token ids)."""
+
+    def __init__(self, items: list[tuple[int, np.ndarray]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[int, np.ndarray]:
+        return self.items[i]
+
+    def target_counts(self) -> np.ndarray:
+        """One per prompt: the loss is the mean over the optimizer step's prompts (LitModule.token_mean_loss)."""
+        return np.ones(len(self.items), dtype=np.int64)
+
+
+def prompt_collate(pad_id: int):
+    """The prompts right-padded to the longest, with their lengths and numbers (-1: evaluation's padding item)."""
+
+    def collate(batch: list[tuple[int, np.ndarray]]) -> dict[str, torch.Tensor]:
+        longest = max(len(ids) for _, ids in batch)
+        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        for row, (_, prompt) in enumerate(batch):
+            ids[row, : len(prompt)] = torch.from_numpy(prompt)
+        return {
+            "prompt_ids": ids,
+            "prompt_lengths": torch.tensor([len(p) for _, p in batch], dtype=torch.long),
+            "prompt_index": torch.tensor([i for i, _ in batch], dtype=torch.long),
+        }
+
+    return collate
+
+
+class PromptDataModule(ShardedDataModule):
+    batch_kind = "prompts"
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str = "bytes",
+        seq_len: int = 256,
+        max_prompt_len: Optional[int] = None,
+        template: str = ALPACA_NO_INPUT,
+        global_batch_size: int = 8,
+        eval_batch_size: Optional[int] = None,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 42,
+        overfit_batches: int = 0,
+        hf_split: str = "train",
+    ) -> None:
+        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
+        max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
+        check_int("data.max_prompt_len", max_prompt_len)
+        if max_prompt_len >= seq_len:
+            raise ConfigError(
+                f"data.max_prompt_len={max_prompt_len} leaves no room for completions in data.seq_len={seq_len}: "
+                "lower it below seq_len."
+            )
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        self.path, self.tokenizer_name, self.seq_len, self.max_prompt_len = path, tokenizer, seq_len, max_prompt_len
+        self.template, self.hf_split = template, hf_split
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.texts: list[str] = []  # each prompt as the model reads it, by its number
+        self.columns: list[dict[str, Any]] = []  # each record's other fields, by its number
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_name)
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        return {"vocab_size": self.tokenizer.vocab_size}
+
+    def records(self) -> list[tuple]:
+        where = f"{self.path}: record"
+        return [parse(r, f"{where} {i}") for i, r in enumerate(read_json_records(self.path, "a prompt", self.hf_split))]
+
+    def prepare_data(self) -> None:
+        self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
+
+    def build_splits(self) -> dict[str, Dataset]:
+        render = Renderer(self.tokenizer, self.template)
+        records = self.records()
+        if not records:
+            raise CorpusError(f"{self.path} holds no prompts.")
+        self.texts = [render(prompt, "")[0] for prompt, _ in records]
+        self.columns = [columns for _, columns in records]
+        encoded = self.tokenizer.encode_batch(self.texts)
+        cut = sum(len(ids) > self.max_prompt_len for ids in encoded)
+        items = [(i, ids[-self.max_prompt_len :].astype(np.int64)) for i, ids in enumerate(encoded)]
+        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "prompt")
+        log.info(
+            f"{len(items)} prompts, {cut} cut from the left to data.max_prompt_len={self.max_prompt_len} -> "
+            f"{n_train}/{n_val}/{n_test} train/val/test"
+        )
+        return {
+            "train": Prompts(items[:n_train]),
+            "val": Prompts(items[n_train : n_train + n_val]),
+            "test": Prompts(items[n_train + n_val :]),
+        }
+
+    def padding_sample(self, sample: tuple) -> tuple:
+        """Evaluation padding: a real prompt numbered -1, which the objective counts nowhere."""
+        return (-1, sample[1])
+
+    def collate_fn(self):
+        return prompt_collate(self.tokenizer.eos_id)

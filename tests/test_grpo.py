@@ -1,0 +1,324 @@
+"""Online RL (model/objective=grpo, data=prompts): the loss and gradients against TRL's GRPOTrainer on fixed
+completions, the advantages against TRL's formula, the sampler against transformers' filters, the one-sentence
+errors, and (slow) N ranks equal to one process: the same samples, rewards, losses and weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import shared
+
+from src.models.gpt2 import GPT2LitModule
+from src.models.grpo import GRPO, completion_mask, group_advantages, sample_seed
+from src.models.verifiers import exact_match, format_match
+from src.utils.config import ConfigError
+from tests.helpers.margins import U32, within
+
+EOS = 50256
+
+
+def arithmetic(path: Path, n: int = 40, seed: int = 0) -> Path:
+    """n prompts "a+b=" (single digits) with their sum as the answer, as JSONL."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, 10, (n, 2), generator=generator).tolist()
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in pairs))
+    return path
+
+
+def policy(beta: float = 0.0, loss_type: str = "grpo", temperature: float = 1.0, seed: int = 0) -> GPT2LitModule:
+    """A 2-layer GPT-2 (GPT-2's vocabulary) in float64; with beta > 0 its reference is the starting weights, and the
+    policy is then moved so the two differ."""
+    objective = GRPO(
+        rewards=[exact_match], num_generations=3, max_new_tokens=5, beta=beta, loss_type=loss_type,
+        temperature=temperature,
+    )  # fmt: skip
+    module = GPT2LitModule(vocab_size=50257, seq_len=64, n_layer=2, n_head=2, n_embd=32, objective=objective)
+    module.double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
+    return module.train()
+
+
+def fixed_rollouts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2 prompts of 6 tokens, 3 completions of 5 tokens each (some ending early in an EOS), their advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 50000, (2, 6), generator=generator)
+    completions = torch.randint(0, 50000, (6, 5), generator=generator)
+    completions[1, 2] = completions[4, 0] = EOS  # masked after their first EOS
+    advantages = torch.randn(6, generator=generator, dtype=torch.float64)
+    return prompts, completions, advantages
+
+
+def our_loss_and_grads(module: GPT2LitModule, prompts, completions, advantages) -> tuple[torch.Tensor, dict]:
+    """The mean over the prompts of each one's group loss, and its gradients."""
+    objective, G = module.objective, 3
+    mask = completion_mask(completions, EOS)
+    losses = [
+        objective.group_loss(module, p, completions[i * G : (i + 1) * G], mask[i * G : (i + 1) * G],
+                             advantages[i * G : (i + 1) * G])[0]
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    loss = torch.stack(losses).mean()
+    module.model.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.model.named_parameters()}
+
+
+def trls_loss_and_grads(module: GPT2LitModule, prompts, completions, advantages, tmp_path) -> tuple:
+    """TRL's GRPOTrainer._compute_loss and its gradients on the same weights (float64), ids and advantages; its
+    reference log-probs from TRL's own log-prob function on the starting weights."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    objective = module.objective
+    tokenizer = AutoTokenizer.from_pretrained(shared("tiny-gpt2"))
+
+    def hf_model(state: dict) -> GPT2LMHeadModel:
+        model = GPT2LMHeadModel(GPT2Config(**module.config.to_diff_dict())).double()
+        model.load_state_dict(state)
+        return model
+
+    model = hf_model(module.model.state_dict())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=5,
+        temperature=objective.temperature,
+        beta=0.0,  # set below: with beta > 0 TRL would load a reference model by the config's hub name
+        loss_type=objective.loss_type,
+        epsilon=objective.epsilon_low,
+    )
+    texts = Dataset.from_list([{"prompt": "a"}])  # GRPOTrainer wants one; unused
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
+                          train_dataset=texts, processing_class=tokenizer)  # fmt: skip
+    trainer.current_gradient_accumulation_steps, trainer.beta = 1, objective.beta
+    trainer.model.train()
+    assert next(trainer.model.parameters()).dtype == torch.float64  # the Trainer did not cast it
+    prompt_ids = prompts.repeat_interleave(3, dim=0)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completions,
+        "completion_mask": completion_mask(completions, EOS),
+        "advantages": advantages,
+    }
+    if objective.beta:
+        reference = hf_model({k.removeprefix("reference."): v for k, v in module.state_dict().items()
+                              if k.startswith("reference.")}).eval()  # fmt: skip
+        add_fused_lm_head(reference, temperature=objective.temperature)  # as TRL treats its reference model
+        ids = torch.cat([prompt_ids, completions], dim=1)
+        with torch.no_grad():
+            inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                reference, ids, torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), 5
+            )[0]
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach().double(), {f"model.{n}" if not n.startswith("model.") else n: p.grad
+                                    for n, p in trainer.model.named_parameters()}  # fmt: skip
+
+
+def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
+    (loss, grads), (their_loss, their_grads) = ours, theirs
+    ours_by_name = {n.removeprefix("model."): g for n, g in grads.items()}
+    theirs_by_name = {n.removeprefix("model."): g for n, g in their_grads.items()}
+    assert ours_by_name.keys() == theirs_by_name.keys()
+    floor = 1e-9 * max(g.abs().max().item() for g in theirs_by_name.values())
+    worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
+    for name, g in theirs_by_name.items():
+        worst = max(worst, (ours_by_name[name] - g).abs().max().item() / max(g.abs().max().item(), floor))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "beta,loss_type,temperature", [(0.0, "grpo", 1.0), (0.04, "grpo", 0.7), (0.04, "dr_grpo", 1.0)]
+)
+def test_loss_and_gradients_equal_trls_grpo_trainer(beta, loss_type, temperature, tmp_path):
+    """Fixed prompts, completions (two ending early in an EOS) and advantages: our clipped policy-gradient loss
+    (+ beta x KL to the starting weights) and its gradients against TRL's GRPOTrainer, float64. TRL computes
+    log-probs with a fused kernel that keeps each token's log-sum-exp L in fp32; the tolerance, as for DPO
+    (tests/test_dpo.py), is 32 fp32 units of L relative. Mistakes it tells apart: the temperature left out of the
+    log-probs, the tokens after an EOS kept, the KL's sign."""
+    module = policy(beta, loss_type, temperature)
+    prompts, completions, advantages = fixed_rollouts()
+    with torch.no_grad():
+        logits = module.model(input_ids=torch.cat([prompts[:1].expand(3, -1), completions[:3]], 1)).logits
+    tol = 32 * U32 * (logits / temperature).logsumexp(-1).abs().max().item()
+    theirs = trls_loss_and_grads(module, prompts, completions, advantages, tmp_path)
+    ours = our_loss_and_grads(module, prompts, completions, advantages)
+    within(worst_relative_difference(ours, theirs), tol, f"grpo {loss_type} beta={beta} vs TRL, relative")
+    planted = {"EOS not masked": our_loss_and_grads(module, prompts, completions.where(completions != EOS, 7),
+                                                    advantages)}  # fmt: skip
+    if temperature != 1.0:
+        module.objective.temperature = 1.0
+        planted["temperature left out"] = our_loss_and_grads(module, prompts, completions, advantages)
+        module.objective.temperature = temperature
+    if beta:
+        module.objective.beta = -beta
+        planted["KL's sign"] = our_loss_and_grads(module, prompts, completions, advantages)
+        module.objective.beta = beta
+    for mistake, wrong in planted.items():
+        assert worst_relative_difference(wrong, theirs) > tol, mistake
+
+
+def test_advantages_follow_trls_formula():
+    """(r - group mean) / (group std + 1e-4), the std unbiased (TRL's nanstd); scale_rewards=none: centred only."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    advantages, std = group_advantages(rewards, "group")
+    torch.testing.assert_close(std, nanstd(rewards))
+    torch.testing.assert_close(advantages, (rewards - rewards.mean()) / (nanstd(rewards) + 1e-4))
+    torch.testing.assert_close(group_advantages(rewards, "none")[0], rewards - rewards.mean())
+    assert group_advantages(torch.ones(4, dtype=torch.float64), "group")[0].abs().max() == 0  # no spread: no signal
+
+
+def test_sampling_is_softmax_sampling_within_transformers_filters():
+    """Gumbel-max on logits / temperature samples softmax(logits / temperature) (frequencies over 20000 draws
+    within 4 standard errors), and top-k / top-p keep exactly the tokens transformers' warpers keep."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    objective = GRPO(rewards=[exact_match], temperature=0.8)
+    generators = [torch.Generator().manual_seed(i) for i in range(20000)]
+    draws = objective.pick(logits.expand(20000, -1), generators)
+    frequencies = torch.bincount(draws, minlength=6).double() / 20000
+    expected = (logits[0] / 0.8).softmax(-1).double()
+    within(((frequencies - expected).abs() / (expected * (1 - expected) / 20000).sqrt()).max().item(), 4.0, "z")
+    for settings, warper in (({"top_k": 2}, TopKLogitsWarper(2)), ({"top_p": 0.7}, TopPLogitsWarper(0.7))):
+        objective = GRPO(rewards=[exact_match], **settings)
+        kept = set(objective.pick(logits.expand(2000, -1), generators[:2000]).tolist())
+        assert kept == set(torch.isfinite(warper(None, logits.clone())[0]).nonzero().flatten().tolist()), settings
+
+
+def test_a_completions_randomness_is_its_seed_step_prompt_and_index():
+    """The same (seed, step, prompt number) gives the same G completions; another step or prompt, others."""
+    module = policy().float().eval()
+    prompt = torch.tensor([20, 21, 22])
+    one = module.objective.sample(module, prompt, step=3, number=5)
+    assert torch.equal(one, module.objective.sample(module, prompt, step=3, number=5))
+    assert not torch.equal(one, module.objective.sample(module, prompt, step=4, number=5))
+    assert not torch.equal(one, module.objective.sample(module, prompt, step=3, number=6))
+    assert len({tuple(row) for row in one.tolist()}) > 1  # the group's samples differ from each other
+    assert sample_seed(0, 1, 2, 3) != sample_seed(0, 1, 2, 4)
+
+
+def test_completion_mask_and_verifiers():
+    completions = torch.tensor([[5, EOS, 6], [5, 6, 7], [EOS, 1, 2]])
+    assert completion_mask(completions, EOS).tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert exact_match([""] * 3, [" 7", "7 ", "8"], answer=[7, "7", 7]) == [1.0, 1.0, 0.0]
+    assert format_match([""] * 2, ["12", "1a"], pattern=r"\d+") == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "settings,words",
+    [
+        ({"num_generations": 1}, r"num_generations=1: use 2 or more samples per prompt"),
+        ({"rewards": []}, "needs at least one reward function"),
+        ({"reward_weights": [1.0, 2.0]}, "2 weights for 1 reward functions"),
+        ({"loss_type": "dapo"}, "use one of grpo, dr_grpo"),
+        ({"scale_rewards": "batch"}, "use group or none"),
+        ({"top_p": 0}, r"top_p=0 in \(0, 1\]"),
+    ],
+)
+def test_settings_are_checked(settings, words):
+    with pytest.raises(ConfigError, match=words):
+        GRPO(**{"rewards": [exact_match], **settings})
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model/objective=grpo"], "model/objective=grpo trains on prompts, but data is TextDataModule"),
+        (["data=prompts", "model/objective=grpo", "trainer=tp"], "does not run under trainer=tp"),
+        (["data=prompts"], "model/objective=sft trains on tokens, but data is PromptDataModule"),
+    ],
+)
+def test_objective_data_and_strategy_must_agree(overrides, words):
+    from test_configs import compose_cfg
+
+    from src.run.checks import check_values
+
+    with pytest.raises(ConfigError, match=words):
+        check_values(compose_cfg(overrides))
+
+
+# ---- N ranks == 1 process (slow): the same samples, rewards, losses and weights ----
+
+REWARDS = [
+    "model.objective.rewards=[{_target_: tests.helpers.rewards.digit_share, _partial_: true},"
+    "{_target_: src.models.verifiers.exact_match, _partial_: true}]",
+    "model.objective.reward_weights=[1.0,2.0]",
+]
+
+
+def grpo_run_args(prompts: Path) -> list[str]:
+    return [
+        "data=prompts",
+        "model/objective=grpo",
+        f"data.path={prompts}",
+        "data.seq_len=32",
+        "data.val_fraction=0.1",
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "data.global_batch_size=8",
+        "model.objective.num_generations=4",
+        "model.objective.max_new_tokens=6",
+        "model.objective.beta=0.04",
+        *REWARDS,
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "test=false",
+        "model.scheduler.num_warmup_steps=1",
+        "model.optimizer.lr=1e-2",
+    ]
+
+
+STATS_LOGGED = [f"train/{name}" for name in ("loss", "reward", "reward_std", "completion_length", "kl",
+                "rewards/digit_share", "rewards/exact_match")] + ["val/reward", "val/rewards/digit_share"]  # fmt: skip
+CASES = {  # name: (args, whether its checkpoint is a sharded dir)
+    "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
+    "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], True),
+    # val_check_interval counts micro-batches: 8 of them are the 4 steps
+    "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=8"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    return arithmetic(tmp_path_factory.mktemp("prompts") / "sums.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_n_ranks_match_one_process(tmp_path, reference, prompts_file, case):
+    """1 process x 8 prompts against 2 x 4 under DDP and FSDP2 (the reference policy sharded like the policy, the
+    sampling's forwards in lockstep) and 1 x 4 x accumulation 2: every logged statistic at every step (the rewards
+    are the samples' own: equal rewards are equal samples, up to a tie) and the final weights within 1e-5."""
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import assert_same_series, max_param_diff, train
+
+    from src.checkpoint.convert import load_checkpoint
+
+    args, sharded = CASES[case]
+    one = reference(grpo_run_args(prompts_file))
+    run = (train_sharded if sharded else train)(tmp_path, case, grpo_run_args(prompts_file) + args)
+    params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
+    for tag in STATS_LOGGED:
+        assert_same_series(one, run, tag, 1e-5)
+    assert len(run["scalars"]["train/loss"]) == 4
+    within(max_param_diff(one["params"], params), 1e-5, "params")
+    rewards = [v for _, v in one["scalars"]["train/rewards/digit_share"]]
+    assert min(rewards) > 0 and len(set(rewards)) > 1  # samples with a spread, which change from step to step
+    assert one["scalars"]["train/kl"][-1][1] > 0  # the policy moved away from its reference

@@ -72,6 +72,8 @@ def bad(tmp_path_factory) -> Path:
     (d / "pairs.json").write_text(
         json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
     )
+    (d / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 20)
+    (d / "noprompt.jsonl").write_text('{"prompt": "1+1="}\n{"question": "2+2="}\n')
     (d / "not_a.ckpt").write_text("hello, I am not a checkpoint\n")
     (d / "a_file").write_text("")
     return d
@@ -100,6 +102,33 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "bad_record": (["data=instruct", "data.path={bad}/records.json"], ["records.json: record 1", "'output'"]),
     "chat_without_layout": (["data=chat", "data.path={bad}/chats.json"], ["chats.json: record 1 has neither layout"]),
     "dpo_on_text": (["model/objective=dpo"], ["model/objective=dpo", "data=preference"]),
+    "grpo_no_prompt": (
+        ["data=prompts", "model/objective=grpo", "data.path={bad}/noprompt.jsonl"],
+        ["noprompt.jsonl: record 1 has no 'prompt'"],
+    ),
+    "grpo_reward_not_importable": (
+        [
+            "data=prompts",
+            "model/objective=grpo",
+            "data.path={bad}/prompts.jsonl",
+            "model.objective.rewards=[{{_target_: nosuch.module.reward, _partial_: true}}]",
+        ],
+        ["nosuch.module.reward"],
+    ),
+    "grpo_reward_wrong_length": (
+        [
+            "data=prompts",
+            "model/objective=grpo",
+            "data.path={bad}/prompts.jsonl",
+            "model.objective.max_new_tokens=2",
+            "model.objective.rewards=[{{_target_: tests.helpers.rewards.one_too_few, _partial_: true}}]",
+        ],
+        ["The reward function one_too_few returned list of length 3 for 4 completions"],
+    ),
+    "grpo_one_sample": (
+        ["data=prompts", "model/objective=grpo", "data.path={bad}/prompts.jsonl", "model.objective.num_generations=1"],
+        ["num_generations=1"],
+    ),
     "objective_as_a_key": (["model.objective=dpo"], ["model.objective=dpo sets a key", "write model/objective=dpo"]),
     "pair_without_rejected": (
         ["data=preference", "model/objective=dpo", "data.path={bad}/pairs.json"],

@@ -24,6 +24,7 @@ happened to fall on a training logging step, i.e. hardly ever).
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from typing import Any, Optional
@@ -35,6 +36,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.parallel.samplers import rank_and_world
+
+log = logging.getLogger(__name__)
 
 
 def _inputs(batch: Any) -> Any:
@@ -118,9 +121,14 @@ class TokenThroughputMonitor(Callback):
         self._totals = {"batches": 0, "samples": 0, "items": 0}  # training, since it started
         self._pending = {"batches": 0, "samples": 0, "items": 0, "flops": 0.0}  # training, since the last reading
         self._t0, self._steps_seen = 0.0, 0
+        self.enabled = True
         self._start_eval()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        # a batch of prompts (model/objective=grpo) holds no tokens yet: its work is the sampling's, not counted here
+        self.enabled = getattr(trainer.datamodule, "batch_kind", "tokens") != "prompts"
+        if not self.enabled:
+            log.info("callbacks.throughput: not measured for batches of prompts (their completions are sampled)")
         # peak_flops overrides Lightning's table (which has no CPUs)
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
         self.available_flops = self.peak_flops or get_available_flops(device, dtype)
@@ -131,6 +139,8 @@ class TokenThroughputMonitor(Callback):
 
     @rank_zero_only
     def on_train_start(self, trainer, *args: Any) -> None:
+        if not self.enabled:
+            return
         self._train.reset()
         self._totals = dict.fromkeys(self._totals, 0)
         self._pending = dict.fromkeys(self._pending, 0)
@@ -138,6 +148,8 @@ class TokenThroughputMonitor(Callback):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
+        if not self.enabled:
+            return
         share = replica_share(trainer)
         _count(self._pending, batch, share)
         self._pending["flops"] += _scaled(_flops(pl_module, batch), share)
@@ -151,6 +163,8 @@ class TokenThroughputMonitor(Callback):
 
     @rank_zero_only
     def on_validation_start(self, trainer, *args: Any) -> None:
+        if not self.enabled:
+            return
         if trainer.sanity_checking:
             return
         if trainer.state.fn == TrainerFn.FITTING:
@@ -159,11 +173,15 @@ class TokenThroughputMonitor(Callback):
 
     @rank_zero_only
     def on_validation_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
         if not trainer.sanity_checking:
             _count(self._eval, batch, replica_share(trainer))
 
     @rank_zero_only
     def on_validation_end(self, trainer, *args: Any) -> None:
+        if not self.enabled:
+            return
         if trainer.sanity_checking:
             return
         seconds = self._end_eval(trainer, "validate")
@@ -172,14 +190,20 @@ class TokenThroughputMonitor(Callback):
 
     @rank_zero_only
     def on_test_start(self, trainer, *args: Any) -> None:
+        if not self.enabled:
+            return
         self._start_eval()
 
     @rank_zero_only
     def on_test_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
         _count(self._eval, batch, replica_share(trainer))
 
     @rank_zero_only
     def on_test_end(self, trainer, *args: Any) -> None:
+        if not self.enabled:
+            return
         self._end_eval(trainer, "test")
 
     def _start_eval(self) -> None:

@@ -90,7 +90,7 @@ class PromptDataModule(ShardedDataModule):
         global_batch_size: int = 8,
         eval_batch_size: Optional[int] = None,
         val_fraction: float = 0.05,
-        test_fraction: float = 0.0,
+        test_fraction: float = 0.05,
         num_workers: int = 0,
         seed: int = 42,
         overfit_batches: int = 0,

@@ -9,6 +9,7 @@ Two layers catch typos before any work starts:
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -93,10 +94,17 @@ def check_targets(cfg: Any, key: str = "") -> None:
         return
     if "_target_" in cfg:
         target = cfg._target_
+        hydra_log = logging.getLogger("hydra.utils")  # which logs the failure itself, as a paragraph
+        level, hydra_log.level = hydra_log.level, logging.CRITICAL
         try:
             obj = get_object(target)
         except Exception as e:  # ImportError, AttributeError, ...
-            raise ConfigError(f"{key}._target_={target!r} cannot be imported: {e}") from e
+            reason = str(e.__cause__ or e).strip().splitlines()[0]
+            raise ConfigError(
+                f"{key}._target_={target!r} cannot be imported ({reason}): fix the name or install it."
+            ) from e
+        finally:
+            hydra_log.level = level
         try:
             params = inspect.signature(obj).parameters
         except (TypeError, ValueError):  # builtins without a signature: nothing to check

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import python, shared
+from conftest import FULL_MATRIX_ONLY, python, shared
 
 from bench.throughput import paired_ratio
 
@@ -118,6 +118,7 @@ def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time (stop 57), 25 s: a benchmark's figure; the pipeline schedules' parity tests stay
 def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""

@@ -4,6 +4,8 @@ read back with wandb's own record schema."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import struct
 import subprocess
@@ -25,7 +27,7 @@ def mlflow_server(tmp: Path):
         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--default-artifact-root", str(tmp / "artifacts"),
     ]  # fmt: skip
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
         end = time.time() + 120
@@ -39,12 +41,9 @@ def mlflow_server(tmp: Path):
                     raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
                 time.sleep(0.5)
         yield uri
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    finally:  # killed, with its workers (its group): a graceful stop takes ~6 s, and the tests have read what they need
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
         log.close()
 
 

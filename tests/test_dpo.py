@@ -224,11 +224,17 @@ def perturbed_policy(seed: int = 0, **dpo) -> GPT2LitModule:
     """The tiny pretrained GPT-2 as policy, its reference the pretrained weights; the policy's weights then moved,
     so the log-ratios (and so each loss type's shape) are far from zero. In float64, policy and reference."""
     module = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=str(shared("tiny-gpt2")), objective=DPO(**dpo))
+    return moved(module, seed, 0.5)
+
+
+def moved(module: GPT2LitModule, seed: int, scale: float) -> GPT2LitModule:
+    """`module` in float64 with each of its trained model's weights moved by scale x N(0, 1) (its reference, if
+    any, stays at the starting weights); in training mode."""
     module.double()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.5)
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
     return module.train()
 
 

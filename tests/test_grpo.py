@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
+from test_dpo import moved
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.grpo import GRPO, completion_mask, group_advantages, sample_seed
@@ -36,12 +37,7 @@ def policy(beta: float = 0.0, loss_type: str = "grpo", temperature: float = 1.0,
         temperature=temperature,
     )  # fmt: skip
     module = GPT2LitModule(vocab_size=50257, seq_len=64, n_layer=2, n_head=2, n_embd=32, objective=objective)
-    module.double()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
-    return module.train()
+    return moved(module, seed, 0.3)
 
 
 def fixed_rollouts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
-from test_dpo import GPT2_SHAPE, dpo_run_args, our_batch, tiny_pairs
+from test_dpo import GPT2_SHAPE, dpo_run_args, moved, our_batch, tiny_pairs
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.reward import Reward
@@ -22,12 +22,7 @@ def reward_model(seed: int = 0, **settings) -> GPT2LitModule:
     """A 2-layer GPT-2 with a reward head, in float64, every weight moved (so the rewards are far from 0). Not the
     shared tiny GPT-2: its 2-wide hidden states leave LayerNorm two values to give, whatever the input."""
     module = GPT2LitModule(vocab_size=50257, seq_len=64, n_layer=2, n_head=2, n_embd=32, objective=Reward(**settings))
-    module.double()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.5)
-    return module.train()
+    return moved(module, seed, 0.5)
 
 
 def mean_loss_and_grads(module: GPT2LitModule, batch: dict, mean: bool = True) -> tuple[torch.Tensor, dict]:

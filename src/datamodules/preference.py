@@ -30,7 +30,7 @@ from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_int, check_sequence_data
+from src.utils.config import ConfigError, check_prompt_len, check_sequence_data
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +169,7 @@ class PreferenceDataModule(ShardedDataModule):
         hf_split: str = "train",
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
-        check_int("data.max_prompt_len", max_prompt_len)
-        if max_prompt_len >= seq_len:
-            raise ConfigError(
-                f"data.max_prompt_len={max_prompt_len} leaves no room for the answers in data.seq_len="
-                f"{seq_len}: lower it below seq_len."
-            )
+        max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "the answers")
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)

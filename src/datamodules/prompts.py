@@ -24,7 +24,7 @@ from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.preference import Message, Renderer, message
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_int, check_sequence_data
+from src.utils.config import check_prompt_len, check_sequence_data
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,7 @@ class PromptDataModule(ShardedDataModule):
         hf_split: str = "train",
     ) -> None:
         check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
-        check_int("data.max_prompt_len", max_prompt_len)
-        if max_prompt_len >= seq_len:
-            raise ConfigError(
-                f"data.max_prompt_len={max_prompt_len} leaves no room for completions in data.seq_len={seq_len}: "
-                "lower it below seq_len."
-            )
+        max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "completions")
         super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
         self.path, self.tokenizer_name, self.seq_len, self.max_prompt_len = path, tokenizer, seq_len, max_prompt_len
         self.template, self.hf_split = template, hf_split

@@ -186,6 +186,18 @@ def check_fractions(val_key: str, val: Any, test_key: str, test: Any) -> None:
         raise ConfigError(f"{val_key}={val} + {test_key}={test} leave nothing to train on: their sum must be < 1.")
 
 
+def check_prompt_len(seq_len: int, max_prompt_len: Optional[int], after: str) -> int:
+    """data.max_prompt_len (None: half of seq_len), checked to leave room in data.seq_len for `after`."""
+    max_prompt_len = seq_len // 2 if max_prompt_len is None else max_prompt_len
+    check_int("data.max_prompt_len", max_prompt_len)
+    if max_prompt_len >= seq_len:
+        raise ConfigError(
+            f"data.max_prompt_len={max_prompt_len} leaves no room for {after} in data.seq_len={seq_len}: lower it "
+            "below seq_len."
+        )
+    return max_prompt_len
+
+
 def check_sequence_data(
     seq_len: Any, global_batch_size: Any, eval_batch_size: Any, val_fraction: Any, test_fraction: Any
 ) -> None:

@@ -276,12 +276,16 @@ def trls_loss_and_grads(loss_type: str, beta: float, policy: dict, pairs: list[d
 
 
 def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
-    """The largest of |Δ loss| / |loss| and, per gradient tensor, max |Δ g| / max |g|."""
+    """The largest of |Δ loss| / |loss| and, per gradient tensor, max |Δ g| / max |g|, that max floored at 1e-9 of
+    the largest gradient entry (a tensor the loss leaves without gradient, as a reward model's final-norm bias, is
+    then compared with the others' scale). Gradients named as in the HF model on both sides ("model." dropped)."""
     (loss, grads), (their_loss, their_grads) = ours, theirs
+    grads, their_grads = ({n.removeprefix("model."): g for n, g in d.items()} for d in (grads, their_grads))
     assert grads.keys() == their_grads.keys()
+    floor = 1e-9 * max(g.abs().max().item() for g in their_grads.values())
     worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
     for name, g in their_grads.items():
-        worst = max(worst, (grads[name] - g).abs().max().item() / g.abs().max().item())
+        worst = max(worst, (grads[name] - g).abs().max().item() / max(g.abs().max().item(), floor))
     return worst
 
 

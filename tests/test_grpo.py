@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
-from test_dpo import moved
+from test_dpo import moved, worst_relative_difference
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.grpo import GRPO, completion_mask, group_advantages, sample_seed
@@ -120,20 +120,7 @@ def trls_loss_and_grads(module: GPT2LitModule, prompts, completions, advantages,
             )[0]
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    return loss.detach().double(), {f"model.{n}" if not n.startswith("model.") else n: p.grad
-                                    for n, p in trainer.model.named_parameters()}  # fmt: skip
-
-
-def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
-    (loss, grads), (their_loss, their_grads) = ours, theirs
-    ours_by_name = {n.removeprefix("model."): g for n, g in grads.items()}
-    theirs_by_name = {n.removeprefix("model."): g for n, g in their_grads.items()}
-    assert ours_by_name.keys() == theirs_by_name.keys()
-    floor = 1e-9 * max(g.abs().max().item() for g in theirs_by_name.values())
-    worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
-    for name, g in theirs_by_name.items():
-        worst = max(worst, (ours_by_name[name] - g).abs().max().item() / max(g.abs().max().item(), floor))
-    return worst
+    return loss.detach().double(), {n: p.grad for n, p in trainer.model.named_parameters()}
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
-from test_dpo import GPT2_SHAPE, dpo_run_args, moved, our_batch, tiny_pairs
+from test_dpo import GPT2_SHAPE, dpo_run_args, moved, our_batch, tiny_pairs, worst_relative_difference
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.reward import Reward
@@ -64,18 +64,6 @@ def trls_loss_and_grads(module: GPT2LitModule, pairs: list[dict], center: float,
     loss = trainer.compute_loss(trainer.model, DataCollatorForPreference(pad_token_id=EOS)(examples))
     loss.backward()
     return loss.detach().double(), {n: p.grad for n, p in trainer.model.named_parameters()}
-
-
-def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
-    """The largest of |Δ loss| / |loss| and, per gradient tensor, max |Δ g| / max |g|, floored at 1e-9 of the
-    largest gradient entry: ln_f's bias gets none from the Bradley-Terry loss (it adds alike to both rewards)."""
-    (loss, grads), (their_loss, their_grads) = ours, theirs
-    assert grads.keys() == their_grads.keys()
-    floor = 1e-9 * max(g.abs().max().item() for g in their_grads.values())
-    worst = abs(loss.item() - their_loss.item()) / abs(their_loss.item())
-    for name, g in their_grads.items():
-        worst = max(worst, (grads[name] - g).abs().max().item() / max(g.abs().max().item(), floor))
-    return worst
 
 
 def scored_at_the_eos(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

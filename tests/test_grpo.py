@@ -318,3 +318,60 @@ def test_grpo_raises_the_reward_of_a_short_sft_on_sums(tmp_path):
     tenths = [float(x) for x in proc.stdout.split("by tenths of")[1].split(":")[1].split("\n")[0].split()]
     held_out = [float(x.split()[-1]) for x in proc.stdout.split("sums):")[1].split("\n")[0].split("step")[1:]]
     assert tenths[-1] > tenths[0] + 0.2 and held_out[-1] > held_out[0] + 0.1, proc.stdout
+
+
+def test_a_reward_model_scores_completions_as_its_export_does(tmp_path):
+    """RewardModelScore on export-hf's dir of a reward model (bytes): the scores of prompt + completion are the
+    reward model's own (the head at the last real token); the policy's tokenizer must be the reward model's."""
+    from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer
+    from src.models.reward import Reward, RewardModelScore
+
+    torch.manual_seed(0)
+    module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward()).eval()
+    module.objective.export(module.model, 256).save_pretrained(tmp_path)
+    (tmp_path / "TOKENIZER.md").write_text("bytes")  # as export-hf writes it for the byte tokenizer
+    score = RewardModelScore(str(tmp_path))
+    prompts, completions = ["3+4=", "3+4=", "12+1="], ["7", "8 and more", ""]
+    ids = [list((p + c).encode()) for p, c in zip(prompts, completions)]
+    batch = torch.full((3, max(map(len, ids))), 256)
+    mask = torch.zeros_like(batch)
+    for i, row in enumerate(ids):
+        batch[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    with torch.no_grad():
+        ours = module.objective.scores(module, {"input_ids": batch, "attention_mask": mask})
+    torch.testing.assert_close(torch.tensor(score(prompts=prompts, completions=completions)), ours)
+    score.check_tokenizer(ByteTokenizer())  # the same: no error
+    with pytest.raises(ConfigError, match="has another tokenizer than the policy's"):
+        score.check_tokenizer(HFTokenizer(str(shared("gpt2-tokenizer"))))
+    with pytest.raises(ConfigError, match="is not a Hugging Face dir: export the reward model's checkpoint"):
+        RewardModelScore(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.slow
+def test_sft_then_a_reward_model_then_grpo_from_config_alone(tmp_path):
+    """The pipeline the issue names, offline, each stage a train.py run from its experiment: SFT on Alpaca records,
+    a reward model from that checkpoint on preference pairs (experiment=gpt2_reward), exported by the tool, then
+    GRPO from the SFT checkpoint (experiment=gpt2_grpo) rewarded by that reward model. 2 steps a stage (bytes)."""
+    from conftest import path_overrides, read_events, run_script
+    from test_fsdp import last_ckpt
+    from test_parity import QUIET
+
+    shape = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "trainer.max_steps=2", "test=false"]
+    stage = lambda name: QUIET + shape + path_overrides({"log_dir": tmp_path / name, "cache_dir": tmp_path / "c"})  # noqa: E731
+    run_script("train.py", stage("sft") + ["data=instruct", f"data.path={shared('alpaca', 'alpaca_en_demo.json')}",
+                                           "data.seq_len=256", "trainer.val_check_interval=2"])  # fmt: skip
+    sft = last_ckpt(tmp_path, "sft")
+    run_script("train.py", stage("reward") + [
+        "experiment=gpt2_reward", f"model.pretrained={sft}", f"data.path={shared('preference', 'dpo_en_demo.json')}",
+        "data.seq_len=64", "data.max_prompt_len=32", "trainer.val_check_interval=2",
+    ])  # fmt: skip
+    run_script("-m", ["src.tools.checkpoints", "export-hf", str(last_ckpt(tmp_path, "reward")), str(tmp_path / "rm")])
+    run_script("train.py", stage("grpo") + [
+        "experiment=gpt2_grpo", f"model.pretrained={sft}", f"data.path={arithmetic(tmp_path / 'sums.jsonl')}",
+        f"model.objective.rewards=[{{_target_: src.models.reward.RewardModelScore, path: {tmp_path / 'rm'}}}]",
+        "trainer.val_check_interval=2", "model.objective.num_generations=2",
+    ])  # fmt: skip
+    (run,) = (tmp_path / "grpo" / "train" / "runs").iterdir()
+    events = read_events(run / "tensorboard")
+    rewards = [e.value for e in events.Scalars("train/rewards/reward_model")]
+    assert len(rewards) == 2 and all(r == r and r != 0 for r in rewards)  # the reward model's scores, finite

@@ -167,6 +167,9 @@ class GRPO(Objective):
 
     def on_fit_start(self, module: Any) -> None:
         datamodule = module.trainer.datamodule
+        for f in self.rewards:  # a reward model reads the policy's tokens as its own (src/models/reward.py)
+            if hasattr(f, "check_tokenizer"):
+                f.check_tokenizer(datamodule.tokenizer)
         room = datamodule.max_prompt_len + self.max_new_tokens
         if room > module.seq_len:
             raise ConfigError(

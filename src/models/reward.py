@@ -19,6 +19,7 @@ Exact from 1 device to N as DPO is: every term is per pair, the loss their mean 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -105,3 +106,57 @@ class Reward(PairObjective):
         stats = self.pair_stats(self.scores(module, batch))
         real = (batch["labels"] != -100).any(dim=1).chunk(2)[0]
         return (stats * real[:, None]).sum(dim=0), real.sum()
+
+
+class RewardModelScore:
+    """A trained reward model as a reward function of model/objective=grpo: `{_target_: src.models.reward.
+    RewardModelScore, path: DIR}`, DIR what export-hf wrote for a `model/objective=reward` checkpoint (transformers'
+    sequence-classification model, one label). Each completion's reward is the model's score of prompt + completion
+    as text, tokenized by the reward model's own tokenizer (saved beside it; bytes where export-hf wrote
+    TOKENIZER.md), which must be the policy's (GRPO checks it before the first step): scored at the last token, as
+    the reward model was trained."""
+
+    def __init__(self, path: str, batch_size: int = 64) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        where = Path(path).expanduser()
+        if not (where / "config.json").is_file():
+            raise ConfigError(
+                f"RewardModelScore path={path!r} is not a Hugging Face dir: export the reward model's checkpoint "
+                "first (python -m src.tools.checkpoints export-hf CKPT DIR) and name DIR."
+            )
+        self.model = AutoModelForSequenceClassification.from_pretrained(where).eval()
+        if self.model.config.num_labels != 1:
+            raise ConfigError(
+                f"RewardModelScore path={path!r} has {self.model.config.num_labels} labels: a reward model has one."
+            )
+        self.tokenizer = None if (where / "TOKENIZER.md").is_file() else AutoTokenizer.from_pretrained(where)
+        self.path, self.batch_size, self.__name__ = path, batch_size, "reward_model"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:  # this template's byte tokenizer: UTF-8 bytes
+            return [list(text.encode("utf-8")) for text in texts]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """One sentence unless the policy's tokenizer gives the reward model's ids and EOS."""
+        probe = ["The policy's tokens, 0123 ¿üé 中文 \n\t end"]
+        same = [list(map(int, ids)) for ids in tokenizer.encode_batch(probe)] == self.encode(probe)
+        if not same or tokenizer.eos_id != self.model.config.pad_token_id:
+            raise ConfigError(
+                f"The reward model {self.path} has another tokenizer than the policy's (data.tokenizer): train the "
+                "reward model with the policy's tokenizer, or use a policy with the reward model's."
+            )
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        ids = self.encode([p + c for p, c in zip(prompts, completions)])
+        scores = []
+        for start in range(0, len(ids), self.batch_size):
+            rows = ids[start : start + self.batch_size]
+            batch = torch.full((len(rows), max(map(len, rows))), self.model.config.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(batch)
+            for i, row in enumerate(rows):
+                batch[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+            scores += self.model(input_ids=batch, attention_mask=mask).logits[:, 0].float().tolist()
+        return scores

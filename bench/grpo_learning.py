@@ -60,7 +60,12 @@ def main() -> None:
     for stage in ("sft", "grpo"):  # a fresh run of each
         shutil.rmtree(work / stage, ignore_errors=True)
     sft_data, prompts = write_task(work / "data")
-    common = SHAPE + [f"seed={opts.seed}", "logger=tensorboard", "callbacks.generate_text=null", "trainer.log_every_n_steps=5"]
+    common = SHAPE + [
+        f"seed={opts.seed}",
+        "logger=tensorboard",
+        "callbacks.generate_text=null",
+        "trainer.log_every_n_steps=5",
+    ]
     train(
         common
         + [

@@ -375,3 +375,32 @@ def test_sft_then_a_reward_model_then_grpo_from_config_alone(tmp_path):
     events = read_events(run / "tensorboard")
     rewards = [e.value for e in events.Scalars("train/rewards/reward_model")]
     assert len(rewards) == 2 and all(r == r and r != 0 for r in rewards)  # the reward model's scores, finite
+
+
+def test_prompts_plain_or_chat_rendered_with_their_fields(tmp_path):
+    """data=prompts: text is used as it is; chat messages (and ShareGPT turns) go through the tokenizer's chat
+    template with the generation prompt; every other field is kept for the reward functions; long prompts lose
+    their start; evaluation's padding prompt is numbered -1."""
+    from src.datamodules.chat import CHATML
+    from src.datamodules.prompts import PromptDataModule
+    from src.datamodules.tokenizers import HFTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    records = [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": messages, "answer": "4", "difficulty": 1},
+        {"prompt": [{"from": "human", "value": "3+3="}], "answer": "6"},
+    ]
+    (tmp_path / "p.json").write_text(json.dumps(records * 4))
+    tokenizer = HFTokenizer(str(shared("gpt2-tokenizer")))
+    tokenizer.hf.chat_template = CHATML
+    dm = PromptDataModule(str(tmp_path / "p.json"), seq_len=64, max_prompt_len=12, val_fraction=0.25)
+    dm.__dict__["tokenizer"] = tokenizer  # the cached property, with a chat template
+    dm.setup("fit")
+    assert dm.texts[0] == "1+1="
+    assert dm.texts[1] == tokenizer.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert dm.texts[2].endswith("<|im_start|>assistant\n") and "3+3=" in dm.texts[2]
+    assert dm.columns[1] == {"answer": "4", "difficulty": 1}
+    number, ids = dm.splits["train"][1]
+    assert number == 1 and ids.tolist() == tokenizer.encode_batch([dm.texts[1]])[0][-12:].tolist()  # the start cut
+    assert dm.padding_sample(dm.splits["val"][0])[0] == -1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -146,7 +147,8 @@ class GRPO(Objective):
         self.EVAL_STATS = ("reward", "reward_std", "completion_length", *(f"rewards/{n}" for n in self.names))
         self.val_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
         self.test_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
-        self.samples: list[tuple[str, str, float]] = []  # the last logged step's first prompt: its completions
+        self.samples: list[tuple[str, str, float]] = []  # the last group scored: prompt, completions, rewards
+        self.sampling_seconds = 0.0  # wall time spent sampling since the module was built (read by bench/grpo.py)
 
     # ---- the model ----
 
@@ -277,7 +279,9 @@ class GRPO(Objective):
 
     def prompt_stats(self, module: Any, prompt: torch.Tensor, step: int, number: int, train: bool) -> torch.Tensor:
         """One prompt's row of STATS (train) or EVAL_STATS: sample, score, and (train) the loss with its gradient."""
+        start = time.perf_counter()
         completions = self.sample(module, prompt, step, number)
+        self.sampling_seconds += time.perf_counter() - start  # no device sync: a CPU's figure (or a lower bound)
         mask = completion_mask(completions, module.trainer.datamodule.tokenizer.eos_id)
         per_function = self.score(module, number, completions, mask)  # (G, functions), float64 on the CPU
         rewards = per_function @ self.reward_weights

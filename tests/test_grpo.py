@@ -270,9 +270,19 @@ def grpo_run_args(prompts: Path) -> list[str]:
 
 STATS_LOGGED = [f"train/{name}" for name in ("loss", "reward", "reward_std", "completion_length", "kl",
                 "rewards/digit_share", "rewards/exact_match")] + ["val/reward", "val/rewards/digit_share"]  # fmt: skip
-CASES = {  # name: (args, whether its checkpoint is a sharded dir)
+CPU_DS = [
+    "trainer=deepspeed",
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+]
+LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
+CASES = {  # name: (args, whether its checkpoint is a sharded dir); LoRA: the adapter in both runs, the reference
+    # the model without it
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
     "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], True),
+    "zero3_2": (CPU_DS + ["trainer.strategy.stage=3"], True),
+    "lora_ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
     # val_check_interval counts micro-batches: 8 of them are the 4 steps
     "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=8"], False),
 }
@@ -284,7 +294,9 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(  # suite time: ZeRO-3 and LoRA in the full matrix
+    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero3_2", "lora_ddp_2x4") else []) for c in CASES]
+)
 def test_n_ranks_match_one_process(tmp_path, reference, prompts_file, case):
     """1 process x 8 prompts against 2 x 4 under DDP and FSDP2 (the reference policy sharded like the policy, the
     sampling's forwards in lockstep) and 1 x 4 x accumulation 2: every logged statistic at every step (the rewards
@@ -295,8 +307,9 @@ def test_n_ranks_match_one_process(tmp_path, reference, prompts_file, case):
     from src.checkpoint.convert import load_checkpoint
 
     args, sharded = CASES[case]
-    one = reference(grpo_run_args(prompts_file))
-    run = (train_sharded if sharded else train)(tmp_path, case, grpo_run_args(prompts_file) + args)
+    lora = LORA if "lora" in case else []
+    one = reference(grpo_run_args(prompts_file) + lora)
+    run = (train_sharded if sharded else train)(tmp_path, case, grpo_run_args(prompts_file) + lora + args)
     params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
     for tag in STATS_LOGGED:
         assert_same_series(one, run, tag, 1e-5)
@@ -375,6 +388,7 @@ def test_sft_then_a_reward_model_then_grpo_from_config_alone(tmp_path):
     events = read_events(run / "tensorboard")
     rewards = [e.value for e in events.Scalars("train/rewards/reward_model")]
     assert len(rewards) == 2 and all(r == r and r != 0 for r in rewards)  # the reward model's scores, finite
+    assert any(tag.startswith("samples/grpo") for tag in events.Tags()["tensors"])  # completions in the text tab
 
 
 def test_prompts_plain_or_chat_rendered_with_their_fields(tmp_path):

@@ -168,9 +168,18 @@ def test_settings_are_checked():
 # ---- N ranks == 1 process (slow): every logged statistic and the final weights within 1e-5 (fp32) ----
 
 STATS_LOGGED = [f"{stage}/{name}" for stage in ("train", "val") for name in Reward.STATS]
-CASES = {  # name: (args, whether its checkpoint is a sharded dir)
+CPU_DS = [
+    "trainer=deepspeed",
+    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+]
+LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
+CASES = {  # name: (args, whether its checkpoint is a sharded dir); LoRA cases hold the adapter in both runs
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
     "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], True),
+    "zero3_2": (CPU_DS + ["trainer.strategy.stage=3"], True),
+    "lora_ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
     # val_check_interval counts micro-batches: 10 of them are the 5 steps
     "1x4_accumulate_2": (["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=10"], False),
 }
@@ -186,8 +195,8 @@ def reward_run_args() -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # suite time: accumulation in the full matrix (DPO's runs the same pair-objective step)
-    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c == "1x4_accumulate_2" else []) for c in CASES]
+@pytest.mark.parametrize(  # suite time: accumulation and ZeRO-3 in the full matrix (DPO's run the same pair step)
+    "case", [pytest.param(c, marks=[] if c in ("ddp_2x4", "fsdp_2") else [FULL_MATRIX_ONLY]) for c in CASES]
 )
 def test_n_ranks_match_one_process(tmp_path, reference, case):
     """The 1 x 8 run against 2 x 4 under DDP and FSDP2 (the head sharded with the model) and 1 x 4 x accumulation
@@ -199,13 +208,15 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
     from src.checkpoint.convert import load_checkpoint
 
     args, sharded = CASES[case]
-    one = reference(reward_run_args())
-    run = (train_sharded if sharded else train)(tmp_path, case, reward_run_args() + args)
+    lora = LORA if "lora" in case else []
+    one = reference(reward_run_args() + lora)
+    run = (train_sharded if sharded else train)(tmp_path, case, reward_run_args() + lora + args)
     params = load_checkpoint(last_ckpt(tmp_path, case))["state_dict"] if sharded else run["params"]
     for tag in STATS_LOGGED:
         assert_same_series(one, run, tag, 1e-5)
     assert len(run["scalars"]["train/loss"]) == 5
-    assert params["model.lm_head.weight"].shape == (1, 32)  # the head, not the embeddings: untied
+    (head,) = [v for k, v in params.items() if k.endswith("lm_head.weight")]  # under LoRA, peft's names
+    assert head.shape == (1, 32)  # the head, not the embeddings: untied
     within(max_param_diff(one["params"], params), 1e-5, "params")
     assert one["scalars"]["train/rewards/margins"][-1][1] != one["scalars"]["train/rewards/margins"][0][1]
     if case == "ddp_2x4":  # eval.py reports the statistics: val/ as the run logged it last, test/ too

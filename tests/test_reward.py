@@ -36,7 +36,7 @@ def mean_loss_and_grads(module: GPT2LitModule, batch: dict, mean: bool = True) -
     }
 
 
-def trls_loss_and_grads(module: GPT2LitModule, pairs: list[dict], center: float, tmp_path) -> tuple:
+def trls_loss_and_grads(module: GPT2LitModule, pairs: list[dict], center: float, tmp_path, margins=None) -> tuple:
     """TRL's RewardTrainer.compute_loss and its gradients on the exported sequence-classification model (float64),
     fed what TRL's own pipeline tokenizes: prompt + answer + EOS, padded with EOS."""
     from datasets import Dataset
@@ -59,7 +59,9 @@ def trls_loss_and_grads(module: GPT2LitModule, pairs: list[dict], center: float,
     trainer.model.train()
     assert next(trainer.model.parameters()).dtype == torch.float64  # the Trainer did not cast it
     examples = [{"chosen_ids": p["prompt_ids"] + p[f"{k}_ids"] for k in ("chosen",)} for p in pairs]
-    for example, p in zip(examples, pairs):
+    for i, (example, p) in enumerate(zip(examples, pairs)):
+        if margins is not None:
+            example["margin"] = float(margins[i])
         example["rejected_ids"] = p["prompt_ids"] + p["rejected_ids"]
     loss = trainer.compute_loss(trainer.model, DataCollatorForPreference(pad_token_id=EOS)(examples))
     loss.backward()
@@ -72,18 +74,22 @@ def scored_at_the_eos(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarra
     return tokens, np.concatenate([tokens[1:], [EOS]])
 
 
-@pytest.mark.parametrize("center", [0.0, 0.01])
-def test_loss_and_gradients_equal_trls_reward_trainer(center, tmp_path):
-    """Our Bradley-Terry loss (and center_rewards) and its gradients against TRL's RewardTrainer on transformers'
-    GPT2ForSequenceClassification built by our export, both in float64 on the same pairs: one computation on both
-    sides but for the pooling and the loss, so they agree to float64 rounding (allowed: 1e-9 relative). Mistakes
-    it tells apart: the reward read at the EOS (one token later), the pairs' losses summed, no centering term."""
+@pytest.mark.parametrize("center,margins", [(0.0, False), (0.01, False), (0.0, True)])
+def test_loss_and_gradients_equal_trls_reward_trainer(center, margins, tmp_path):
+    """Our Bradley-Terry loss (and center_rewards, and the data's margins) and its gradients against TRL's
+    RewardTrainer on transformers' GPT2ForSequenceClassification built by our export, both in float64 on the same
+    pairs: one computation on both sides but for the pooling and the loss, so they agree to float64 rounding
+    (allowed: 1e-9 relative). Mistakes it tells apart: the reward read at the EOS (one token later), the pairs'
+    losses summed, no centering term, the margins left out."""
     from transformers import AutoTokenizer
 
     pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")))
     batch = our_batch(pairs)
+    given = torch.tensor([0.5, -0.25, 1.0, 0.0], dtype=torch.float32) if margins else None
+    if margins:
+        batch["margin"] = given
     ours = reward_model(center_rewards=center)
-    theirs = trls_loss_and_grads(ours, pairs, center, tmp_path)
+    theirs = trls_loss_and_grads(ours, pairs, center, tmp_path, given)
     loss_and_grads = mean_loss_and_grads(ours, batch)
     within(worst_relative_difference(loss_and_grads, theirs), 1e-9, "reward vs TRL, relative")
     assert abs(loss_and_grads[0].item() - np.log(2)) > 1e-2  # the rewards are not all equal
@@ -94,8 +100,33 @@ def test_loss_and_gradients_equal_trls_reward_trainer(center, tmp_path):
             reward_model(center_rewards=0.01 - center), batch
         ),
     }
+    if margins:
+        planted["margins left out"] = mean_loss_and_grads(ours, {k: v for k, v in batch.items() if k != "margin"})
     for mistake, wrong in planted.items():
         assert worst_relative_difference(wrong, theirs) > 1e-6, mistake
+
+
+def test_preference_records_with_a_margin_bring_it_to_the_batch(tmp_path):
+    """A "margin" per record (TRL's column) reaches the batch by the pair's number; some records with one and some
+    without, or a margin that is not a number, is one sentence."""
+    import json
+
+    from src.datamodules.corpus import CorpusError
+    from src.datamodules.preference import PreferenceDataModule
+
+    records = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no", "margin": i / 4} for i in range(8)]
+    (tmp_path / "m.json").write_text(json.dumps(records))
+    dm = PreferenceDataModule(str(tmp_path / "m.json"), seq_len=32, val_fraction=0.25, test_fraction=0.0)
+    dm.setup("fit")
+    items = [dm.splits["train"][i] for i in range(3)]
+    batch = dm.collate_fn()(items)
+    assert batch["margin"].tolist() == [item[0] / 4 for item in items]
+    (tmp_path / "mixed.json").write_text(json.dumps(records[:2] + [{"prompt": "q", "chosen": "a", "rejected": "b"}]))
+    with pytest.raises(CorpusError, match="2 of 3 records have a 'margin': give every record one, or none"):
+        PreferenceDataModule(str(tmp_path / "mixed.json"), seq_len=32).setup("fit")
+    (tmp_path / "text.json").write_text(json.dumps([{**records[0], "margin": "big"}]))
+    with pytest.raises(CorpusError, match="'margin' is 'big', not a number"):
+        PreferenceDataModule(str(tmp_path / "text.json"), seq_len=32).setup("fit")
 
 
 def test_the_export_is_a_sequence_classifier_with_the_same_scores(tmp_path):

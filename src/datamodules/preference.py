@@ -57,8 +57,9 @@ def answer_text(value: Any, where: str) -> str:
     return value if isinstance(value, str) else message(value, where)["content"]
 
 
-def parse(record: Any, where: str) -> tuple[list[Message] | str, str, str]:
-    """(prompt: messages or plain text, chosen, rejected) of one record in any of the three formats."""
+def parse(record: Any, where: str) -> tuple[list[Message] | str, str, str, Optional[float]]:
+    """(prompt: messages or plain text, chosen, rejected, margin or None) of one record in any of the three formats;
+    `margin`: how much the chosen answer is preferred (TRL's column), for a reward model's loss."""
     if not isinstance(record, dict):
         raise CorpusError(f"{where} is a {type(record).__name__}, not a record with 'chosen' and 'rejected'.")
     missing = [k for k in ("chosen", "rejected") if k not in record]
@@ -74,10 +75,14 @@ def parse(record: Any, where: str) -> tuple[list[Message] | str, str, str]:
         raise CorpusError(
             f"{where} has no prompt: give 'conversations' (ShareGPT), 'prompt' (text or messages) or 'messages'."
         )
+    margin = record.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
+        raise CorpusError(f"{where}: 'margin' is {margin!r}, not a number.")
     return (
         prompt,
         answer_text(record["chosen"], f"{where} 'chosen'"),
         answer_text(record["rejected"], f"{where} 'rejected'"),
+        None if margin is None else float(margin),
     )
 
 
@@ -129,8 +134,9 @@ class Pairs(Dataset):
         return np.ones(len(self.items), dtype=np.int64)
 
 
-def pair_collate(pad_id: int):
-    """2B rows right-padded to the longest of the batch: the B chosen sequences, then the B rejected ones."""
+def pair_collate(pad_id: int, margins: Optional[np.ndarray] = None):
+    """2B rows right-padded to the longest of the batch: the B chosen sequences, then the B rejected ones; with
+    `margins` (one per pair, by its number), the batch's pairs' margins too."""
 
     def collate(batch: list[tuple]) -> dict[str, torch.Tensor]:
         rows = [(item[1], item[2]) for item in batch] + [(item[3], item[4]) for item in batch]
@@ -143,7 +149,10 @@ def pair_collate(pad_id: int):
             labels[row, : len(lab)] = torch.from_numpy(lab)
             mask[row, : len(ids)] = 1
         index = torch.tensor([item[0] for item in batch], dtype=torch.long)
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pair_index": index}
+        out = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pair_index": index}
+        if margins is not None:
+            out["margin"] = torch.from_numpy(margins[index.numpy()])
+        return out
 
     return collate
 
@@ -177,6 +186,7 @@ class PreferenceDataModule(ShardedDataModule):
         self.template, self.overlong, self.hf_split = template, overlong, hf_split
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.counts: dict[str, int] = {}
+        self.margins: Optional[np.ndarray] = None  # each usable pair's margin, by its number, when the records have one
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -213,7 +223,14 @@ class PreferenceDataModule(ShardedDataModule):
         self.counts = {"pairs": 0, "prompt_cut": 0, "answer_cut": 0, "dropped": 0, "identical": 0}
         render, tok, items = Renderer(self.tokenizer, self.template), self.tokenizer, []
         eos = np.array([tok.eos_id])
-        for prompt, chosen, rejected in self.records():
+        records = self.records()
+        with_margin = sum(r[3] is not None for r in records)
+        if 0 < with_margin < len(records):
+            raise CorpusError(
+                f"{self.path}: {with_margin} of {len(records)} records have a 'margin': give every record one, or none."
+            )
+        margins = []
+        for prompt, chosen, rejected, margin in records:
             self.counts["pairs"] += 1
             self.counts["identical"] += chosen == rejected
             (head, chosen), (_, rejected) = render(prompt, chosen), render(prompt, rejected)
@@ -223,6 +240,8 @@ class PreferenceDataModule(ShardedDataModule):
                 self.counts["dropped"] += 1
                 continue
             items.append((len(items), *sequence(fitted[0], fitted[1]), *sequence(fitted[0], fitted[2])))
+            margins.append(margin)
+        self.margins = np.array(margins, dtype=np.float32) if with_margin else None
         if self.counts["identical"]:
             log.warning(
                 f"{self.path}: {self.counts['identical']} pair(s) have the same chosen and rejected answer; "
@@ -250,4 +269,4 @@ class PreferenceDataModule(ShardedDataModule):
         return (index, c_ids, np.full_like(c_labels, IGNORE_INDEX), r_ids, np.full_like(r_labels, IGNORE_INDEX))
 
     def collate_fn(self):
-        return pair_collate(self.tokenizer.eos_id)
+        return pair_collate(self.tokenizer.eos_id, self.margins)

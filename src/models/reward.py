@@ -1,6 +1,7 @@
 """A reward model from preference pairs (`model/objective=reward` with `data=preference`): any causal LM with its
-output layer replaced by a one-output head, trained with the Bradley-Terry loss -log σ(r(chosen) - r(rejected)),
-plus `center_rewards` x (r(chosen) + r(rejected))² (Eisenstein et al. 2023, TRL's center_rewards_coefficient).
+output layer replaced by a one-output head, trained with the Bradley-Terry loss -log σ(r(chosen) - r(rejected) -
+margin) (the record's margin when the data has one, as TRL's RewardTrainer, else 0), plus `center_rewards` x
+(r(chosen) + r(rejected))² (Eisenstein et al. 2023, TRL's center_rewards_coefficient).
 
 A sequence's reward is the head's output at the last token the model reads: the whole prompt and answer but the
 answer's closing EOS (the inputs are shifted, as for every objective here). That is the token transformers'
@@ -92,18 +93,19 @@ class Reward(PairObjective):
         last = (mask.sum(dim=1) - 1).clamp(min=0)
         return out[torch.arange(out.shape[0], device=out.device), last]
 
-    def pair_stats(self, rewards: torch.Tensor) -> torch.Tensor:
-        """(pairs, len(STATS)) from the (2B,) rewards, chosen rows first."""
+    def pair_stats(self, rewards: torch.Tensor, margins: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(pairs, len(STATS)) from the (2B,) rewards, chosen rows first; `margins`: the data's, subtracted in the
+        loss as TRL does (-log σ(r(c) - r(r) - margin)), not in the logged margins."""
         chosen, rejected = rewards.chunk(2)
         margin = chosen - rejected
-        loss = -F.logsigmoid(margin)
+        loss = -F.logsigmoid(margin if margins is None else margin - margins.to(margin.dtype))
         if self.center_rewards:
             loss = loss + self.center_rewards * (chosen + rejected) ** 2
         detached = [chosen.detach(), rejected.detach(), (margin > 0).to(loss.dtype), margin.detach()]
         return torch.stack([loss, *detached], dim=1)
 
     def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = self.pair_stats(self.scores(module, batch))
+        stats = self.pair_stats(self.scores(module, batch), batch.get("margin"))
         real = (batch["labels"] != -100).any(dim=1).chunk(2)[0]
         return (stats * real[:, None]).sum(dim=0), real.sum()
 

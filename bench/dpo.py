@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, StepTimer, clock, paired_ratio, report  # noqa: F401  (StepTimer: train.py loads it)
+from bench.throughput import LR, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ROOT.parent / "shared" / "data" / "preference" / "dpo_en_demo.json"
@@ -203,37 +203,28 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     args.pairs = str(Path(args.work) / f"pairs_{args.seq_len}.json")
     n = full_window_pairs(args.seq_len, Path(args.pairs))
-    ways, results = args.ways.split(","), {}
+    ways = args.ways.split(",")
     extra = {
         "template": [],
         "template_lora": LORA,
         "template_precompute": ["model.objective.precompute_reference=true"],
     }
-    for r in range(args.rounds):
-        for way in ways[r % len(ways) :] + ways[: r % len(ways)]:  # rotate who goes first
-            out = os.path.join(args.work, f"{way}_{r}.json")
-            if way == "trl":
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "bench.dpo",
-                    "--child",
-                    "trl",
-                    f"--pairs={args.pairs}",
-                    f"--out={out}",
-                    *(
-                        f"--{k.replace('_', '-')}={getattr(args, k)}"
-                        for k in ("steps", "warmup", "seq_len", "batch", "shape", "precision", "work")
-                    ),
-                ]
-            else:
-                cmd = template_cmd(args, out, extra[way])
-            subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
-            with open(out) as f:
-                result = json.load(f)
-            if way != "trl":  # StepTimer counts batch x seq_len tokens; a batch of pairs is 2 x batch rows
-                result["tokens_per_s"] *= 2
-            results.setdefault(way, []).append(result)
+
+    def run(way: str, r: int) -> dict:
+        out = os.path.join(args.work, f"{way}_{r}.json")
+        keys = ("steps", "warmup", "seq_len", "batch", "shape", "precision", "work")
+        if way == "trl":
+            cmd = trl_child("bench.dpo", args, keys, pairs=args.pairs, out=out)
+        else:
+            cmd = template_cmd(args, out, extra[way])
+        subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+        with open(out) as f:
+            result = json.load(f)
+        if way != "trl":  # StepTimer counts batch x seq_len tokens; a batch of pairs is 2 x batch rows
+            result["tokens_per_s"] *= 2
+        return result
+
+    results = interleaved(ways, args.rounds, run)
     layers, heads, width = map(int, args.shape.split(","))
     print(
         f"GPT-2 {layers} layers x {width} ({heads} heads), GPT-2 tokenizer, {n} pairs cut to fill {args.seq_len} "

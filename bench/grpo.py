@@ -28,7 +28,7 @@ from pathlib import Path
 import lightning as L
 
 from bench.grpo_learning import write_task
-from bench.throughput import CLIP, LR, paired_ratio
+from bench.throughput import CLIP, LR, interleaved, paired_ratio, trl_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
@@ -194,30 +194,20 @@ def main() -> None:
         run_trl(args)
         return
     _, prompts = write_task(Path(args.work) / "data")
-    results: dict[str, list[dict]] = {}
-    for r in range(args.rounds):
-        for way in WAYS[r % 2 :] + WAYS[: r % 2]:  # rotate who goes first
-            out = os.path.join(args.work, f"{way}_{r}.json")
-            if way == "trl":
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "bench.grpo",
-                    "--child",
-                    "trl",
-                    f"--prompts-file={prompts}",
-                    f"--out={out}",
-                ]
-                cmd += [
-                    f"--{k.replace('_', '-')}={getattr(args, k)}"
-                    for k in ("steps", "warmup", "prompts", "generations", "new_tokens", "shape", "work")
-                ]
-            else:
-                cmd = template_cmd(args, prompts, out)
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            if done.returncode:
-                raise SystemExit(f"{way} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-            results.setdefault(way, []).append(json.loads(Path(out).read_text()))
+
+    def run(way: str, r: int) -> dict:
+        out = os.path.join(args.work, f"{way}_{r}.json")
+        keys = ("steps", "warmup", "prompts", "generations", "new_tokens", "shape", "work")
+        if way == "trl":
+            cmd = trl_child("bench.grpo", args, keys, prompts_file=prompts, out=out)
+        else:
+            cmd = template_cmd(args, prompts, out)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode:
+            raise SystemExit(f"{way} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
+
+    results = interleaved(list(WAYS), args.rounds, run)
     print(
         f"GPT-2 {args.shape} (layers, heads, width), GPT-2 tokenizer, {args.prompts} prompts x {args.generations} "
         f"completions of {args.new_tokens} tokens a step, fp32, {args.steps} steps ({args.warmup} warm-up), "

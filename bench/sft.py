@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, StepTimer, paired_ratio
+from bench.throughput import LR, StepTimer, interleaved, paired_ratio, trl_child
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
@@ -158,22 +158,17 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     chats, n = whole_conversations(args.seq_len, Path(args.work))
     args.chats = str(chats)
-    results: dict[str, list[dict]] = {}
-    for r in range(args.rounds):
-        for way in WAYS[r % 2 :] + WAYS[: r % 2]:  # rotate who goes first
-            out = os.path.join(args.work, f"{way}_{r}.json")
-            if way == "trl":
-                cmd = [sys.executable, "-m", "bench.sft", "--child", "trl", f"--chats={chats}", f"--out={out}"]
-                cmd += [
-                    f"--{k.replace('_', '-')}={getattr(args, k)}"
-                    for k in ("steps", "warmup", "seq_len", "batch", "shape", "work")
-                ]
-            else:
-                cmd = template_cmd(args, out)
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            if done.returncode:
-                raise SystemExit(f"{way} failed:\n{done.stderr[-3000:]}")
-            results.setdefault(way, []).append(json.loads(Path(out).read_text()))
+
+    def run(way: str, r: int) -> dict:
+        out = os.path.join(args.work, f"{way}_{r}.json")
+        keys = ("steps", "warmup", "seq_len", "batch", "shape", "work")
+        cmd = trl_child("bench.sft", args, keys, chats=chats, out=out) if way == "trl" else template_cmd(args, out)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode:
+            raise SystemExit(f"{way} failed:\n{done.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
+
+    results = interleaved(list(WAYS), args.rounds, run)
     print(
         f"GPT-2 {args.shape} (layers, heads, width), GPT-2 tokenizer, {n} conversations that fit {args.seq_len} "
         f"tokens, {args.batch} packed rows a step, fp32, {args.steps} steps ({args.warmup} warm-up), median of "

@@ -487,6 +487,23 @@ def main() -> None:
             print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")
 
 
+def interleaved(ways: list[str], rounds: int, run) -> dict[str, list[dict]]:
+    """`run(way, round)` for every way in every round, who goes first rotating from round to round (a machine that
+    slows during the bench slows every way alike); the results by way, in round order (for paired_ratio)."""
+    results: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+            results.setdefault(way, []).append(run(way, r))
+    return results
+
+
+def trl_child(module: str, args, keys: tuple[str, ...], **extra: str) -> list[str]:
+    """The command that reruns bench `module` in a fresh process for its TRL way: `extra` and the named `args`."""
+    named = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
+    given = [f"--{k.replace('_', '-')}={v}" for k, v in extra.items()]
+    return [sys.executable, "-m", module, "--child", "trl", *given, *named]
+
+
 def paired_ratio(numerator: list[dict], denominator: list[dict]) -> tuple[float, float, float]:
     """Lowest, median and highest of the per-round tokens/s ratios: runs of one round ran back to back.
     A round in which either run failed (None) is left out."""

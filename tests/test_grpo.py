@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
-from test_dpo import moved, worst_relative_difference
+from test_dpo import CPU_DS, LORA, moved, worst_relative_difference
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.grpo import GRPO, completion_mask, group_advantages, sample_seed
@@ -270,13 +270,6 @@ def grpo_run_args(prompts: Path) -> list[str]:
 
 STATS_LOGGED = [f"train/{name}" for name in ("loss", "reward", "reward_std", "completion_length", "kl",
                 "rewards/digit_share", "rewards/exact_match")] + ["val/reward", "val/rewards/digit_share"]  # fmt: skip
-CPU_DS = [
-    "trainer=deepspeed",
-    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
-]
-LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
 CASES = {  # name: (args, whether its checkpoint is a sharded dir); LoRA: the adapter in both runs, the reference
     # the model without it
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, shared
-from test_dpo import GPT2_SHAPE, dpo_run_args, moved, our_batch, tiny_pairs, worst_relative_difference
+from test_dpo import (
+    CPU_DS,
+    GPT2_SHAPE,
+    LORA,
+    dpo_run_args,
+    moved,
+    our_batch,
+    tiny_pairs,
+    worst_relative_difference,
+)
 
 from src.models.gpt2 import GPT2LitModule
 from src.models.reward import Reward
@@ -199,13 +208,6 @@ def test_settings_are_checked():
 # ---- N ranks == 1 process (slow): every logged statistic and the final weights within 1e-5 (fp32) ----
 
 STATS_LOGGED = [f"{stage}/{name}" for stage in ("train", "val") for name in Reward.STATS]
-CPU_DS = [
-    "trainer=deepspeed",
-    "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
-]
-LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_fc]"]
 CASES = {  # name: (args, whether its checkpoint is a sharded dir); LoRA cases hold the adapter in both runs
     "ddp_2x4": (["trainer=ddp", "trainer.devices=2"], False),
     "fsdp_2": (["trainer=fsdp", "trainer.devices=2"], True),

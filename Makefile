@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup train test test-fast test-cluster test-latest lock flake-check lint clean
+.PHONY: setup train test test-fast test-gpu test-cluster test-latest lock flake-check lint clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -33,6 +33,12 @@ train: setup
 TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(ARGS)  # the 15 slowest: the suite's 10-minute budget (docs/testing.md)
+
+# The GPU lane (tests/test_gpu.py, issue 50): on a machine with CUDA, in the Python that has the CUDA build of torch
+# and the project installed (GPU_PYTHON; a device machine reaches no registry, so it is not `make setup`'s venv)
+GPU_PYTHON ?= $(PY)
+test-gpu:
+	$(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider -n 0 -rs tests/test_gpu.py $(ARGS)
 
 # ruff's lint and format checks (pyproject.toml [tool.ruff]); `ruff check --fix . && ruff format .` repairs most
 lint: setup

@@ -275,3 +275,49 @@ def test_n_ranks_match_one_process(tmp_path, reference, case):
                 :, 0
             ]
             torch.testing.assert_close(module.objective.scores(module, batch), theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "llama"])
+def test_a_reward_model_whose_lm_forward_rescales_its_logits_exports_its_own_scores(arch, tmp_path):
+    """Gemma 2 soft-caps what the output layer gives in its causal LM forward; transformers' sequence classifier
+    applies its head to the decoder's last hidden state and nothing more. The reward model switches the cap off, so
+    the export gives the template's scores exactly (with the cap: 8e-6 apart on a tiny Gemma 2, more as the rewards
+    grow)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from src.models.causal_lm import CausalLMLitModule
+
+    config = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, head_dim=8)  # fmt: skip
+    if arch == "gemma2":
+        config["final_logit_softcapping"] = 0.5  # small, so that the cap shows at these rewards
+    torch.manual_seed(0)
+    module = CausalLMLitModule(vocab_size=257, seq_len=32, model_type=arch, config=config, objective=Reward()).eval()
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ids = torch.randint(0, 256, (4, 12))
+    mask = torch.ones_like(ids)
+    ids[2:, 9:], mask[2:, 9:] = 256, 0
+    module.objective.export(module.model, 256).save_pretrained(tmp_path)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ours = module.objective.scores(module, {"input_ids": ids, "attention_mask": mask})
+        theirs = classifier(input_ids=ids, attention_mask=mask).logits[:, 0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    if arch == "gemma2":  # with the cap back on, the template's scores would not be the export's
+        module.hf_model.config.final_logit_softcapping = 0.5
+        with torch.no_grad():
+            assert (
+                module.objective.scores(module, {"input_ids": ids, "attention_mask": mask}) - theirs
+            ).abs().max() > 1e-3
+
+
+def test_an_architecture_without_a_sequence_classifier_is_refused_as_a_reward_model():
+    """Granite has no AutoModelForSequenceClassification: its reward model could not be exported (nor used as
+    GRPO's reward), so it is one sentence when built, not a traceback after training."""
+    from src.models.causal_lm import CausalLMLitModule
+
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(ConfigError, match="model/objective=reward on granite: transformers has no sequence-classif"):
+        CausalLMLitModule(vocab_size=257, seq_len=32, model_type="granite", config=config, objective=Reward())

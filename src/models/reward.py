@@ -57,12 +57,27 @@ class Reward(PairObjective):
         old = model.get_output_embeddings()
         if old.out_features == 1:  # prepared already
             return []
-        model.config.get_text_config().tie_word_embeddings = False
+        text = model.config.get_text_config()
+        text.tie_word_embeddings = False
+        # transformers' sequence classifier scores the decoder's last hidden state with its head and nothing more;
+        # Gemma 2/3's causal LM soft-caps its logits after the head (8e-6 apart on a tiny Gemma 2, growing with the
+        # reward): off, so the export gives the same scores
+        if getattr(text, "final_logit_softcapping", None) is not None:
+            text.final_logit_softcapping = None
         head = nn.Linear(old.in_features, 1, bias=False, device=old.weight.device, dtype=old.weight.dtype)
         model.set_output_embeddings(head)
         return [next(name for name, p in model.named_parameters() if p is head.weight)]
 
     def check(self, module: Any) -> None:
+        from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+        config = module.hf_model.config
+        if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+            raise ConfigError(
+                f"model/objective=reward on {config.model_type}: transformers has no sequence-classification model "
+                "for it, so its reward model could not be exported or used as GRPO's reward; use an architecture "
+                "that has one (llama, qwen2, mistral, gemma2, gpt2, ...)."
+            )
         if module.router_balance is not None:
             raise ConfigError(
                 f"model/objective=reward does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
@@ -86,7 +101,9 @@ class Reward(PairObjective):
     # ---- the loss ----
 
     def scores(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(2B,) each row's reward: the head's output at its last real input token, fp32 at least."""
+        """(2B,) each row's reward: the head's output at its last real input token, fp32 at least. Read from the
+        model's logits (the forward's own output, which FSDP2 backpropagates through); `prepare` switched off what a
+        causal LM's forward does to them beyond the head (Gemma's soft-capping)."""
         mask = batch["attention_mask"]
         out = module.model(input_ids=batch["input_ids"], attention_mask=mask, **module.cache_kwargs()).logits
         out = at_least_fp32(out[:, -mask.shape[1] :, 0])  # prompt tuning prepends virtual tokens

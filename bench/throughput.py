@@ -12,10 +12,13 @@ it) every way trains there and a step is timed after torch.cuda.synchronize().
     python -m bench.throughput --shapes gpu --ways template,raw,hf,hf_compile --variants compile=model.compile=true
     python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
                                                       # as it comes (no biases) and with GPT-2's biases
+    python -m bench.throughput --shapes gpu --tokenizer ../shared/data/gpt2-tokenizer --ways template \
+        --variants compile=model.compile=true --nanogpt-repo DIR   # nanoGPT's own train.py, compiled on a GPU
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
 them alike, and each reports the median time between optimizer steps after the warm-up, tokens/s
-and peak RSS. Ratios (template/raw, template/HF, ...) are the median over rounds of each round's
+and peak RSS (on a GPU also peak GPU memory, and MFU: tokens/s x flops_per_token() / the GPU's dense peak from
+the throughput callback's table). Ratios (template/raw, template/HF, ...) are the median over rounds of each round's
 ratio, with the lowest and highest in brackets: that spread is the machine's noise. A variant is
 the template with extra overrides (NAME=OVERRIDE[,OVERRIDE...]), to measure one switch at a time.
 
@@ -46,6 +49,7 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer (
     "gpu": (12, 12, 768, 1024, 16),  # GPT-2 small's shape (124M with its vocabulary), for a GPU
 }
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
+NANOGPT_REPO = ("nanogpt_repo", "nanogpt_repo_gpt2")  # --nanogpt-repo's ways (bench/nanogpt_repo.py)
 MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
 
 
@@ -254,6 +258,18 @@ def run_nanogpt(args, bias: bool = False) -> None:
     report(times, args.warmup, batch * ctx, args.out)
 
 
+def run_nanogpt_repo(args, as_it_comes: bool) -> None:
+    """nanoGPT's own train.py from the checkout --nanogpt-repo (bench/nanogpt_repo.py says how it is run)."""
+    from bench import nanogpt_repo
+
+    dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true", tokenizer=args.tokenizer)
+    compile = {"auto": device() == "cuda", "true": True, "false": False}[args.nanogpt_compile]
+    optimizer = {"lr": LR, "betas": BETAS, "weight_decay": WD, "clip": CLIP}
+    work = os.path.join(os.path.dirname(args.out), f"{args.child}_{args.shape}")
+    nanogpt_repo.run(args.nanogpt_repo, dm.splits["train"].tokens, dm.vocab_size, SHAPES[args.shape], args.steps,
+                     args.warmup, optimizer, device(), args.precision, compile, as_it_comes, work, args.out)  # fmt: skip
+
+
 def run_hf(args, defaults: bool = False, compile: bool = False) -> None:
     """defaults=True: no bf16 and transformers' own attention choice (SDPA), as a user starts out.
     compile=True: TrainingArguments(torch_compile=True), transformers' own switch for torch.compile."""
@@ -352,6 +368,17 @@ def main() -> None:
         help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
         "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)",
     )
+    ap.add_argument(
+        "--nanogpt-repo",
+        help="a checkout of karpathy/nanoGPT: add the ways nanogpt_repo (its train.py as it comes) and "
+        "nanogpt_repo_gpt2 (the same with GPT-2's biases and exact vocabulary); bench/nanogpt_repo.py",
+    )
+    ap.add_argument(
+        "--nanogpt-compile",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="nanoGPT's compile= for the nanogpt_repo ways; auto: on a GPU (its default), not on a CPU",
+    )
     ap.add_argument("--model", default="gpt2", choices=MODELS, help="the architecture every way trains")
     ap.add_argument(
         "--tokenizer",
@@ -379,7 +406,9 @@ def main() -> None:
         help="where every way trains; auto: the GPU if torch sees one (the template as trainer.accelerator=gpu)",
     )
     ap.add_argument(
-        "--child", choices=["raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias"], help=argparse.SUPPRESS
+        "--child",
+        choices=["raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias", *NANOGPT_REPO],
+        help=argparse.SUPPRESS,
     )
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -403,13 +432,20 @@ def main() -> None:
             "hf_compile": lambda a: run_hf(a, compile=True),
             "nanogpt": run_nanogpt,
             "nanogpt_bias": lambda a: run_nanogpt(a, bias=True),
+            "nanogpt_repo": lambda a: run_nanogpt_repo(a, as_it_comes=True),
+            "nanogpt_repo_gpt2": lambda a: run_nanogpt_repo(a, as_it_comes=False),
         }[args.child](args)
         return
     results: dict = {}
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     for shape in args.shapes.split(","):
         for r in range(args.rounds):
-            ways = [*args.ways.split(","), *(["nanogpt", "nanogpt_bias"] if args.nanogpt else []), *variants]
+            ways = [
+                *args.ways.split(","),
+                *(["nanogpt", "nanogpt_bias"] if args.nanogpt else []),
+                *(NANOGPT_REPO if args.nanogpt_repo else []),
+                *variants,
+            ]
             k = r % len(ways)
             for way in ways[k:] + ways[:k]:  # rotate who goes first
                 out = os.path.join(os.path.dirname(args.cache_dir), f"{shape}_{way}_{r}.json")
@@ -434,6 +470,8 @@ def main() -> None:
                         f"--model={args.model}",
                         f"--tokenizer={args.tokenizer}",
                         f"--cache-dir={os.path.dirname(args.cache_dir)}",
+                        *([f"--nanogpt-repo={args.nanogpt_repo}"] if args.nanogpt_repo else []),
+                        f"--nanogpt-compile={args.nanogpt_compile}",
                     ]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 if proc.returncode != 0:  # reported, and the other ways go on: that round has no figure for it
@@ -452,8 +490,8 @@ def main() -> None:
     )
     gpu = args.device == "cuda"
     print(
-        f"{'shape':<10}{'way':<12}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}"
-        + ("  peak GPU MiB" if gpu else "")
+        f"{'shape':<10}{'way':<18}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}"
+        + ("  peak GPU MiB    MFU" if gpu else "")
     )
     for shape, ways in results.items():
         ways = {w: runs for w, runs in ways.items() if any(runs)}  # a way that failed in every round has no line
@@ -461,10 +499,13 @@ def main() -> None:
         for w, runs in ways.items():
             done = [r for r in runs if r]
             med[w] = {k: statistics.median(r[k] for r in done) for k in done[0] if k != "steps_s"}  # numbers
+        peak = gpu_peak(args.precision) if gpu else None
         for way, m in med.items():
+            mfu = m["tokens_per_s"] * flops_per_token(args.model, shape, args.tokenizer) / peak if peak else None
             print(
-                f"{shape:<10}{way:<12}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}"
+                f"{shape:<10}{way:<18}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}"
                 + (f"{m['peak_gpu_mib']:14.0f}" if gpu else "")
+                + (f"{mfu:7.1%}" if mfu is not None else "")
             )
         from src.utils.machine import fastest_attention
 
@@ -473,11 +514,12 @@ def main() -> None:
         print(f"{shape:<10}attention {attn}, train.py's choice, in all ways but hf_default (fp32, sdpa)")
         ratios = {
             f"template/{way}": (way, "template")
-            for way in ("raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias")
+            for way in ("raw", "hf", "hf_default", "hf_compile", "nanogpt", "nanogpt_bias", *NANOGPT_REPO)
             if way in ways and "template" in ways
         }
         ratios.update({f"{name}/template": ("template", name) for name in variants if "template" in ways})
-        ratios.update({f"{name}/nanogpt": ("nanogpt", name) for name in variants if "nanogpt" in ways})
+        for base in ("nanogpt", *NANOGPT_REPO):
+            ratios.update({f"{name}/{base}": (base, name) for name in variants if base in ways})
         for base in ("hf", "hf_compile"):  # a variant (e.g. compile) against HF Trainer
             ratios.update({f"{name}/{base}": (base, name) for name in variants if base in ways})
         for label, (below, above) in ratios.items():
@@ -485,6 +527,25 @@ def main() -> None:
                 continue
             low, mid, high = paired_ratio(ways[above], ways[below])
             print(f"{shape:<10}{label:<20} = {mid:.3f}  [{low:.3f}-{high:.3f}]")
+
+
+def flops_per_token(model: str, shape: str, tokenizer: str) -> float:
+    """Training FLOPs per token of GPT-2 of `shape` with the tokenizer's vocabulary, one convention for every way
+    (src/models/flops.py's, PaLM's): 6 per matmul weight (12·d² a block, V·d the LM head) + 12·L·d·T attention.
+    Other models: NaN (their MFU is what train.py's callback logs)."""
+    if model != "gpt2":
+        return float("nan")
+    layers, heads, width, ctx, batch = SHAPES[shape]
+    return 6 * (12 * layers * width**2 + vocab_size(tokenizer) * width) + 12 * layers * width * ctx
+
+
+def gpu_peak(precision: str):
+    """This GPU's dense peak FLOP/s in the precision's matmul dtype (the throughput callback's table), or None."""
+    import torch
+
+    from src.callbacks.throughput import available_flops, compute_dtype
+
+    return available_flops(torch.device("cuda", 0), compute_dtype(precision))
 
 
 def interleaved(ways: list[str], rounds: int, run) -> dict[str, list[dict]]:

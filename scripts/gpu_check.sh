@@ -1,37 +1,64 @@
 #!/usr/bin/env bash
-# The one prepared command for a GPU machine (issue 50; DEVELOPERS.md: 15 minutes of device time a session, 10 a
-# command). Run from the repo root on the device machine, results under $OUT:
-#   bash scripts/gpu_check.sh            # env.txt, test_gpu.txt, train_*.txt, metrics_*.csv in $OUT
-# The device machine reaches no package registry: it uses the Python that has the CUDA build of torch (PYTHON,
-# default python3) and installs the rest from wheels carried in .wheels/ when that dir exists (made here with
-#   pip download -d .wheels --only-binary=:all: --python-version 3.X --platform manylinux2014_x86_64 \
-#     -r <(grep -v '^torch==' requirements.lock)
-# for the device's Python 3.X; .wheels/ is ignored by git and travels with `carry`), and GPT-2's tokenizer from
-# TOKENIZER (default .wheels/gpt2-tokenizer: copy ../shared/data/gpt2-tokenizer there; ../shared does not travel).
+# The prepared command for a GPU machine (issue 50; a session has 15 minutes of device time, 10 a command). Here
+# first, once: `bash scripts/gpu_wheels.sh NANOGPT_CHECKOUT` (fills the ignored .wheels/: the packages the machine's
+# image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
+#   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
+#   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py, eager and
+#            model.compile=true, against nanoGPT's own train.py compiled (as it comes, and with GPT-2's biases and
+#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min with four compiles)
+#   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
+#            the throughput callback's MFU beside it (~2 min)
+#   lane     test_gpu.txt: make test-gpu (tests/test_gpu.py), under 8 minutes by the issue
 # Not yet run on a GPU.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}
-TOKENIZER=${TOKENIZER:-.wheels/gpt2-tokenizer}
+W=.wheels
+STAGES=${*:-bench profile lane}
 mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# The device README's way: the wheels into a target dir put on PYTHONPATH (ahead of the image's transformers), no
+# registry, no deps. A dry run installs them for Python 3.12 elsewhere (checking the set) and runs on its own venv.
+SITE=/tmp/site PY312=()
+[ -n "${DRY_RUN:-}" ] && SITE=/tmp/site-dry PY312=(--python-version 3.12 --only-binary=:all:)
+"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE "${PY312[@]}" \
+  "$W"/*.whl > "$OUT/install.txt" 2>&1 || { echo "wheel install failed"; cat "$OUT/install.txt"; exit 1; }
+[ -z "${DRY_RUN:-}" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   "$PYTHON" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+  "$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|lightning|transformers|hydra-core|omegaconf|deepspeed|peft|flash.attn|triton) '
 } > "$OUT/env.txt" 2>&1
-if [ -d .wheels ]; then
-  "$PYTHON" -m pip install -q --no-index --find-links .wheels -e ".[dev]" >> "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+GPT2_124M=(model/size=small "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=1024 data.global_batch_size=16
+  model.dropout=0.0 trainer=gpu trainer.precision=bf16-mixed)
+SHAPE=gpu COMPILE=true STEPS=(--steps 50 --warmup 20)
+if [ -n "${DRY_RUN:-}" ]; then  # the plumbing on a CPU, in a minute: tiny shapes, no compile (the lane then skips)
+  GPT2_124M=(model.n_layer=2 model.n_head=2 model.n_embd=32 "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=64
+    data.global_batch_size=4 model.dropout=0.0 trainer=cpu trainer.precision=32-true)
+  SHAPE=overhead COMPILE=false STEPS=(--steps 8 --warmup 2)
 fi
-"$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|lightning|transformers|hydra-core|deepspeed|trl|peft|flash.attn) ' >> "$OUT/env.txt"
-# The lane: under 8 minutes is the issue's budget (install excluded)
-timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
-echo "make test-gpu: exit $?" >> "$OUT/test_gpu.txt"
-# GPT-2 124M through train.py, eager and compiled (context 1024, batch 16, bf16-mixed, dropout 0): tokens/s and MFU
-# as the throughput callback logs them (the last rows of metrics_compile_*.csv)
-for compile in false true; do
-  timeout 240 "$PYTHON" train.py model/size=small data.tokenizer="$TOKENIZER" data.seq_len=1024 \
-    data.global_batch_size=16 model.dropout=0.0 model.compile=$compile trainer=gpu trainer.max_steps=120 \
-    trainer.val_check_interval=1000 test=false logger=csv callbacks.generate_text=null \
-    paths.log_dir="$OUT/logs_compile_$compile" > "$OUT/train_compile_$compile.txt" 2>&1
-  echo "exit $?" >> "$OUT/train_compile_$compile.txt"
-  cp "$OUT"/logs_compile_"$compile"/train/runs/*/csv/metrics.csv "$OUT/metrics_compile_$compile.csv" 2>/dev/null
+for stage in $STAGES; do
+  start=$(date +%s)
+  case $stage in
+    bench)
+      timeout 420 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
+        --variants compile=model.compile=true --nanogpt-repo "$W/nanoGPT" --rounds 1 "${STEPS[@]}" \
+        --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
+      echo "exit $?" >> "$OUT/bench.txt"
+      cp /tmp/bench/nanogpt_repo_$SHAPE/stdout.txt "$OUT/nanogpt_stdout.txt" 2>/dev/null ;;
+    profile)
+      rm -rf /tmp/profile_run
+      timeout 240 "$PYTHON" train.py "${GPT2_124M[@]}" model.compile=$COMPILE trainer.max_steps=60 \
+        trainer.val_check_interval=1000 test=false logger=csv callbacks.generate_text=null \
+        +callbacks.profile._target_=bench.profile_step.StepProfiler "+callbacks.profile.out=$OUT/profile.txt" \
+        +callbacks.profile.start=30 +callbacks.profile.steps=5 paths.log_dir=/tmp/profile_run > "$OUT/profile_run.txt" 2>&1
+      echo "exit $?" >> "$OUT/profile_run.txt"
+      cp /tmp/profile_run/train/runs/*/csv/metrics.csv "$OUT/metrics.csv" 2>/dev/null ;;
+    lane)
+      timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
+      echo "make test-gpu: exit $?" >> "$OUT/test_gpu.txt" ;;
+    *) echo "unknown stage $stage (bench, profile, lane)"; exit 2 ;;
+  esac
+  echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done

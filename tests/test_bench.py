@@ -1,5 +1,6 @@
 """The throughput benchmark keeps running and reports what it claims (its figures are not asserted)."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -48,6 +49,33 @@ def test_outside_bench_gives_nanogpt_as_many_eval_forwards_as_the_template_valid
     data.setup()
     assert template_val_batches(corpus) == len(data.val_dataloader()) == 28
     assert 2 * nanogpt_eval_iters(corpus) == len(data.val_dataloader())  # train + val splits in nanoGPT
+
+
+NANOGPT_REPO = os.environ.get("NANOGPT_REPO")  # a checkout of karpathy/nanoGPT (not on any package registry)
+
+
+@pytest.mark.skipif(not NANOGPT_REPO, reason="needs a checkout of karpathy/nanoGPT: NANOGPT_REPO=DIR")
+def test_nanogpts_own_train_py_runs_as_a_way_with_its_vocabulary_and_biases(tmp_path):
+    """--nanogpt-repo: nanoGPT's train.py itself on the same GPT-2 tokens: as it comes (no biases, its vocabulary
+    rounded up to 50304) and as GPT-2 (biases, 50257), each with a row and a ratio against the template."""
+    out = subprocess.run(
+        [python(), "-m", "bench.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6", "--warmup", "2",
+         "--cache-dir", str(tmp_path), "--tokenizer", str(shared("gpt2-tokenizer")), "--ways", "template",
+         "--nanogpt-repo", NANOGPT_REPO],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for way in ("nanogpt_repo", "nanogpt_repo_gpt2"):
+        row = re.search(rf"^overhead\s+{way}\s+([\d.]+)\s+(\d+)\s+(\d+)$", out.stdout, re.M)
+        assert row and float(row[1]) > 0, f"no row for {way}:\n{out.stdout}"
+        assert re.search(rf"^overhead\s+template/{way}\s+= \d+\.\d{{3}}", out.stdout, re.M), out.stdout
+    printed = {
+        way: (tmp_path / f"{way}_overhead" / "stdout.txt").read_text() for way in ("nanogpt_repo", "nanogpt_repo_gpt2")
+    }
+    assert "defaulting to vocab_size of GPT-2 to 50304" in printed["nanogpt_repo"]
+    assert "Overriding: bias = False" in printed["nanogpt_repo"]
+    assert "found vocab_size = 50257" in printed["nanogpt_repo_gpt2"]
+    assert "Overriding: bias = True" in printed["nanogpt_repo_gpt2"]
 
 
 @pytest.mark.slow

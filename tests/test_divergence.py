@@ -206,3 +206,48 @@ def test_stop_at_the_next_logging_step(tmp_path):
         r"loss at step 3\)",
     ):
         fit(tmp_path, "stop")
+
+
+def test_fp16_loss_scaling_skips_an_overflow_step_logs_it_and_the_scale_recovers(tmp_path, caplog):
+    """trainer.precision=16-mixed's GradScaler (Lightning's MixedPrecision, here on the CPU with torch's CPU
+    GradScaler: the template refuses fp16 on a CPU, tests/test_gpu.py runs it through train.py on CUDA): step 3's
+    gradients overflow (one inf, the loss finite). The update is skipped (weights and Adam's count untouched), the
+    scale halves, train/skipped_updates reads 1 from step 3 on and the scale doubles back after growth_interval=2
+    good steps; one console line says so."""
+    import csv
+    import logging
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from tests.helpers.divergence import InfGradient
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    trainer = L.Trainer(
+        max_steps=6,
+        log_every_n_steps=1,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        callbacks=[Divergence("stop"), InfGradient(3)],
+        logger=CSVLogger(tmp_path, name="csv"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+    )
+    caplog.set_level(logging.INFO, logger="src.callbacks.divergence")
+    trainer.fit(Tiny())
+    before, after = load(tmp_path / "before_inf.pt"), load(tmp_path / "after_inf.pt")
+    assert (before["global_step"], after["global_step"], trainer.global_step) == (2, 3, 6)
+    for name, value in before["state_dict"].items():
+        assert torch.equal(after["state_dict"][name], value), name
+    assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {5}
+    (path,) = tmp_path.rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(open(path)) if r.get("train/loss_scale")]
+    scale = [float(r["train/loss_scale"]) for r in rows]
+    skipped = [float(r["train/skipped_updates"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4, 5]  # each at its step's train/loss
+    assert scale == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0] and skipped == [0, 0, 1, 1, 1, 1], (scale, skipped)
+    (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert "1 optimizer update(s) skipped by step 3" in line and "loss scale is now 256" in line, line

@@ -381,3 +381,26 @@ def test_logged_flops_and_tokens_per_sec_follow_the_hand_formula(dirs):
         pairs.append(pair)
         assert float(row["train/device/mfu"]) == pytest.approx(rate["flops"] / 1e9)
     assert any(round(x) != round(y) for x, y in pairs)  # batches that had padding
+
+
+def test_the_mfu_peak_of_an_h200_is_its_dense_one_where_lightning_has_none(monkeypatch):
+    """MFU's denominator on the GPU a device session gets: torch names it "NVIDIA H200" (SXM) or "NVIDIA H200 NVL";
+    Lightning 2.6.6's table matches neither (None: no MFU) and lists the H200 with sparsity. The callback's peak is
+    the dense one (bf16 989.4e12, as the H100 SXM's), TF32's for fp32 when torch allows it; other GPUs and CPUs go to
+    Lightning's table. Only the name is faked here (no GPU): tests/test_gpu.py checks the logged MFU on one."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    from src.callbacks.throughput import available_flops, dense_peak
+
+    assert dense_peak("NVIDIA H200", torch.bfloat16) == 989.4e12
+    assert dense_peak("NVIDIA H200 NVL", torch.bfloat16) == 835.5e12
+    assert dense_peak("NVIDIA H200", torch.float16) == 989.4e12
+    assert dense_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) is None  # Lightning's (dense) figure stands
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert dense_peak("NVIDIA H200", torch.float32) == 494.7e12
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert dense_peak("NVIDIA H200", torch.float32) == 67e12
+    assert available_flops(torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert available_flops(torch.device("cuda", 0), torch.bfloat16) == 989.4e12
+    assert get_available_flops(torch.device("cuda", 0), torch.bfloat16) is None  # why ours: Lightning has none

@@ -26,6 +26,9 @@ pytestmark = [
 
 GPU = ["trainer.accelerator=gpu", "trainer.devices=1"]
 TOL = 1e-4  # the module docstring says why
+THROUGHPUT = (
+    "callbacks.throughput={_target_:src.callbacks.throughput.TokenThroughputMonitor,window_size:2}"  # QUIET's off
+)
 
 
 def gpt2_run(tmp_path, name: str, args: list[str]) -> dict:
@@ -43,7 +46,6 @@ def losses(run: dict) -> list[float]:
     [
         ("bf16_mixed", ["trainer.precision=bf16-mixed"]),
         ("ddp_nccl", ["trainer=ddp", "trainer.precision=bf16-mixed"]),
-        ("fp16_scaler", ["trainer.precision=16-mixed"]),
         ("compile", ["model.compile=true", "trainer.precision=bf16-mixed"]),
         ("checkpointing", ["model.gradient_checkpointing=true", "trainer.precision=bf16-mixed"]),
     ],
@@ -53,6 +55,34 @@ def test_a_recipe_trains_on_one_gpu(tmp_path, name, args):
     run = gpt2_run(tmp_path, name, args + GPU)
     values = losses(run)
     assert len(values) == 6 and all(v == v and abs(v) < float("inf") for v in values) and values[-1] < values[0]
+
+
+def test_fp16_skips_an_overflow_step_and_logs_it(tmp_path):
+    """trainer.precision=16-mixed (Lightning's GradScaler on CUDA): step 3's gradients overflow (one inf, the loss
+    finite, tests/helpers/divergence.py). That update is skipped (the weights after step 3 are those before it),
+    train/skipped_updates grows by one at step 3 and the run goes on: every loss finite, the last below the first."""
+    import torch
+
+    inf = ["+callbacks.inf._target_=tests.helpers.divergence.InfGradient", "+callbacks.inf.step=3"]
+    run = gpt2_run(tmp_path, "fp16", ["trainer.precision=16-mixed", *inf] + GPU)
+    values = losses(run)
+    assert len(values) == 6 and all(abs(v) < float("inf") for v in values) and values[-1] < values[0]
+    skipped = dict(run["scalars"]["train/skipped_updates"])
+    assert skipped[2] - skipped.get(1, 0) == 1, skipped  # logged at step 2: the third step's
+    scale = dict(run["scalars"]["train/loss_scale"])
+    assert scale[2] == scale[1] / 2, scale
+    (before,) = tmp_path.rglob("before_inf.pt")
+    (after,) = tmp_path.rglob("after_inf.pt")
+    a, b = (torch.load(p, map_location="cpu", weights_only=False)["state_dict"] for p in (before, after))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_throughput_callback_logs_mfu_on_this_gpu(tmp_path):
+    """callbacks.throughput on the GPU, no peak_flops given: MFU is logged (an H200 by our dense table, an H100 by
+    Lightning's), between 0 and 1."""
+    run = gpt2_run(tmp_path, "mfu", [THROUGHPUT, "trainer.precision=bf16-mixed", *GPU])
+    mfu = [v for _, v in run["scalars"]["train/device/mfu"]]
+    assert mfu and all(0 < v < 1 for v in mfu), mfu
 
 
 def test_fp32_on_a_gpu_trains_what_a_cpu_trains(tmp_path):

@@ -17,6 +17,12 @@ the job exits 1. `action=skip` skips the optimizer update of each step with non-
 the device (the fused optimizers' `found_inf` input, as torch's GradScaler uses it): no host sync.
 It needs gradients that are the same on every rank (1 device or DDP) and a fused optimizer
 (`model.optimizer.fused=true`, the default); under fp16 the GradScaler already skips such steps.
+
+Under fp16 (`trainer.precision=16-mixed`, Lightning's GradScaler) a step whose scaled gradients overflow is
+skipped by the scaler, which halves the loss scale (and doubles it again after `growth_interval` good steps):
+routine, and silent in Lightning. Here, on logging steps, `train/loss_scale` and `train/skipped_updates` (the
+optimizer updates skipped since training began: optimizer steps taken minus the optimizer's own update count,
+so no host sync per step) are logged, and a console line says when the count grows.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ ADVICE = (
 )
 
 
+def optimizer_updates(optimizer: torch.optim.Optimizer) -> Optional[int]:
+    """How many updates the optimizer has made: its per-parameter `step` count (Adam, AdamW, ...; a step the
+    GradScaler skips does not count it). None for an optimizer without one (SGD), or before its state exists."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            count = optimizer.state.get(p, {}).get("step")
+            if count is not None:
+                return int(count)
+    return None
+
+
 class DivergenceError(UserError, RuntimeError):
     """Training diverged (non-finite loss or weights) and callbacks.divergence.action is stop. Every rank
     raises it at the same step with the same message; `user_errors` prints it once (rank 0) and exits 2."""
@@ -59,11 +76,15 @@ class Divergence(L.Callback):
         self.action = action
         self.skipped: Optional[torch.Tensor] = None  # on the device: optimizer updates skipped (action=skip)
         self._last_saved_step: Optional[int] = None
+        self._scaler_skipped, self._scale_logged_at = 0, 0  # fp16: the GradScaler's skips as last logged, and when
 
     # ---- skip: on the device, before each optimizer step ----
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.skipped = None
+        updates = optimizer_updates(trainer.optimizers[0]) if trainer.optimizers else None  # resumed: so far
+        self._scaler_skipped = trainer.global_step - updates if updates is not None else 0
+        self._scale_logged_at = trainer.global_step
         if self.action != "skip":
             return
         strategy = trainer.strategy
@@ -98,6 +119,7 @@ class Divergence(L.Callback):
         for optimizer in trainer.optimizers:
             if hasattr(optimizer, "found_inf") and getattr(trainer.precision_plugin, "scaler", None) is None:
                 del optimizer.found_inf
+        self._log_loss_scale(trainer, pl_module)
         reduced = getattr(pl_module, "nonfinite_reduced", None)
         if reduced is None:
             return
@@ -129,6 +151,32 @@ class Divergence(L.Callback):
             what = "the weights are not finite" if bad[0] > 0 else "the train loss was not finite"
             self._diverged(trainer, pl_module, what, force_stop=True, saving=True)
         self._last_saved_step = trainer.global_step
+
+    # ---- fp16: the GradScaler's skips ----
+
+    def _log_loss_scale(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """On a logging step that ends an optimizer step, under a GradScaler: its loss scale and the updates it has
+        skipped (see the module docstring). The host waits for the device on logging steps anyway."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        step = trainer.global_step
+        if scaler is None or not scaler.is_enabled() or step % max(1, trainer.log_every_n_steps):
+            return
+        if step == self._scale_logged_at:  # a micro-batch that ended no step (gradient accumulation)
+            return
+        self._scale_logged_at = step
+        scale = scaler.get_scale()
+        metrics = {"train/loss_scale": scale}
+        updates = optimizer_updates(trainer.optimizers[0])
+        if updates is not None:
+            skipped = step - updates
+            metrics["train/skipped_updates"] = float(skipped)
+            if skipped > self._scaler_skipped and trainer.is_global_zero:
+                log.info(
+                    f"fp16: {skipped - self._scaler_skipped} optimizer update(s) skipped by step {step} (gradients "
+                    f"not finite after loss scaling; {skipped} since training began); the loss scale is now {scale:g}."
+                )
+            self._scaler_skipped = skipped
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     # ---- helpers ----
 

@@ -6,9 +6,9 @@ padded instruction batch's padding is not counted; packed text has no mask, ever
 `samples_per_sec` counts sequences; `device/flops_per_sec` uses the model's `flops_of_batch(batch)`
 (the convention is in src/models/flops.py: about 6N + attention per real token for full training,
 4N with LoRA), or a constant `flops_per_batch` attribute; `device/mfu` divides it by the
-device's peak: Lightning's table for the GPUs it recognises by name (A100, H100, ...; Lightning 2.6.6 does not
-recognise "NVIDIA H200"), or `peak_flops` from config, e.g. a CPU's measured matmul peak (python -m
-bench.matmul_peak). `device/peak_memory_mib`
+device's peak: `peak_flops` from config (e.g. a CPU's measured matmul peak, python -m bench.matmul_peak), else
+DENSE_PEAKS below for the H200, else Lightning's table for the GPUs it recognises by name (A100, H100, ...).
+`device/peak_memory_mib`
 is rank 0's peak: CUDA's max allocated tensor memory on a GPU, the process's peak RSS on a CPU.
 
 No host sync per step. Lightning's ThroughputMonitor synchronizes CUDA after every batch, training
@@ -108,6 +108,37 @@ def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPES.get(str(precision).split("-")[0], torch.float32)
 
 
+# Dense tensor-core peaks (FLOP/s) of GPUs Lightning 2.6.6 gets wrong: torch names an H200 "NVIDIA H200" (or
+# "NVIDIA H200 NVL"), which its table matches only as "sxm1"/"nvl1" (so it returns None: no MFU), and its H200
+# figures are the datasheet's *with sparsity* (bf16 2.0e15), twice what a dense matmul can reach. Here the NVIDIA H200
+# datasheet's figures halved: the dense peaks MFU is conventionally taken against (an H200 SXM's equal the H100
+# SXM's, which Lightning's table lists dense). "tfloat32": fp32 matmuls when torch's matmul precision allows TF32.
+DENSE_PEAKS = {
+    "h200 nvl": {torch.float32: 60e12, "tfloat32": 417.5e12, torch.bfloat16: 835.5e12, torch.float16: 835.5e12},
+    "h200": {torch.float32: 67e12, "tfloat32": 494.7e12, torch.bfloat16: 989.4e12, torch.float16: 989.4e12},
+}
+
+
+def dense_peak(device_name: str, dtype: torch.dtype) -> Optional[float]:
+    """DENSE_PEAKS' figure for a GPU named `device_name` (torch.cuda.get_device_name) in `dtype`; None for a GPU not
+    in it (Lightning's table then decides)."""
+    name = device_name.lower()
+    chip = next((chip for chip in DENSE_PEAKS if all(word in name for word in chip.split())), None)
+    if chip is None:
+        return None
+    tf32 = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    return DENSE_PEAKS[chip].get("tfloat32" if tf32 else dtype)
+
+
+def available_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """The device's peak FLOP/s in `dtype`: DENSE_PEAKS, else Lightning's table (None for a CPU or an unknown GPU)."""
+    if device.type == "cuda":
+        peak = dense_peak(torch.cuda.get_device_name(device), dtype)
+        if peak is not None:
+            return peak
+    return get_available_flops(device, dtype)
+
+
 class TokenThroughputMonitor(Callback):
     """Lightning's ThroughputMonitor, rebuilt on its public engine (`lightning.fabric.utilities.throughput.
     Throughput`) to do what it does not: count real tokens and the model's FLOPs per batch on the device, read the
@@ -129,9 +160,9 @@ class TokenThroughputMonitor(Callback):
         self.enabled = getattr(trainer.datamodule, "batch_kind", "tokens") != "prompts"
         if not self.enabled:
             log.info("callbacks.throughput: not measured for batches of prompts (their completions are sampled)")
-        # peak_flops overrides Lightning's table (which has no CPUs)
+        # peak_flops overrides the tables (which have no CPUs)
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
-        self.available_flops = self.peak_flops or get_available_flops(device, dtype)
+        self.available_flops = self.peak_flops or available_flops(device, dtype)
         readings = max(2, round(self.window_size / max(1, trainer.log_every_n_steps)) + 1)  # one per logging step
         self._train = Throughput(
             available_flops=self.available_flops, world_size=trainer.world_size, window_size=readings

@@ -45,3 +45,23 @@ class InjectNaN(L.Callback):
         if self.restore and self.done and not self.after and trainer.global_step == self.step:
             self.after = True
             self._save(trainer, pl_module, "after_nan.pt")
+
+
+class InfGradient(L.Callback):
+    """After the backward of optimizer step `step` (1-based), one gradient element becomes inf: the overflow an fp16
+    GradScaler sees (the loss stays finite). Rank 0 saves the state before that step's update to `before_inf.pt`
+    and after it to `after_inf.pt` in the run dir."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.after = step, False
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step - 1:
+            InjectNaN._save(self, trainer, pl_module, "before_inf.pt")
+            grad = next(p for p in pl_module.parameters() if p.grad is not None).grad
+            grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step == self.step and not self.after:
+            self.after = True
+            InjectNaN._save(self, trainer, pl_module, "after_inf.pt")

@@ -68,6 +68,8 @@ PRELOAD = [
     "src.tools.checkpoints",
     "src.checkpoint.latest",
     "src.checkpoint.convert",
+    "transformers.optimization",
+    "peft",
 ]
 
 # The stand-in for `python`: stdlib only and run with -S, so it starts in milliseconds.

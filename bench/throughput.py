@@ -47,7 +47,11 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer (
     "ctx1024": (6, 6, 384, 1024, 4),
     "overhead": (1, 1, 16, 16, 2),  # next to no compute: the step time is the loop's own cost per step
     "gpu": (12, 12, 768, 1024, 16),  # GPT-2 small's shape (124M with its vocabulary), for a GPU
+    "llama3_1b": (16, 32, 2048, 2048, 8),  # --model llama: Llama-3.2-1B's (conf/model/size/llama3_1b.yaml), a GPU
 }
+# Fields a shape sets beyond arch_fields' rule (conf/model/size/llama3_1b.yaml's: 8 key/value heads, MLP 8192, tied;
+# its rope_theta changes no FLOP and is left at the default)
+EXACT = {"llama3_1b": {"num_key_value_heads": 8, "intermediate_size": 8192, "tie_word_embeddings": True}}
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
 NANOGPT_REPO = ("nanogpt_repo", "nanogpt_repo_gpt2")  # --nanogpt-repo's ways (bench/nanogpt_repo.py)
 MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
@@ -66,6 +70,7 @@ def arch_fields(model: str, shape: str) -> dict:
         "num_key_value_heads": heads // 2 if heads % 2 == 0 else heads,
         "intermediate_size": 11 * width // 4,
         "tie_word_embeddings": model == "qwen2",
+        **EXACT.get(shape, {}),
     }
 
 

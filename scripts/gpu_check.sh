@@ -9,6 +9,8 @@
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu (tests/test_gpu.py), under 8 minutes by the issue
+#   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
+#            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
 # Not yet run on a GPU.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -55,10 +57,17 @@ for stage in $STAGES; do
         +callbacks.profile.start=30 +callbacks.profile.steps=5 paths.log_dir=/tmp/profile_run > "$OUT/profile_run.txt" 2>&1
       echo "exit $?" >> "$OUT/profile_run.txt"
       cp /tmp/profile_run/train/runs/*/csv/metrics.csv "$OUT/metrics.csv" 2>/dev/null ;;
+    llama)
+      LSTEPS=(--steps 30 --warmup 10)
+      [ -n "${DRY_RUN:-}" ] && LSTEPS=(--steps 4 --warmup 1)
+      timeout 540 "$PYTHON" -m bench.throughput --model llama --shapes "$([ -n "${DRY_RUN:-}" ] && echo overhead || echo llama3_1b)" \
+        --tokenizer "$W/gpt2-tokenizer" --ways template,hf_compile --variants compile=model.compile=true --rounds 1 \
+        "${LSTEPS[@]}" --cache-dir /tmp/bench > "$OUT/llama.txt" 2>&1
+      echo "exit $?" >> "$OUT/llama.txt" ;;
     lane)
       timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
       echo "make test-gpu: exit $?" >> "$OUT/test_gpu.txt" ;;
-    *) echo "unknown stage $stage (bench, profile, lane)"; exit 2 ;;
+    *) echo "unknown stage $stage (bench, profile, lane, llama)"; exit 2 ;;
   esac
   echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -167,20 +168,24 @@ class Tiny(LitModule):
         return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=4)
 
 
-def fit(tmp_path: Path, action: str) -> tuple[L.Trainer, Tiny]:
-    """6 steps; step 3's loss and gradients are NaN (a bad batch), its weights are not."""
+def fit(tmp_path: Path, action: str, fault: Optional[L.Callback] = None, **kwargs) -> tuple[L.Trainer, Tiny]:
+    """6 steps; step 3's loss and gradients are NaN (a bad batch), its weights are not; or another `fault`.
+    `kwargs`: other Trainer arguments."""
     model = Tiny()
     trainer = L.Trainer(
-        max_steps=6,
-        log_every_n_steps=2,
-        callbacks=[Divergence(action), InjectNaN(3, restore=True)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
+        **{
+            "max_steps": 6,
+            "log_every_n_steps": 2,
+            "callbacks": [Divergence(action), fault or InjectNaN(3, restore=True)],
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "accelerator": "cpu",
+            "devices": 1,
+            "default_root_dir": tmp_path,
+            **kwargs,
+        }
     )
     trainer.fit(model)
     return trainer, model
@@ -223,21 +228,9 @@ def test_fp16_loss_scaling_skips_an_overflow_step_logs_it_and_the_scale_recovers
     from tests.helpers.divergence import InfGradient
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
-    trainer = L.Trainer(
-        max_steps=6,
-        log_every_n_steps=1,
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        callbacks=[Divergence("stop"), InfGradient(3)],
-        logger=CSVLogger(tmp_path, name="csv"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-    )
     caplog.set_level(logging.INFO, logger="src.callbacks.divergence")
-    trainer.fit(Tiny())
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer, _ = fit(tmp_path, "stop", InfGradient(3), log_every_n_steps=1, plugins=[fp16], logger=CSVLogger(tmp_path))
     before, after = load(tmp_path / "before_inf.pt"), load(tmp_path / "after_inf.pt")
     assert (before["global_step"], after["global_step"], trainer.global_step) == (2, 3, 6)
     for name, value in before["state_dict"].items():

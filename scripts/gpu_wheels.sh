@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Makes .wheels/ here, for scripts/gpu_check.sh on a GPU machine that reaches no registry (the device tool carries it:
 # carry=[".wheels"]; .wheels/ is ignored by git, and a call carries at most 64 MiB in all). It holds what the lane and
-# the benchmark need that the machine's image lacks, at the lock's versions: the image has Python 3.12 with torch
-# 2.11 (CUDA), lightning 2.6.6, transformers 5.17, peft, tensorboard, scikit-learn, pytest-xdist (the workplace's
-# device library lists it), but no hydra, omegaconf or DeepSpeed. Also GPT-2's tokenizer files (../shared does not
-# travel) and nanoGPT's model.py, train.py and configurator.py from a checkout of karpathy/nanoGPT, if given.
+# the benchmark need that the machine's image lacks, or may hold in older versions (peft, regex), at the lock's
+# versions: the image has Python 3.12 with torch 2.11 (CUDA), lightning 2.6.6, transformers 5.17, peft, tensorboard,
+# scikit-learn, pytest-xdist (the workplace's device library lists it), but no hydra, omegaconf or DeepSpeed. Also
+# GPT-2's tokenizer files (../shared does not travel) and nanoGPT's model.py, train.py and configurator.py from a
+# checkout of karpathy/nanoGPT outside .wheels/ (which this empties first), if given.
 #   bash scripts/gpu_wheels.sh [NANOGPT_CHECKOUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ rm -rf "$DEST" && mkdir -p "$DEST"
 # binary wheels for the device's CPython 3.12
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST" \
-  $(for p in hydra-core omegaconf transformers hjson pydantic pydantic_core annotated-types typing-inspection; do pin "$p"; done)
+  $(for p in hydra-core omegaconf transformers peft regex hjson pydantic pydantic_core annotated-types typing-inspection; do pin "$p"; done)
 # pure-Python projects published as source only: built here into wheels
 "$PY" -m pip wheel -q --no-deps -w "$DEST" "$(pin antlr4-python3-runtime)" "$(pin deepspeed)"
 cp -r ../shared/data/gpt2-tokenizer "$DEST/gpt2-tokenizer"

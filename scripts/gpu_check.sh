@@ -35,7 +35,7 @@ cat "$OUT/env.txt"
 GPT2_124M=(model/size=small "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=1024 data.global_batch_size=16
   model.dropout=0.0 trainer=gpu trainer.precision=bf16-mixed)
 SHAPE=gpu COMPILE=true STEPS=(--steps 50 --warmup 20)
-if [ -n "${DRY_RUN:-}" ]; then  # the plumbing on a CPU, in a minute: tiny shapes, no compile (the lane then skips)
+if [ -n "${DRY_RUN:-}" ]; then  # the plumbing on a CPU: tiny shapes, no compile, the lane rehearsed (GPU_LANE_ON_CPU)
   GPT2_124M=(model.n_layer=2 model.n_head=2 model.n_embd=32 "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=64
     data.global_batch_size=4 model.dropout=0.0 trainer=cpu trainer.precision=32-true)
   SHAPE=overhead COMPILE=false STEPS=(--steps 8 --warmup 2)
@@ -65,7 +65,7 @@ for stage in $STAGES; do
         "${LSTEPS[@]}" --cache-dir /tmp/bench > "$OUT/llama.txt" 2>&1
       echo "exit $?" >> "$OUT/llama.txt" ;;
     lane)
-      timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
+      GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
       echo "make test-gpu: exit $?" >> "$OUT/test_gpu.txt" ;;
     *) echo "unknown stage $stage (bench, profile, lane, llama)"; exit 2 ;;
   esac

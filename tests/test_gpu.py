@@ -8,23 +8,32 @@ fp32 runs of the same model on one GPU differ in the last bits, and a few steps 
 square root of its second moment) grow that to ~1e-6 relative; 1e-4 absolute on the parameters and losses of the
 tests' tiny GPT-2 (values of order 1) leaves two orders of magnitude over that and still catches a wrong reduction
 (which moves them by 1e-2 and more, as the CPU tests show).
+
+GPU_LANE_ON_CPU=1 rehearses the lane on a CPU (`GPU_LANE_ON_CPU=1 make test-gpu`): the same tests with the CPU as
+the device, so their own code (helpers, paths, what they read back) is known to run before device time is spent on
+them; what needs CUDA itself (fp16's scaler, NCCL, DeepSpeed, the throughput peak, FlashAttention) skips there.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 from conftest import shared
 
+REHEARSAL = os.environ.get("GPU_LANE_ON_CPU") == "1" and not torch.cuda.is_available()  # the module docstring
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU lane: make test-gpu)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and not REHEARSAL, reason="needs CUDA (the GPU lane: make test-gpu)"
+    ),
 ]
+CUDA_ITSELF = pytest.mark.skipif(REHEARSAL, reason="needs CUDA itself (GPU_LANE_ON_CPU=1 rehearses the rest)")
 
-GPU = ["trainer.accelerator=gpu", "trainer.devices=1"]
+GPU = ["trainer.accelerator=cpu" if REHEARSAL else "trainer.accelerator=gpu", "trainer.devices=1"]
 TOL = 1e-4  # the module docstring says why
 THROUGHPUT = (
     "callbacks.throughput={_target_:src.callbacks.throughput.TokenThroughputMonitor,window_size:2}"  # QUIET's off
@@ -57,6 +66,7 @@ def test_a_recipe_trains_on_one_gpu(tmp_path, name, args):
     assert len(values) == 6 and all(v == v and abs(v) < float("inf") for v in values) and values[-1] < values[0]
 
 
+@CUDA_ITSELF
 def test_fp16_skips_an_overflow_step_and_logs_it(tmp_path):
     """trainer.precision=16-mixed (Lightning's GradScaler on CUDA): step 3's gradients overflow (one inf, the loss
     finite, tests/helpers/divergence.py). That update is skipped (the weights after step 3 are those before it),
@@ -77,6 +87,7 @@ def test_fp16_skips_an_overflow_step_and_logs_it(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@CUDA_ITSELF
 def test_the_throughput_callback_logs_mfu_on_this_gpu(tmp_path):
     """callbacks.throughput on the GPU, no peak_flops given: MFU is logged (an H200 by our dense table, an H100 by
     Lightning's), between 0 and 1."""
@@ -99,9 +110,13 @@ def test_fp32_on_a_gpu_trains_what_a_cpu_trains(tmp_path):
     "name,args",
     [
         ("fsdp2", ["trainer=fsdp", "trainer.devices=1", "trainer.strategy.save_distributed_checkpoint=false"]),
-        ("zero2", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=2"]),
-        ("zero3", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=3"]),
-        ("zero3_offload", ["trainer=deepspeed_stage_3_offload", "trainer.devices=1"]),
+        pytest.param(
+            "zero2", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=2"], marks=CUDA_ITSELF
+        ),
+        pytest.param(
+            "zero3", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=3"], marks=CUDA_ITSELF
+        ),
+        pytest.param("zero3_offload", ["trainer=deepspeed_stage_3_offload", "trainer.devices=1"], marks=CUDA_ITSELF),
     ],
 )
 def test_a_sharding_strategy_on_one_gpu_trains_the_plain_run(tmp_path, name, args):
@@ -115,7 +130,7 @@ def test_a_sharding_strategy_on_one_gpu_trains_the_plain_run(tmp_path, name, arg
     from src.checkpoint.convert import load_checkpoint
 
     plain = gpt2_run(tmp_path, "plain", GPU)
-    run = train_sharded(tmp_path, name, GPT2 + args + ["trainer.accelerator=gpu"])
+    run = train_sharded(tmp_path, name, GPT2 + args + GPU[:1])
     params = load_checkpoint(last_ckpt(tmp_path, name))["state_dict"]
     assert max(abs(a - b) for a, b in zip(losses(plain), losses(run))) <= TOL
     assert max_param_diff(plain["params"], params) <= TOL

@@ -188,3 +188,22 @@ def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
         assert expected - 0.05 < measured < expected + 0.25, (key, measured, expected, out.stdout)
     assert rows[(8, "gpipe")][0] < rows[(1, "gpipe")][0]  # more micro-batches, smaller bubble
     assert (8, "interleaved") in rows  # measured and printed (its per-action overhead is larger, see docs)
+
+
+def test_the_step_profiler_reports_a_real_runs_steps_by_kind(tmp_path):
+    """bench/profile_step.py in a real train.py run: steps 3-4 profiled, their self time split into kinds whose shares
+    add up to the whole, matrix products among them, and the ops listed with the calls of 2 steps."""
+    from conftest import path_overrides, run_script
+    from test_parity import GPT2, QUIET
+
+    out = tmp_path / "profile.txt"
+    profiler = ["+callbacks.profile._target_=bench.profile_step.StepProfiler", f"+callbacks.profile.out={out}",
+                "+callbacks.profile.start=2", "+callbacks.profile.steps=2"]  # fmt: skip
+    dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
+    run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + profiler)
+    text = out.read_text()
+    assert re.match(r"CPU self time over 2 steps: [\d.]+ ms, [\d.]+ ms a step\n", text), text
+    shares = dict(re.findall(r"^  (\S.*?)\s+([\d.]+)%$", text, re.M))
+    assert "matmul" in shares and abs(sum(float(v) for v in shares.values()) - 100) < 0.5, shares
+    mm = re.search(r"^aten::addmm\s+[\d.]+\s+[\d.]+%\s+(\d+)$", text, re.M)
+    assert mm and int(mm[1]) % 2 == 0, text  # the same matmuls in each of the 2 steps

@@ -5,7 +5,9 @@
 #   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py, eager and
 #            model.compile=true, against nanoGPT's own train.py compiled (as it comes, and with GPT-2's biases and
-#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min with four compiles)
+#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min with four compiles); and eager
+#            without the KV cache transformers fills in every training forward on a GPU (nocache: the issue's first
+#            suspect for the profile's cat and copies; without it transformers syncs the host once a forward instead)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu (tests/test_gpu.py), under 8 minutes by the issue
@@ -45,7 +47,8 @@ for stage in $STAGES; do
   case $stage in
     bench)
       timeout 420 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
-        --variants compile=model.compile=true --nanogpt-repo "$W/nanoGPT" --rounds 1 "${STEPS[@]}" \
+        --variants compile=model.compile=true nocache=+model.config.use_cache=false --nanogpt-repo "$W/nanoGPT" \
+        --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
       echo "exit $?" >> "$OUT/bench.txt"
       cp /tmp/bench/nanogpt_repo_$SHAPE/stdout.txt "$OUT/nanogpt_stdout.txt" 2>/dev/null ;;

@@ -10,7 +10,7 @@
 #            suspect for the profile's cat and copies; without it transformers syncs the host once a forward instead)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
-#   lane     test_gpu.txt: make test-gpu (tests/test_gpu.py), under 8 minutes by the issue
+#   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
 # Not yet run on a GPU.
@@ -68,8 +68,10 @@ for stage in $STAGES; do
         "${LSTEPS[@]}" --cache-dir /tmp/bench > "$OUT/llama.txt" 2>&1
       echo "exit $?" >> "$OUT/llama.txt" ;;
     lane)
-      GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 make test-gpu GPU_PYTHON="$PYTHON" > "$OUT/test_gpu.txt" 2>&1
-      echo "make test-gpu: exit $?" >> "$OUT/test_gpu.txt" ;;
+      # make test-gpu's command, without make (the image may not have it)
+      GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 "$PYTHON" -m pytest -m gpu -p no:cacheprovider -n 0 -rs \
+        tests/test_gpu.py > "$OUT/test_gpu.txt" 2>&1
+      echo "the lane: exit $?" >> "$OUT/test_gpu.txt" ;;
     *) echo "unknown stage $stage (bench, profile, lane, llama)"; exit 2 ;;
   esac
   echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"

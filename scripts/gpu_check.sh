@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py, eager and
 #            model.compile=true, against nanoGPT's own train.py compiled (as it comes, and with GPT-2's biases and
-#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min with four compiles); and eager
+#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min by estimate, three compiles); and eager
 #            without the KV cache transformers fills in every training forward on a GPU (nocache: the issue's first
 #            suspect for the profile's cat and copies; without it transformers syncs the host once a forward instead)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
+from bench.throughput import LR, TRAINING_ONLY, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ROOT.parent / "shared" / "data" / "preference" / "dpo_en_demo.json"
@@ -88,15 +88,8 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
         f"trainer.max_steps={args.steps}",
         f"trainer.precision={args.precision}",
         "trainer.gradient_clip_val=1.0",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false",
-        "test=false",
+        *TRAINING_ONLY,
         "train=true",
-        "optimized_metric=null",
-        "logger=none",
-        "callbacks=none",
-        "extras.print_config=false",
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
         "+callbacks.timer._target_=bench.throughput.StepTimer",

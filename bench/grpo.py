@@ -28,7 +28,7 @@ from pathlib import Path
 import lightning as L
 
 from bench.grpo_learning import write_task
-from bench.throughput import CLIP, LR, interleaved, paired_ratio, trl_child
+from bench.throughput import CLIP, LR, TRAINING_ONLY, interleaved, paired_ratio, trl_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
@@ -97,14 +97,7 @@ def template_cmd(args, prompts: Path, out: str) -> list[str]:
         f"trainer.max_steps={args.steps}",
         "trainer.precision=32-true",
         f"trainer.gradient_clip_val={CLIP}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false",
-        "test=false",
-        "optimized_metric=null",
-        "logger=none",
-        "callbacks=none",
-        "extras.print_config=false",
+        *TRAINING_ONLY,
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
         "+callbacks.timer._target_=bench.grpo.PhaseTimer",

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, StepTimer, interleaved, paired_ratio, trl_child
+from bench.throughput import LR, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
@@ -80,15 +80,8 @@ def template_cmd(args, out: str) -> list[str]:
         f"trainer.max_steps={args.steps}",
         "trainer.precision=32-true",
         "trainer.gradient_clip_val=1.0",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false",
-        "test=false",
+        *TRAINING_ONLY,
         "train=true",
-        "optimized_metric=null",
-        "logger=none",
-        "callbacks=none",
-        "extras.print_config=false",
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
         "+callbacks.timer._target_=bench.sft.RowTimer",

@@ -53,6 +53,17 @@ SHAPES = {  # name: (layers, heads, width, context, batch); the byte tokenizer (
 # its rope_theta changes no FLOP and is left at the default)
 EXACT = {"llama3_1b": {"num_key_value_heads": 8, "intermediate_size": 8192, "tie_word_embeddings": True}}
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
+# train.py with nothing but its training steps, as every bench's template way runs it (a bench adds its own timer)
+TRAINING_ONLY = [
+    "trainer.limit_val_batches=0",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_progress_bar=false",
+    "test=false",
+    "optimized_metric=null",
+    "logger=none",
+    "callbacks=none",
+    "extras.print_config=false",
+]
 NANOGPT_REPO = ("nanogpt_repo", "nanogpt_repo_gpt2")  # --nanogpt-repo's ways (bench/nanogpt_repo.py)
 MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
 
@@ -335,14 +346,7 @@ def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
         f"trainer.max_steps={args.steps}",
         f"trainer.precision={args.precision}",
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.enable_progress_bar=false",
-        "test=false",
-        "optimized_metric=null",
-        "logger=none",
-        "callbacks=none",
-        "extras.print_config=false",
+        *TRAINING_ONLY,
         "model.scheduler=null",
         f"paths.cache_dir={os.path.dirname(args.cache_dir)}",
         f"paths.log_dir={args.cache_dir}/logs",

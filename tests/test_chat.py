@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import shared
 
+from src.datamodules.base import ignore_labels
 from src.datamodules.chat import ChatDataModule, ChatTemplate, encode, read_conversations, spans
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import pad_collate
@@ -200,8 +201,10 @@ def test_packing_is_data_the_same_rows_for_any_rank_count():
     items = [(np.arange(n), np.arange(n) + 1) for n in (5, 4, 3, 6, 2)]
     assert pack(items, 9) == [[0, 1], [2, 3], [4]]
     rows = PackedRows(items, 9)
-    ids, labels, positions = rows[0]
-    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3] and rows.target_counts().tolist() == [9, 9, 2]
+    assert rows[0]["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert rows.target_counts().tolist() == [9, 9, 2]
+    padding = ignore_labels(rows[0])  # evaluation's padding row: its labels ignored, its positions kept
+    assert (padding["labels"] == IGNORE_INDEX).all() and padding["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
     batch = packed_collate(99)([rows[1], rows[2]])
     assert batch["position_ids"][1].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6] and "attention_mask" not in batch
     assert (batch["labels"][1, 2:] == IGNORE_INDEX).all() and (batch["input_ids"][1, 2:] == 99).all()

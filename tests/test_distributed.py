@@ -155,6 +155,8 @@ def test_padded_split_labels_are_ignored():
     assert x.shape == (1, 8, 8) and y.item() == -100
     ids, labels = ignore_labels((torch.arange(3).numpy(), torch.arange(3).numpy()))
     assert ids.tolist() == [0, 1, 2] and labels.tolist() == [-100] * 3
+    with pytest.raises(TypeError, match="expected a dict with 'labels' or an \\(inputs, labels\\) pair"):
+        ignore_labels((torch.arange(3), torch.arange(3), torch.arange(3)))  # which item is the labels?
 
 
 def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):

@@ -47,11 +47,13 @@ def ignore_labels(sample: Any) -> Any:
 
     if isinstance(sample, dict) and "labels" in sample:
         return {**sample, "labels": ignored(sample["labels"])}
-    if isinstance(sample, (tuple, list)) and len(sample) >= 2:
-        return type(sample)([*sample[:-1], ignored(sample[-1])])
+    # only a pair says which item is the labels: a longer tuple's last item may be anything (packed rows' position
+    # ids were once blanked as if they were labels)
+    if isinstance(sample, (tuple, list)) and len(sample) == 2:
+        return type(sample)([sample[0], ignored(sample[1])])
     raise TypeError(
-        f"Cannot make a padding sample from a {type(sample).__name__} (expected a dict with 'labels' "
-        "or an (inputs, labels) tuple); override ShardedDataModule.padding_sample for this data."
+        f"Cannot make a padding sample from a {type(sample).__name__} (expected a dict with 'labels' or an "
+        "(inputs, labels) pair); override ShardedDataModule.padding_sample for this data."
     )
 
 

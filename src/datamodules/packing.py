@@ -34,16 +34,20 @@ def pack(items: list[Record], seq_len: int) -> list[list[int]]:
     return rows
 
 
+Row = dict[str, np.ndarray]  # "input_ids", "labels" (shifted), "position_ids"
+
+
 class PackedRows(Dataset):
-    """Item i: (input_ids, labels, position_ids) of row i, its records concatenated."""
+    """Item i: row i, its records concatenated, as a dict: named fields, so evaluation's padding item
+    (src/datamodules/base.py ignore_labels) blanks the labels and nothing else."""
 
     def __init__(self, items: list[Record], seq_len: int) -> None:
-        self.rows = [
-            (
-                np.concatenate([items[j][0] for j in row]),
-                np.concatenate([items[j][1] for j in row]),
-                np.concatenate([np.arange(len(items[j][0])) for j in row]),
-            )
+        self.rows: list[Row] = [
+            {
+                "input_ids": np.concatenate([items[j][0] for j in row]),
+                "labels": np.concatenate([items[j][1] for j in row]),
+                "position_ids": np.concatenate([np.arange(len(items[j][0])) for j in row]),
+            }
             for row in pack(items, seq_len)
         ]
         self.records = len(items)
@@ -51,27 +55,27 @@ class PackedRows(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def __getitem__(self, i: int) -> Row:
         return self.rows[i]
 
     def target_counts(self) -> np.ndarray:
-        return np.array([(labels != IGNORE_INDEX).sum() for _, labels, _ in self.rows], dtype=np.int64)
+        return np.array([(row["labels"] != IGNORE_INDEX).sum() for row in self.rows], dtype=np.int64)
 
 
 def packed_collate(pad_id: int):
     """Rows padded to the batch's longest; the padding is a record of its own (positions from 0), never a target.
     No attention mask: the position ids say where each record starts."""
 
-    def collate(batch: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids, _, _ in batch)
+    def collate(batch: list[Row]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in batch)
         input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
         labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
         positions = torch.arange(longest).repeat(len(batch), 1)
-        for row, (ids, lab, pos) in enumerate(batch):
-            n = len(ids)
-            input_ids[row, :n], labels[row, :n] = torch.from_numpy(ids), torch.from_numpy(lab)
-            positions[row, :n] = torch.from_numpy(pos)
-            positions[row, n:] = torch.arange(longest - n)
+        for i, row in enumerate(batch):
+            n = len(row["input_ids"])
+            input_ids[i, :n], labels[i, :n] = torch.from_numpy(row["input_ids"]), torch.from_numpy(row["labels"])
+            positions[i, :n] = torch.from_numpy(row["position_ids"])
+            positions[i, n:] = torch.arange(longest - n)
         return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
 
     return collate

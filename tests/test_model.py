@@ -338,11 +338,10 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
 
 
 @pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix_tuning"])
-def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
-    """On a CPU the training and evaluation forward skips the KV cache transformers would fill (a copy of every
-    layer's keys and values, 1-3% of a step): the model returns none, and the loss is the cached forward's, on
-    packed text and on a padded batch, also under prefix tuning, whose learned prefix is itself a cache.
-    Compiled, the cache stays (without it transformers would build a full attention mask)."""
+def test_the_forward_without_kv_cache_gives_the_cached_loss(prefix):
+    """The training and evaluation forward skips the KV cache transformers would fill (a copy of every layer's keys
+    and values): the model returns none, and the loss is the cached forward's, on packed text and on a padded batch,
+    also under prefix tuning, whose learned prefix is itself a cache."""
     from conftest import shared
     from peft import PrefixTuningConfig
 
@@ -372,8 +371,6 @@ def test_cpu_forward_fills_no_kv_cache_and_gives_the_cached_loss(prefix):
         expected_sum, expected_n = summed_token_loss(cached, labels)
         close64(loss_sum, expected_sum, "loss sum")
         assert n_targets == expected_n
-    compiled = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile=True)
-    assert compiled.cache_kwargs() == {"use_cache": False}  # its blocks are compiled, not the check before them
 
 
 def test_peak_memory_counts_a_new_allocation():
@@ -582,3 +579,65 @@ def test_convnet_val_loss_shows_nan_and_ignores_padding():
         assert torch.isfinite(clean) and clean == real  # weight 0: the padding changes nothing
         model._eval_step((x * float("nan"), y), model.val_metrics)
     assert torch.isnan(model.val_metrics["loss"].compute())
+
+
+def no_cache_module(arch: str, objective) -> "GPT2LitModule":
+    from src.models.causal_lm import CausalLMLitModule
+
+    if arch == "gpt2":
+        return GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=objective,
+                             compile_loss=False)  # fmt: skip
+    config = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "intermediate_size": 32}  # fmt: skip
+    return CausalLMLitModule(vocab_size=100, seq_len=32, model_type=arch, config=config, objective=objective,
+                             compile_loss=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("objective", ["sft", "sft-packed", "dpo", "dpo-lora", "reward", "grpo"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_no_training_or_evaluation_forward_fills_a_kv_cache(arch, objective, monkeypatch):
+    """Every forward an objective's loss runs (the policy's and the reference's) asks for no KV cache and returns
+    none, whatever the module's device: the module is made to report a CUDA device, where transformers' default
+    (config.use_cache) would fill one in every training forward."""
+    from src.models.causal_lm import CausalLMLitModule
+    from src.models.dpo import DPO
+    from src.models.grpo import GRPO
+    from src.models.reward import Reward
+    from src.models.verifiers import exact_match
+
+    made = {"sft": None, "sft-packed": None, "dpo": DPO(), "dpo-lora": DPO(), "reward": Reward(center_rewards=0.01),
+            "grpo": GRPO(rewards=[exact_match], num_generations=2, max_new_tokens=3, beta=0.04)}[objective]  # fmt: skip
+    module = no_cache_module(arch, made)
+    if objective == "dpo-lora":  # the reference is the model with its adapter disabled
+        from src.models import hf
+
+        module.model = __import__("peft").get_peft_model(
+            module.model,
+            hf.lora_config(
+                r=2, alpha=4, dropout=0.0, target_modules=["c_attn" if arch == "gpt2" else "q_proj"], model=module.model
+            ),
+        )
+        module.reference = None
+    monkeypatch.setattr(CausalLMLitModule, "device", property(lambda self: torch.device("cuda")))
+    seen = []
+
+    def record(_, args, kwargs, output):
+        seen.append((kwargs.get("use_cache"), getattr(output, "past_key_values", None)))
+
+    for network in [module.hf_model] + ([module.reference] if module.reference is not None else []):
+        network.register_forward_hook(record, with_kwargs=True)
+    ids = torch.randint(0, 100, (4, 10), generator=torch.Generator().manual_seed(0))
+    if objective.startswith("sft"):
+        batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}
+        if objective == "sft-packed":
+            batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(4)]).repeat(4, 1)
+        module._loss_and_count(batch)
+    elif objective == "grpo":
+        module.objective.token_logps(module.model, module, ids, 4)
+        module.objective.reference_logps(module, ids, 4)
+    else:
+        batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "attention_mask": torch.ones_like(ids),
+                 "pair_index": torch.arange(2)}  # fmt: skip
+        module.objective.pair_sums(module, batch)
+    expected = 2 if objective in ("dpo", "dpo-lora") or (objective == "grpo") else 1
+    assert len(seen) == expected and all(use is False and cache is None for use, cache in seen), seen

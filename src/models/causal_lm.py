@@ -349,22 +349,21 @@ class CausalLMLitModule(LitModule):
     ):
         """The model's output; with `labels` (already shifted, see summed_token_loss) its `.loss` is their
         token mean. Training normalises differently: by the whole optimizer step's targets."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        out = self.lm_forward(
+            {"input_ids": input_ids, **({} if attention_mask is None else {"attention_mask": attention_mask})}
+        )
         if labels is not None:
             loss_sum, n_targets = self.token_loss(out.logits, labels)
             out.loss = loss_sum / n_targets
         return out
 
-    def _forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
-        """A packed batch (src/datamodules/packing.py) brings position ids and no mask: transformers then keeps its
-        records apart, without a cache (which would hide them) on any device."""
-        packed = {"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch else None
-        return self.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            **(packed or self.cache_kwargs()),
-            **kwargs,
-        )
+    def lm_forward(self, batch: dict[str, torch.Tensor], network: Optional[torch.nn.Module] = None, **kwargs: Any):
+        """A training or evaluation forward of `network` (the trained model by default; or the reference) on a batch's
+        input ids with its attention mask, or a packed batch's position ids (src/datamodules/packing.py: no mask,
+        so transformers keeps its records apart). Never a KV cache, on any device: a cache serves generation, and in
+        any other forward transformers would fill one that nothing reads (torch.compile recompiling on it)."""
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
+        return (network if network is not None else self.model)(**inputs, use_cache=False, **kwargs)
 
     @torch.no_grad()
     def check_packing(self) -> None:
@@ -381,8 +380,8 @@ class CausalLMLitModule(LitModule):
         positions = torch.cat([torch.arange(6), torch.arange(5)])[None].to(self.device)
         was_training = self.training
         self.eval()
-        packed = self._forward({"input_ids": torch.cat([a, b], 1), "position_ids": positions}).logits.float()
-        alone = torch.cat([self._forward({"input_ids": x}).logits.float() for x in (a, b)], 1)
+        packed = self.lm_forward({"input_ids": torch.cat([a, b], 1), "position_ids": positions}).logits.float()
+        alone = torch.cat([self.lm_forward({"input_ids": x}).logits.float() for x in (a, b)], 1)
         self.train(was_training)
         fp32 = next(self.model.parameters()).dtype == torch.float32
         gap, scale = (packed - alone).abs().max().item(), alone.abs().max().item()
@@ -395,15 +394,7 @@ class CausalLMLitModule(LitModule):
 
     def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
-        return self.token_loss(self._forward(batch).logits, batch["labels"])
-
-    def cache_kwargs(self) -> dict[str, bool]:
-        """No KV cache on a CPU: transformers fills one in every forward, training too (config.use_cache),
-        a copy of each layer's keys and values that nothing reads: 1-3% of a step's wall time on a 2-core CPU
-        (docs/performance.md). Without it transformers checks the position ids for packed sequences instead
-        (masking_utils.find_packed_sequence_indices): a host sync per forward on an accelerator, so there the
-        cache stays. (model.compile compiles each block, not the model's body, where that check runs.)"""
-        return {"use_cache": False} if self.device.type == "cpu" else {}
+        return self.token_loss(self.lm_forward(batch).logits, batch["labels"])
 
     # ---- the objective's (src/models/objective.py) ----
 

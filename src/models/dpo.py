@@ -158,9 +158,7 @@ class DPO(PairObjective):
     def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
         pairs; evaluation's padding pairs (no targets) left out. `module` is the CausalLMLitModule."""
-        logits = module.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
-        ).logits
+        logits = module.lm_forward(batch).logits
         logps, counts = answer_logps(logits, batch["labels"])
         stats = self.pair_stats(logps, counts, self.reference_logps(module, batch))
         real = counts.chunk(2)[0] > 0
@@ -179,13 +177,9 @@ class DPO(PairObjective):
             model, reference = module.model, module.reference
             if reference is None:  # a peft adapter: the reference is the model without it
                 with model.disable_adapter():
-                    logits = model(
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
-                    ).logits
+                    logits = module.lm_forward(batch).logits
             else:
-                logits = reference(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
-                ).logits
+                logits = module.lm_forward(batch, network=reference).logits
             return answer_logps(logits, batch["labels"])[0]
 
     @torch.no_grad()
@@ -210,12 +204,7 @@ class DPO(PairObjective):
         for split in (name for name, pairs in splits.items() if len(pairs)):  # data.val_fraction=0: no val split
             for batch in datamodule.eval_loader(split):
                 batch = module.transfer_batch_to_device(batch, module.device, 0)
-                logps, counts = answer_logps(
-                    module.model(
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **module.cache_kwargs()
-                    ).logits,
-                    batch["labels"],
-                )
+                logps, counts = answer_logps(module.lm_forward(batch).logits, batch["labels"])
                 rows = torch.stack(
                     [*logps.chunk(2), counts.chunk(2)[0].to(logps.dtype), batch["pair_index"].to(logps.dtype)], dim=1
                 )

@@ -239,7 +239,7 @@ class GRPO(Objective):
 
     def token_logps(self, network: nn.Module, module: Any, sequences: torch.Tensor, n_prompt: int) -> torch.Tensor:
         """(G, T) the completion tokens' log-probabilities under softmax(logits / temperature), as TRL computes them."""
-        logits = network(input_ids=sequences, **module.cache_kwargs()).logits[:, n_prompt - 1 : -1]
+        logits = module.lm_forward({"input_ids": sequences}, network=network).logits[:, n_prompt - 1 : -1]
         logps = (at_least_fp32(logits) / self.temperature).log_softmax(dim=-1)
         return logps.gather(-1, sequences[:, n_prompt:, None]).squeeze(-1)
 

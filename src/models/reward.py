@@ -105,7 +105,7 @@ class Reward(PairObjective):
         model's logits (the forward's own output, which FSDP2 backpropagates through); `prepare` switched off what a
         causal LM's forward does to them beyond the head (Gemma's soft-capping)."""
         mask = batch["attention_mask"]
-        out = module.model(input_ids=batch["input_ids"], attention_mask=mask, **module.cache_kwargs()).logits
+        out = module.lm_forward(batch).logits
         out = at_least_fp32(out[:, -mask.shape[1] :, 0])  # prompt tuning prepends virtual tokens
         last = (mask.sum(dim=1) - 1).clamp(min=0)
         return out[torch.arange(out.shape[0], device=out.device), last]

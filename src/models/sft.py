@@ -34,7 +34,7 @@ class SFT(Objective):
         """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
         each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
         train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
-        out = module._forward(batch, output_router_logits=True)
+        out = module.lm_forward(batch, output_router_logits=True)
         loss = module.token_mean_loss(*module.token_loss(out.logits, batch["labels"]), batch_idx)
         hf_model, n = module.hf_model, batch["input_ids"].shape[0]
         balance, counts = moe.sequence_balance(

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 from omegaconf import DictConfig, OmegaConf
@@ -75,6 +76,22 @@ def derive_config(
     return config
 
 
+def place_states(module: torch.nn.Module, device: torch.device) -> None:
+    """Every torchmetrics metric and every buffer of `module` onto `device`, parameters untouched. Under ZeRO-3
+    neither DeepSpeed (a model built under zero.Init is left where it is) nor Lightning's DeepSpeed strategy (unlike
+    its FSDP one) moves the rest of the LightningModule: the evaluation metrics, built with the objective outside
+    zero.Init, stay on the CPU and the first validation on a GPU stops ("different devices in metric
+    calculation")."""
+    from torchmetrics import Metric
+
+    for metric in (m for m in module.modules() if isinstance(m, Metric)):
+        metric.to(device)  # its states, in place
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(owner, name, buffer.to(device))  # the registered buffer replaced, persistence kept
+
+
 class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
     requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
 
@@ -120,6 +137,7 @@ class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
     def setup(self, trainer) -> None:
         apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm: Lightning skips DeepSpeed
         super().setup(trainer)
+        place_states(self.lightning_module, self.root_device)
 
     def _format_config(self) -> None:
         trainer = self.lightning_module.trainer

@@ -222,9 +222,12 @@ def test_settings_are_checked(settings, words):
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["model/objective=grpo"], "model/objective=grpo trains on prompts, but data is TextDataModule"),
+        (["model/objective=grpo"], r"grpo trains on prompts, but data is TextDataModule, .*: use data=prompts, or"),
         (["data=prompts", "model/objective=grpo", "trainer=tp"], "does not run under trainer=tp"),
-        (["data=prompts"], "model/objective=sft trains on tokens, but data is PromptDataModule"),
+        (
+            ["data=prompts"],
+            r"sft trains on tokens, but data is PromptDataModule, .*: use data=chat or instruct or litdata or text,",
+        ),
     ],
 )
 def test_objective_data_and_strategy_must_agree(overrides, words):

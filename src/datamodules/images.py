@@ -61,6 +61,8 @@ def load_mnist(path: str) -> tuple[tuple[np.ndarray, np.ndarray], Optional[tuple
 
 
 class ImageDataModule(ShardedDataModule):
+    batch_kind = "images"
+
     def __init__(
         self,
         dataset: str = "digits",

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.files import problem
 from src.datamodules.base import working_shapes
+from src.launch.choices import CONF
 from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
 from src.utils.errors import CheckpointError, PathNotFound
@@ -139,6 +140,16 @@ def check_values(cfg: DictConfig) -> None:
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
 
 
+def data_options(batch_kind: str) -> list[str]:
+    """The data options (conf/data/) whose datamodule holds `batch_kind`, read from their targets."""
+    options = []
+    for path in sorted((CONF / "data").glob("*.yaml")):
+        target = OmegaConf.load(path).get("_target_")
+        if target and getattr(get_object(target), "batch_kind", None) == batch_kind:
+            options.append(path.stem)
+    return options
+
+
 def _check_objective(cfg: DictConfig) -> None:
     """The objective trains on the kind of batch the data holds (DPO on preference pairs, SFT on tokens); the
     pipeline schedule computes the next-token loss only."""
@@ -152,8 +163,7 @@ def _check_objective(cfg: DictConfig) -> None:
     if kind != data_kind:
         raise ConfigError(
             f"model/objective={name} trains on {kind}, but data is {data.__name__}, which holds {data_kind}: use "
-            f"data={'preference' if kind == 'pairs' else 'text, instruct or chat'}, or another model/objective "
-            "(conf/model/objective/)."
+            f"data={' or '.join(data_options(kind))}, or another model/objective (conf/model/objective/)."
         )
     strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).rsplit(".", 1)[-1]
     if strategy in objective.refused_strategies:

@@ -10,6 +10,7 @@ scale, Conv1D) are in src/models/gpt2.py.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -189,6 +190,95 @@ def standard_fill(model: nn.Module, std: float) -> init.Fill:
             tensor.normal_(0.0, std, generator=generator)
 
     return fill
+
+
+def architecture_fill(model: nn.Module, fallback: init.Fill) -> init.Fill:
+    """The architecture's own initialisation, one parameter at a time, from the parameter's own generator.
+
+    transformers initialises a new model by calling its `_init_weights` on every module, children before parents
+    (`initialize_weights`: Gemma's zero-centred norm gains, Mamba's and the gated delta rule's A_log, D and
+    dt_bias, GPT-2's scaled residual projections, ...), all from the global RNG, module by module: its values
+    depend on which modules a rank holds. Here a parameter's value is that same rule replayed on a meta-device
+    copy of the model in which only this parameter is real: `_init_weights` runs on its module and then on each
+    module above it (the parents' rules win, as in transformers), every other parameter a meta tensor that takes no
+    draw, and the global RNG seeded from the parameter's generator (forked: the caller's RNG does not move). So
+    every layout (one process, FSDP2 shards, ZeRO-3 partitions, tensor and pipeline ranks) gets the same values, in
+    the architecture's own distribution. A parameter the copy does not hold in that shape (a reward head, an
+    adapter) takes `fallback`. Private name with a canary: `_init_weights` (tests/test_architectures.py)."""
+    from transformers import initialization
+
+    skeleton, built = build_on_meta_recording(model.config)
+    modules = dict(skeleton.named_modules())
+    params = dict(skeleton.named_parameters())
+
+    def rule_of(module_name: str) -> PreTrainedModel:
+        """The PreTrainedModel whose _init_weights transformers applies to this module: the nearest at or above."""
+        parts = module_name.split(".") if module_name else []
+        for i in range(len(parts), -1, -1):
+            candidate = modules[".".join(parts[:i])]
+            if isinstance(candidate, PreTrainedModel):
+                return candidate
+        raise ValueError(f"{module_name} is not inside a transformers model")
+
+    def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if name not in params or params[name].shape != tensor.shape:
+            return fallback(name, tensor, generator)
+        owner_name, _, attr = name.rpartition(".")
+        owner = modules[owner_name]
+        original = getattr(owner, attr)
+        # what the module's constructor gave it (kept for small parameters), which a rule may leave as it is
+        start = built.get(name)
+        real = nn.Parameter(start.float() if start is not None else torch.full(tensor.shape, math.nan), False)
+        parts = owner_name.split(".") if owner_name else []
+        chain = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]  # the owner, then each module above it
+        seed = int(torch.randint(0, 2**62, (), generator=generator))
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), initialization.guard_torch_init_functions():
+            torch.manual_seed(seed)
+            setattr(owner, attr, real)
+            try:
+                for module_name in chain:
+                    rule_of(module_name)._init_weights(modules[module_name])
+            finally:
+                setattr(owner, attr, original)
+        if real.isnan().any():
+            raise ConfigError(
+                f"{model.config.model_type}'s {name} takes its initial value in its module's constructor, which "
+                "a model built on the meta device does not run: start from a checkpoint (model.pretrained=DIR)."
+            )
+        tensor.copy_(real)
+
+    return fill
+
+
+RECORDED_PARAMETER_SIZE = 2**20  # constructor values kept for parameters up to this many elements
+
+
+def build_on_meta_recording(config: PretrainedConfig) -> tuple[PreTrainedModel, dict[str, torch.Tensor]]:
+    """build_on_meta, and the value each parameter of up to RECORDED_PARAMETER_SIZE elements had when its module
+    registered it (Apertus' xIELU alpha_p: set by its constructor, which its _init_weights leaves), by name."""
+    from accelerate import init_empty_weights
+
+    record: dict[tuple[int, str], torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        to_meta = nn.Module.register_parameter  # accelerate's: moves the parameter to meta as it registers
+
+        def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+            if param is not None and not param.is_meta and param.numel() <= RECORDED_PARAMETER_SIZE:
+                record[(id(module), name)] = param.detach().clone()
+            to_meta(module, name, param)
+
+        nn.Module.register_parameter = register
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        finally:
+            nn.Module.register_parameter = to_meta
+    model.tie_weights()
+    values = {}
+    for prefix, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            if (id(module), name) in record:
+                values[f"{prefix}.{name}" if prefix else name] = record[(id(module), name)]
+    return model, values
 
 
 def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int, tokenizer: Optional[str] = None) -> None:

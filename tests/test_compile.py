@@ -50,11 +50,11 @@ def test_compiled_blocks_compile_once_for_training_and_once_for_evaluation(arch,
     graphs = []
     for _ in range(3):
         module.train()
-        loss, _ = module._loss_and_count(batch)
+        loss, _ = module.loss_and_count(batch)
         loss.backward()
         module.eval()
         with torch.no_grad():
-            module._loss_and_count(batch)
+            module.loss_and_count(batch)
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs == [2, 2, 2], graphs  # one graph for training, one for evaluation, none after the first step

@@ -105,3 +105,27 @@ def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):
         assert "('src.utils.bad', 'src.models.loss')" in str(e)
     else:
         raise AssertionError("an upward import went unseen")
+
+
+OBJECTIVES = ["objective", "sft", "dpo", "reward", "grpo"]  # src/models/: the objectives and their base
+
+
+def test_objectives_use_only_the_trained_modules_contract():
+    """Every `module.<name>` an objective reads is a member of TrainedModule (src/models/objective.py), none is
+    private, and CausalLMLitModule has each: the contract between the module and its objectives is that class."""
+    from src.models.gpt2 import GPT2LitModule
+    from src.models.objective import TrainedModule
+
+    contract = set(TrainedModule.__annotations__) | {n for n in vars(TrainedModule) if not n.startswith("_")}
+    used: dict[str, set[str]] = {}
+    for name in OBJECTIVES:
+        tree = ast.parse((ROOT / "src" / "models" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "module":
+                used.setdefault(node.attr, set()).add(name)
+    assert used, "no objective reads its module: the scan is broken"
+    outside = {attr: files for attr, files in used.items() if attr not in contract}
+    assert not outside, f"objectives read members outside TrainedModule: {outside}"
+    module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=8)
+    missing = [m for m in contract if m not in ("trainer",) and not hasattr(module, m)]
+    assert not missing, f"CausalLMLitModule lacks {missing}"

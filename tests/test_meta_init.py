@@ -107,7 +107,7 @@ def test_init_values_do_not_depend_on_how_the_model_is_laid_out():
     hf = deferred.hf_model
     assert hf.lm_head.weight is hf.transformer.wte.weight  # still tied after to_empty
     name = "transformer.h.1.mlp.c_fc.weight"
-    again = init.full_value(GPT2.fill(deferred.config), deferred._base_seed, name, a["model." + name].shape)
+    again = init.full_value(GPT2.fill(deferred.config), deferred.base_seed, name, a["model." + name].shape)
     assert torch.equal(again, a["model." + name])
     # GPT-2's scheme: residual projections scaled by 1/sqrt(2 n_layer), LayerNorm gains 1, biases 0
     assert hf.transformer.h[0].attn.c_proj.weight.std() < 0.6 * hf.transformer.h[0].attn.c_attn.weight.std()

@@ -127,7 +127,7 @@ def test_padding_labels_are_not_counted():
     labels = torch.randint(0, 256, (2, 32))
     labels[0, -1] = -100
     labels[1, 20:] = -100
-    loss_sum, n = model._loss_and_count({"input_ids": ids, "labels": labels})
+    loss_sum, n = model.loss_and_count({"input_ids": ids, "labels": labels})
     assert n == 31 + 20
     logits = model(ids).logits
     manual = torch.nn.functional.cross_entropy(
@@ -144,9 +144,9 @@ def test_eval_loss_is_summed_tokens_over_targets_zero_target_batches_add_nothing
     ids = torch.randint(0, 256, (2, 32))
     labels = torch.randint(0, 256, (2, 32))
     metric = model.val_metrics["loss"]
-    metric.update(*model._loss_and_count({"input_ids": ids, "labels": labels}))
+    metric.update(*model.loss_and_count({"input_ids": ids, "labels": labels}))
     expected = metric.compute().clone()
-    empty = model._loss_and_count({"input_ids": ids, "labels": torch.full_like(labels, -100)})
+    empty = model.loss_and_count({"input_ids": ids, "labels": torch.full_like(labels, -100)})
     assert empty[0].item() == 0.0 and empty[1].item() == 0
     metric.update(*empty)
     assert metric.compute().item() == expected.item()
@@ -322,7 +322,7 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
 
     hooks = [block.mlp.act.register_forward_hook(keep) for block in model.hf_model.transformer.h]
     with profile() as prof:
-        loss, _ = model._loss_and_count(batch)
+        loss, _ = model.loss_and_count(batch)
     ops = {event.key for event in prof.key_averages()}
     assert "aten::gelu" in ops and not {"aten::tanh", "aten::pow"} & ops, sorted(ops)
     loss.backward()
@@ -334,7 +334,7 @@ def test_training_forward_runs_one_fused_gelu_kernel_with_gelu_new_values():
     for block in model.hf_model.transformer.h:  # GPT-2's original activation
         block.mlp.act = NewGELUActivation()
     with torch.no_grad():
-        within(abs(model._loss_and_count(batch)[0].item() - loss.item()), 2 * D * first_order, "loss, gelu_new")
+        within(abs(model.loss_and_count(batch)[0].item() - loss.item()), 2 * D * first_order, "loss, gelu_new")
 
 
 @pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix_tuning"])
@@ -365,7 +365,7 @@ def test_the_forward_without_kv_cache_gives_the_cached_loss(prefix):
     mask[1, 20:], labels[1, 20:] = 0, -100
     for batch in ({"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels, "attention_mask": mask}):
         caches.clear()
-        loss_sum, n_targets = model._loss_and_count(batch)
+        loss_sum, n_targets = model.loss_and_count(batch)
         cached = model.model(input_ids=ids, attention_mask=batch.get("attention_mask"), use_cache=True).logits
         assert caches[0] is None and caches[1] is not None  # the hook sees a cache where one is made
         expected_sum, expected_n = summed_token_loss(cached, labels)
@@ -631,7 +631,7 @@ def test_no_training_or_evaluation_forward_fills_a_kv_cache(arch, objective, mon
         batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}
         if objective == "sft-packed":
             batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(4)]).repeat(4, 1)
-        module._loss_and_count(batch)
+        module.loss_and_count(batch)
     elif objective == "grpo":
         module.objective.token_logps(module.model, module, ids, 4)
         module.objective.reference_logps(module, ids, 4)

@@ -63,7 +63,13 @@ def test_trained_loss_is_the_token_loss_plus_each_sequences_transformers_aux_los
     within(abs(plain.training_step(batch, 0).item() - (token_sum / targets).item()), 8 * U32 * 10, "no aux")
 
 
-def test_dpo_on_an_moe_model_is_one_sentence():
-    with pytest.raises(ConfigError, match="model/objective=dpo does not add MixtralForCausalLM's router load-bal"):
-        module("mixtral", objective=DPO())
-    module("mixtral", objective=DPO(), router_aux_loss=False)  # said how to go on: it builds
+@pytest.mark.parametrize("name", ["dpo", "reward", "grpo"])
+def test_an_objective_without_the_router_loss_on_an_moe_model_is_one_sentence(name):
+    from src.models.grpo import GRPO
+    from src.models.reward import Reward
+    from src.models.verifiers import exact_match
+
+    made = {"dpo": DPO, "reward": Reward, "grpo": lambda: GRPO(rewards=[exact_match])}[name]
+    with pytest.raises(ConfigError, match=f"model/objective={name} does not add MixtralForCausalLM's router load-bal"):
+        module("mixtral", objective=made())
+    module("mixtral", objective=made(), router_aux_loss=False)  # said how to go on: it builds

@@ -99,7 +99,7 @@ class CausalLMLitModule(LitModule):
         # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
         self._deferred = init.init_is_deferred() and not adapter
-        self._base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
+        self.base_seed = init.draw_base_seed()  # seeds every parameter's init (src/models/init.py)
         kind = hf.pretrained_config(pretrained).model_type if pretrained else model_type
         self.attn_implementation = hf.choose_attention(kind, attn_implementation, fastest_attention)
         self._pretrained, self._vocab_size = pretrained, vocab_size
@@ -124,6 +124,11 @@ class CausalLMLitModule(LitModule):
         # an MoE model's load-balancing loss (src/models/moe.py), read before a strategy wraps the model's class
         self.router_balance = moe.balance_loss_function(self.hf_model) if router_aux_loss else None
         objective.check(self)
+        if self.router_balance is not None and not objective.adds_router_loss:
+            raise ConfigError(
+                f"model/objective={objective.name} does not add {type(self.hf_model).__name__}'s router "
+                f"load-balancing loss: set model.router_aux_loss=false to train the {objective.name} loss alone."
+            )
 
     def _build(self, seq_len: int, model_type: Optional[str], fields: dict[str, Any]) -> PreTrainedModel:
         """The transformers model: pretrained (the checkpoint's shape wins over the config fields) or from a
@@ -137,7 +142,7 @@ class CausalLMLitModule(LitModule):
         config = self.new_config(self._vocab_size, seq_len, model_type, fields, self.attn_implementation)
         model = hf.build_on_meta(config)
         if not self._deferred:
-            init.materialize_full(model, self.fill(model), self._base_seed, torch.device("cpu"))
+            init.materialize_full(model, self.fill(model), self.base_seed, torch.device("cpu"))
         return model
 
     def _reference_of(self, model: PreTrainedModel, adapter: bool) -> Optional[PreTrainedModel]:
@@ -190,11 +195,16 @@ class CausalLMLitModule(LitModule):
         return config
 
     def fill(self, model: torch.nn.Module) -> init.Fill:
-        """Initial values of a model built from a config (src/models/init.py): transformers' default rule, at the
-        config's standard deviation (`initializer_range`; OPT names it `init_std`)."""
+        """Initial values of a model built from a config (src/models/init.py): the architecture's own rule
+        (hf.architecture_fill); what the architecture does not hold (a reward head) transformers' default rule at
+        the config's standard deviation (`initializer_range`; OPT names it `init_std`)."""
         config = model.config
-        std = getattr(config, "initializer_range", None) or getattr(config, "init_std", None) or 0.02
-        return hf.standard_fill(model, std)
+        key = config.to_json_string()
+        if getattr(self, "_fill", (None,))[0] != key:  # one meta copy per config, made in __init__ (outside any
+            # strategy's context: DeepSpeed's zero.Init would partition the copy's parameters too)
+            std = getattr(config, "initializer_range", None) or getattr(config, "init_std", None) or 0.02
+            self._fill = (key, hf.architecture_fill(model, hf.standard_fill(model, std)))
+        return self._fill[1]
 
     # ---- building ----
 
@@ -208,7 +218,7 @@ class CausalLMLitModule(LitModule):
         for name in self._added:
             param = model.get_parameter(name)
             if not param.is_meta and not hasattr(param, "ds_shape"):
-                param.copy_(init.full_value(fill, self._base_seed, name, param.shape))
+                param.copy_(init.full_value(fill, self.base_seed, name, param.shape))
         return model
 
     def _add_adapter(self, model: PreTrainedModel, peft: Any, seq_len: int) -> torch.nn.Module:
@@ -233,7 +243,7 @@ class CausalLMLitModule(LitModule):
         """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
         model = hf.load_pretrained(self._pretrained, self.attn_implementation)
         if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
-            hf.resize_vocab(model, self._vocab_size, self._base_seed, self._tokenizer)
+            hf.resize_vocab(model, self._vocab_size, self.base_seed, self._tokenizer)
         return model
 
     def materialize(self, device: torch.device, sharded: bool) -> None:
@@ -251,9 +261,9 @@ class CausalLMLitModule(LitModule):
                 init.allocate(network, device)
                 network.load_state_dict(state)
             elif sharded:
-                init.materialize_sharded(network, self.fill(network), self._base_seed, device)
+                init.materialize_sharded(network, self.fill(network), self.base_seed, device)
             else:
-                init.materialize_full(network, self.fill(network), self._base_seed, device)
+                init.materialize_full(network, self.fill(network), self.base_seed, device)
 
     def configure_model(self) -> None:
         """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
@@ -279,7 +289,7 @@ class CausalLMLitModule(LitModule):
                     model = AutoModelForCausalLM.from_config(self.config)
                 model.tie_weights()
                 model = self._prepare(model) if name == "model" else model  # what it adds is filled below
-                init.materialize_zero3(model, self.fill(model), self._base_seed)
+                init.materialize_zero3(model, self.fill(model), self.base_seed)
                 setattr(self, name, model if name == "model" else init.frozen(model))
         else:
             self.materialize(torch.device("cpu"), sharded=False)
@@ -392,7 +402,7 @@ class CausalLMLitModule(LitModule):
                 "data.packing=false, or another model.attn_implementation."
             )
 
-    def _loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
         return self.token_loss(self.lm_forward(batch).logits, batch["labels"])
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.models.loss import IGNORE_INDEX
-from src.models.objective import PairObjective
+from src.models.objective import PairObjective, TrainedModule
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -111,14 +111,7 @@ class DPO(PairObjective):
     def needs_reference(self, adapter: bool) -> bool:
         return not adapter and not self.precompute
 
-    def check(self, module: Any) -> None:
-        if module.router_balance is not None:
-            raise ConfigError(
-                f"model/objective=dpo does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
-                "set model.router_aux_loss=false to train the preference loss alone."
-            )
-
-    def on_fit_start(self, module: Any) -> None:
+    def on_fit_start(self, module: TrainedModule) -> None:
         if self.precompute:  # before the first step moves the policy
             self.precompute_table(module, module.trainer.datamodule)
 
@@ -155,7 +148,7 @@ class DPO(PairObjective):
             dim=1,
         )
 
-    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_sums(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
         pairs; evaluation's padding pairs (no targets) left out. `module` is the CausalLMLitModule."""
         logits = module.lm_forward(batch).logits
@@ -166,7 +159,7 @@ class DPO(PairObjective):
 
     # ---- the reference policy ----
 
-    def reference_logps(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def reference_logps(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(2B,) the reference's log-prob sums of the batch's rows."""
         if self.precompute:
             if self.table is None:
@@ -183,7 +176,7 @@ class DPO(PairObjective):
             return answer_logps(logits, batch["labels"])[0]
 
     @torch.no_grad()
-    def precompute_table(self, module: Any, datamodule: Any) -> None:
+    def precompute_table(self, module: TrainedModule, datamodule: TrainedModule) -> None:
         """One pass of the starting policy over every split's pairs, each rank its shard (the evaluation sampler:
         every rank the same number of forwards, which FSDP2 and ZeRO-3 need); gathered so that every rank holds
         the whole table. Called before the first step, or not at all when a checkpoint brought the table."""
@@ -222,7 +215,7 @@ class DPO(PairObjective):
         self.table, self.fingerprint = state["table"], state["fingerprint"]
 
 
-def data_fingerprint(datamodule: Any) -> str:
+def data_fingerprint(datamodule: TrainedModule) -> str:
     """Changes when any split's token ids or order change."""
     digest = hashlib.sha256()
     for name, split in sorted(datamodule.splits.items()):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from src.models.dpo import disable_dropout
-from src.models.objective import Objective, PairStats
+from src.models.objective import Objective, PairStats, TrainedModule
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -160,14 +160,7 @@ class GRPO(Objective):
     def needs_reference(self, adapter: bool) -> bool:
         return self.beta > 0 and not adapter
 
-    def check(self, module: Any) -> None:
-        if module.router_balance is not None:
-            raise ConfigError(
-                f"model/objective=grpo does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
-                "set model.router_aux_loss=false."
-            )
-
-    def on_fit_start(self, module: Any) -> None:
+    def on_fit_start(self, module: TrainedModule) -> None:
         datamodule = module.trainer.datamodule
         for f in self.rewards:  # a reward model reads the policy's tokens as its own (src/models/reward.py)
             if hasattr(f, "check_tokenizer"):
@@ -199,10 +192,10 @@ class GRPO(Objective):
         return (logits + gumbel).argmax(dim=-1)
 
     @torch.no_grad()
-    def sample(self, module: Any, prompt: torch.Tensor, step: int, number: int) -> torch.Tensor:
+    def sample(self, module: TrainedModule, prompt: torch.Tensor, step: int, number: int) -> torch.Tensor:
         """(G, max_new_tokens) completions of one prompt (1-D ids), G rows in one batch, with a KV cache."""
         generators = [
-            torch.Generator().manual_seed(sample_seed(module._base_seed, step, number, g)) for g in range(self.G)
+            torch.Generator().manual_seed(sample_seed(module.base_seed, step, number, g)) for g in range(self.G)
         ]
         ids, tokens, cache = prompt.expand(self.G, -1), [], None
         for _ in range(self.max_new_tokens):
@@ -211,7 +204,7 @@ class GRPO(Objective):
             tokens.append(ids)
         return torch.cat(tokens, dim=1)
 
-    def score(self, module: Any, number: int, completions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def score(self, module: TrainedModule, number: int, completions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(G, functions) each reward function's value for each completion (decoded up to its EOS)."""
         datamodule = module.trainer.datamodule
         tokenizer = datamodule.tokenizer
@@ -237,13 +230,15 @@ class GRPO(Objective):
 
     # ---- the loss ----
 
-    def token_logps(self, network: nn.Module, module: Any, sequences: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def token_logps(
+        self, network: nn.Module, module: TrainedModule, sequences: torch.Tensor, n_prompt: int
+    ) -> torch.Tensor:
         """(G, T) the completion tokens' log-probabilities under softmax(logits / temperature), as TRL computes them."""
         logits = module.lm_forward({"input_ids": sequences}, network=network).logits[:, n_prompt - 1 : -1]
         logps = (at_least_fp32(logits) / self.temperature).log_softmax(dim=-1)
         return logps.gather(-1, sequences[:, n_prompt:, None]).squeeze(-1)
 
-    def reference_logps(self, module: Any, sequences: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def reference_logps(self, module: TrainedModule, sequences: torch.Tensor, n_prompt: int) -> torch.Tensor:
         with torch.no_grad():
             if module.reference is None:  # an adapter: the reference is the model without it
                 with module.model.disable_adapter():
@@ -251,7 +246,12 @@ class GRPO(Objective):
             return self.token_logps(module.reference, module, sequences, n_prompt)
 
     def group_loss(
-        self, module: Any, prompt: torch.Tensor, completions: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+        self,
+        module: TrainedModule,
+        prompt: torch.Tensor,
+        completions: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the mean over the group's completions of each one's loss, its mean KL, its clipped fraction) for fixed
         completions (G, T) of `prompt` and their advantages (G,)."""
@@ -277,7 +277,9 @@ class GRPO(Objective):
         was_clipped = ((ratio * a) > (clipped * a)).to(logps.dtype)
         return loss, kl_mean, ((was_clipped * mask).sum() / mask.sum().clamp(min=1)).detach()
 
-    def prompt_stats(self, module: Any, prompt: torch.Tensor, step: int, number: int, train: bool) -> torch.Tensor:
+    def prompt_stats(
+        self, module: TrainedModule, prompt: torch.Tensor, step: int, number: int, train: bool
+    ) -> torch.Tensor:
         """One prompt's row of STATS (train) or EVAL_STATS: sample, score, and (train) the loss with its gradient."""
         start = time.perf_counter()
         completions = self.sample(module, prompt, step, number)
@@ -294,7 +296,7 @@ class GRPO(Objective):
         stats = torch.stack([*common, kl.double().cpu(), clip.double().cpu(), *means]).to(loss)
         return torch.cat([loss[None], stats])
 
-    def prompt_sums(self, module: Any, batch: dict[str, torch.Tensor], step: int, train: bool):
+    def prompt_sums(self, module: TrainedModule, batch: dict[str, torch.Tensor], step: int, train: bool):
         """The sums over the batch's prompts of each statistic and the number of prompts (evaluation's padding
         prompts, numbered -1, are sampled, so every rank runs as many forwards, and counted nowhere)."""
         rows, real = [], []
@@ -306,7 +308,7 @@ class GRPO(Objective):
 
     # ---- the objective (src/models/objective.py) ----
 
-    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         trainer = module.trainer
         sums, prompts = self.prompt_sums(module, batch, trainer.global_step, train=True)
         loss = module.token_mean_loss(sums[0], prompts, batch_idx)
@@ -327,7 +329,7 @@ class GRPO(Objective):
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(self.STATS[1:], sums[:-1])}}
 
-    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+    def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
         metrics["prompts"].update(*self.prompt_sums(module, batch, -1, train=False))
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:

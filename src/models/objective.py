@@ -6,16 +6,53 @@ An objective owns its training step (a loss normalised over the whole optimizer 
 process trains: LitModule.token_mean_loss), the statistics it logs, its evaluation metrics, what it adds to a
 checkpoint, the kind of batch it trains on (checked against the data before the ranks start, src/run/checks.py) and
 what it changes in the model it trains (dropout off, a frozen reference copy). `module` below is the
-CausalLMLitModule: its model, its forward (`_forward`), the token loss and the step normalisers.
+CausalLMLitModule, through `TrainedModule`: the few public members an objective may use, and no other
+(tests/test_layers.py reads every objective's uses of `module` against it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 from torchmetrics import Metric
+
+
+class TrainedModule(Protocol):
+    """What an objective may use of the module it trains (src/models/causal_lm.py, CausalLMLitModule)."""
+
+    model: nn.Module  # the trained network (a peft model when an adapter trains)
+    reference: Optional[nn.Module]  # the frozen starting policy, where needs_reference asked for one
+    router_balance: Optional[Callable]  # a mixture-of-experts model's load-balancing loss, when it trains one
+    seq_len: int
+    base_seed: int  # one draw per run, the same on every rank (src/models/init.py): seeds what must not vary
+    device: torch.device
+    trainer: Any
+    training: bool
+
+    @property
+    def hf_model(self) -> nn.Module: ...  # the transformers model itself, also under an adapter
+
+    def lm_forward(self, batch: dict[str, torch.Tensor], network: Optional[nn.Module] = None, **kwargs: Any): ...
+
+    def loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor: ...
+
+    def sequence_mean_loss(self, loss_sum: torch.Tensor, n_sequences: int, batch_idx: int) -> torch.Tensor: ...
+
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int, sums: Optional[torch.Tensor] = None) -> None: ...
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any: ...
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
 
 
 class Objective(nn.Module):
@@ -29,6 +66,9 @@ class Objective(nn.Module):
         "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)"
     }
     generates = True  # whether the trained model writes text (callbacks.generate_text)
+    # whether its loss adds a mixture-of-experts model's router load-balancing loss (model.router_aux_loss); an
+    # objective that does not is refused such a model unless model.router_aux_loss=false (CausalLMLitModule)
+    adds_router_loss = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,10 +86,10 @@ class Objective(nn.Module):
         """Whether the module keeps a frozen copy of the starting model (`module.reference`), sharded like it."""
         return False
 
-    def check(self, module: Any) -> None:
+    def check(self, module: TrainedModule) -> None:
         """One sentence (ConfigError) for a model this objective cannot train, once it is built."""
 
-    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The micro-batch's share of the step's loss (what LitModule.token_mean_loss returns); logs it through
         module.log_train_loss, with any per-step sums that train_metrics turns into means."""
         raise NotImplementedError
@@ -58,7 +98,7 @@ class Objective(nn.Module):
         """The logged training metrics from the step's loss (reduced over ranks) and the sums logged with it."""
         return {"train/loss": loss}
 
-    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+    def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
         """Add a validation or test batch to `metrics` (val_metrics or test_metrics)."""
         raise NotImplementedError
 
@@ -71,7 +111,7 @@ class Objective(nn.Module):
         it is (`pad_id`: the data's padding token)."""
         return model
 
-    def on_fit_start(self, module: Any) -> None:
+    def on_fit_start(self, module: TrainedModule) -> None:
         """Before the first step (DPO: the precomputed reference table)."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -94,12 +134,12 @@ class PairObjective(Objective):
         self.val_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
         self.test_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
 
-    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_sums(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
         pairs; evaluation's padding pairs (no targets) left out."""
         raise NotImplementedError
 
-    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The mean over the step's pairs; the other statistics ride along with the logged loss."""
         sums, pairs = self.pair_sums(module, batch)
         loss = module.token_mean_loss(sums[0], pairs, batch_idx)
@@ -109,7 +149,7 @@ class PairObjective(Objective):
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         return {"train/loss": loss, **{f"train/{name}": s / sums[-1] for name, s in zip(self.STATS[1:], sums[:-1])}}
 
-    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+    def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
         metrics["pairs"].update(*self.pair_sums(module, batch))
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:

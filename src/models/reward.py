@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.models.objective import PairObjective
+from src.models.objective import PairObjective, TrainedModule
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -68,7 +68,7 @@ class Reward(PairObjective):
         model.set_output_embeddings(head)
         return [next(name for name, p in model.named_parameters() if p is head.weight)]
 
-    def check(self, module: Any) -> None:
+    def check(self, module: TrainedModule) -> None:
         from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
         config = module.hf_model.config
@@ -77,11 +77,6 @@ class Reward(PairObjective):
                 f"model/objective=reward on {config.model_type}: transformers has no sequence-classification model "
                 "for it, so its reward model could not be exported or used as GRPO's reward; use an architecture "
                 "that has one (llama, qwen2, mistral, gemma2, gpt2, ...)."
-            )
-        if module.router_balance is not None:
-            raise ConfigError(
-                f"model/objective=reward does not add {type(module.hf_model).__name__}'s router load-balancing loss: "
-                "set model.router_aux_loss=false to train the reward loss alone."
             )
 
     def export(self, model: nn.Module, pad_id: Optional[int] = None) -> nn.Module:
@@ -100,7 +95,7 @@ class Reward(PairObjective):
 
     # ---- the loss ----
 
-    def scores(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def scores(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(2B,) each row's reward: the head's output at its last real input token, fp32 at least. Read from the
         model's logits (the forward's own output, which FSDP2 backpropagates through); `prepare` switched off what a
         causal LM's forward does to them beyond the head (Gemma's soft-capping)."""
@@ -121,7 +116,7 @@ class Reward(PairObjective):
         detached = [chosen.detach(), rejected.detach(), (margin > 0).to(loss.dtype), margin.detach()]
         return torch.stack([loss, *detached], dim=1)
 
-    def pair_sums(self, module: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_sums(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         stats = self.pair_stats(self.scores(module, batch), batch.get("margin"))
         real = (batch["labels"] != -100).any(dim=1).chunk(2)[0]
         return (stats * real[:, None]).sum(dim=0), real.sum()

@@ -4,33 +4,34 @@ an MoE model adds its router's load-balancing loss (src/models/moe.py). Metrics:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from src.models import moe
 from src.models.loss import TokenMeanLoss
-from src.models.objective import Objective
+from src.models.objective import Objective, TrainedModule
 
 
 class SFT(Objective):
     name = "sft"
     refused_strategies: dict[str, str] = {}
+    adds_router_loss = True
 
     def __init__(self) -> None:
         super().__init__()
         self.val_metrics = nn.ModuleDict({"loss": TokenMeanLoss()})
         self.test_metrics = nn.ModuleDict({"loss": TokenMeanLoss()})
 
-    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if module.router_balance is not None:
             return self._balanced_step(module, batch, batch_idx)
-        loss = module.token_mean_loss(*module._loss_and_count(batch), batch_idx)
+        loss = module.token_mean_loss(*module.loss_and_count(batch), batch_idx)
         module.log_train_loss(loss, batch_idx)
         return loss
 
-    def _balanced_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def _balanced_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
         each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
         train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
@@ -54,8 +55,8 @@ class SFT(Objective):
             )
         return metrics
 
-    def evaluation_step(self, module: Any, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
-        metrics["loss"].update(*module._loss_and_count(batch))
+    def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
+        metrics["loss"].update(*module.loss_and_count(batch))
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
         loss = metrics["loss"].compute()

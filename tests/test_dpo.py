@@ -310,11 +310,13 @@ def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, data, tmp_path):
     difference of large numbers) and the backward, which is linear in those probabilities. So the loss differs by a
     few U32 L of its size; a gradient entry can differ by more of its tensor's largest entry where it sums many
     tokens' contributions that cancel (tiny GPT-2's ln_f.bias: 2 entries, each a sum over every token and class).
-    The test allows 32 U32 L (2.3e-5 here) of |loss| and of each tensor's largest gradient. Seen on a Xeon with
+    The test allows 128 U32 L (9.1e-5 here) of |loss| and of each tensor's largest gradient. Seen on a Xeon with
     ATen's default, AVX2 and AVX-512 kernels, one thread or two: at most 4.2 U32 L on the English pairs and 10.2 U32
-    L on the Chinese ones (ln_f.bias under ipo), a ratio of 0.32; in fp32 the same comparison differed 65 times more,
-    CPU-dependent. The comparison still tells our mistakes apart: a β 1 % off, the padding or (ipo) the prompt's
-    tokens left as targets, the pairs' losses summed instead of averaged each exceed it (by 480 times at least)."""
+    L on the Chinese ones (ln_f.bias under ipo); on a Zen 4 EPYC (AVX512-BF16) 45 U32 L on the Chinese pairs under
+    ipo, in every tensor of the first block alike (their gradients, ~1e-6, are 4e-5 of the embedding's: what reaches
+    them has cancelled), a ratio of 0.35; in fp32 the same comparison differed 65 times more, CPU-dependent. The
+    comparison still tells our mistakes apart: a β 1 % off, the padding or (ipo) the prompt's tokens left as targets,
+    the pairs' losses summed instead of averaged each exceed it (asserted below)."""
     from transformers import AutoTokenizer
 
     pairs = tiny_pairs(AutoTokenizer.from_pretrained(shared("tiny-gpt2")), data=data)
@@ -324,7 +326,7 @@ def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, data, tmp_path):
     with torch.no_grad():
         logits = ours.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert logits.dtype == torch.float64
-    tol = 32 * U32 * logits.logsumexp(-1).abs().max().item()
+    tol = 128 * U32 * logits.logsumexp(-1).abs().max().item()
     theirs = trls_loss_and_grads(loss_type, beta, ours.model.state_dict(), pairs, tmp_path)
     loss_and_grads = mean_loss_and_grads(ours, batch)
     assert loss_and_grads[0].dtype == torch.float64

@@ -34,7 +34,7 @@ TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(ARGS)  # the 15 slowest: the suite's 10-minute budget (docs/testing.md)
 
-# The GPU lane (tests/test_gpu.py, issue 50): on a machine with CUDA, in the Python that has the CUDA build of torch
+# The GPU lane (tests/test_gpu.py): on a machine with CUDA, in the Python that has the CUDA build of torch
 # and the project installed (GPU_PYTHON; a device machine reaches no registry, so it is not `make setup`'s venv).
 # GPU_LANE_ON_CPU=1 make test-gpu rehearses it here: the tests' own code, with the CPU as the device (~40 s)
 GPU_PYTHON ?= $(PY)

@@ -1,4 +1,4 @@
-"""Corpus scale: cold build, warm start and tokenizer throughput on a generated corpus (issue 17, goals 1-2).
+"""Corpus scale: cold build, warm start and tokenizer throughput on a generated corpus (docs/data.md).
 
     nice -n 10 python -m bench.corpus_scale --size-mb 300      # while developing on a shared machine
     python -m bench.corpus_scale                               # the issue's 2 GB figure, on a quiet machine

@@ -1,4 +1,4 @@
-"""Packing against padding (issue 48): tokens of real text trained per second, and the share of each batch that
+"""Packing against padding: tokens of real text trained per second, and the share of each batch that
 is padding, on the shared chat demo (data=chat) and the Alpaca demo (data=instruct), GPT-2's tokenizer.
 
     python -m bench.packing [--rounds 3 --steps 3 --batch 4 --seq-len 1024 --shape 2,2,64]

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The prepared command for a GPU machine (issue 50; a session has 15 minutes of device time, 10 a command). Here
+# The prepared command for a GPU machine (a session has 15 minutes of device time, 10 a command). Here
 # first, once: `bash scripts/gpu_wheels.sh NANOGPT_CHECKOUT` (fills the ignored .wheels/: the packages the machine's
 # image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
 #   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py, eager and
 #            model.compile=true, against nanoGPT's own train.py compiled (as it comes, and with GPT-2's biases and
-#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min by estimate, three compiles); and eager
-#            without the KV cache transformers fills in every training forward on a GPU (nocache: the issue's first
-#            suspect for the profile's cat and copies; without it transformers syncs the host once a forward instead)
+#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min by estimate, three compiles); and
+#            nocache (+model.config.use_cache=false: the same forward since the training forward asks for no KV cache
+#            on any device; kept to compare with the 2026-11-27 run, where it differed)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
-# Not yet run on a GPU.
+# Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/; docs/performance.md).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}

@@ -96,7 +96,7 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
     return upgraded(config) if config is not None else None
 
 
-# the objectives a checkpoint written before they were a config group (stop 57) can name
+# the objectives a checkpoint written before objectives were a config group can name
 OBJECTIVES = {"sft": "src.models.sft.SFT", "dpo": "src.models.dpo.DPO"}
 
 

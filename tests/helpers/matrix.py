@@ -31,10 +31,10 @@ def table(rows: list[dict]) -> str:
     versions = sorted({row["transformers"] for row in rows})
     built = {a: c for a, c in by_arch.items() if not any(r["outcome"] == "unbuilt" for r in c.values())}
     lines = [
-        f"transformers {', '.join(versions)}: {len(built)} of {len(by_arch)} architectures built and trained. Each"
-        " refusal is one sentence before step 1, shortened here: the whole one ends with what to use instead"
-        " (trainer=fsdp or trainer=ddp; for the router's loss, model.router_aux_loss=false), and trainer=tp's"
-        " names the styles it implements.",
+        f"transformers {', '.join(versions)}: {len(built)} of {len(by_arch)} architectures built and trained.",
+        "Each refusal is one sentence before step 1, shortened here: the whole one ends with what to use instead",
+        "(trainer=fsdp or trainer=ddp; for the router's loss, model.router_aux_loss=false), and trainer=tp's names",
+        "the styles it implements.",
         "",
         "| architecture | " + " | ".join(f"trainer={s}" for s in STRATEGIES) + " |",
         "| --- | " + " | ".join("---" for _ in STRATEGIES) + " |",

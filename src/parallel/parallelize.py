@@ -50,6 +50,9 @@ def parallelize(
     `fsdp`: the options of `shard` (reshard_after_forward, param_dtype, reduce_dtype, cpu_offload).
     """
     blocks = module.blocks() if blocks is None else blocks
+    # a frozen parameter (DPO's reference, an adapter's base) stays frozen: tensor parallel's DTensors are new
+    # Parameters that require a gradient (an optimizer state then expected for each, and a resume failing on it)
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
     if tensor_parallel is not None:
         split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
     if activation_checkpointing:
@@ -59,6 +62,9 @@ def parallelize(
             block.compile()  # in place: the parameter names (and so checkpoints) stay those of the plain model
     if data_parallel is not None:
         shard(module, data_parallel, blocks, **(fsdp or {}))
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     module._parallelized = True  # `parallelized`: a strategy's setup runs again for test after fit
     log.info(
         f"parallelize: {len(blocks)} blocks; tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "

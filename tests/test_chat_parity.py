@@ -60,8 +60,9 @@ SPLITS = {
     "zero2": [*CPU_DS, "trainer.strategy.stage=2"],
 }
 CASES = [
-    # the suite runs packed DDP; the rest (FSDP2, accumulation, ZeRO-2, padded) in the full matrix (suite time)
-    pytest.param(packing, split, marks=[] if (packing, split) == (True, "ddp") else [FULL_MATRIX_ONLY])
+    # all in the full matrix (suite time): the default suite's packed chat on 2 DDP ranks is tests/test_matrix.py's
+    # sample cell, through validation, test, resume, eval.py and export as well
+    pytest.param(packing, split, marks=[FULL_MATRIX_ONLY])
     for packing in (True, False)
     for split in SPLITS
 ]

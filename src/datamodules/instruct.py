@@ -105,7 +105,7 @@ class Records(Dataset):
         return self.items[i]
 
     def target_counts(self) -> np.ndarray:
-        """Target tokens per record: the loss normaliser (see LitModule.token_mean_scale)."""
+        """Target tokens per record: the loss normaliser (see LitModule.token_mean_loss)."""
         return np.array([(labels != IGNORE_INDEX).sum() for _, labels in self.items], dtype=np.int64)
 
 

@@ -86,7 +86,7 @@ class LitModule(L.LightningModule):
 
     def materialize(self, device: torch.device, sharded: bool) -> None:
         """Give a model built on the meta device its values (FSDP2Strategy calls it after fully_shard).
-        Nothing here: only models that defer their init (GPT2LitModule) override it."""
+        Nothing here: only models that defer their init (CausalLMLitModule) override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
         """The micro-batch's share of its optimizer step's loss, the mean over the step's target tokens

@@ -42,7 +42,7 @@ def check_choices(
         )
     if not isinstance(objective, Objective):  # model.objective=dpo (before objectives were a config group)
         raise ConfigError(
-            f"model.objective={objective!r} is not an objective: choose one with model/objective=sft|dpo "
+            f"model.objective={objective!r} is not an objective: choose one with model/objective=sft|dpo|reward|grpo "
             "(conf/model/objective/) and set its options as model.objective.<option>."
         )
     if lora and peft is not None:

@@ -1,6 +1,6 @@
-"""What a causal LM's training step optimises, as a config choice: `model/objective=sft|dpo` (conf/model/objective/),
-each objective in its own module behind this one small interface, so that CausalLMLitModule stays the same when an
-objective is added.
+"""What a causal LM's training step optimises, as a config choice: `model/objective=sft|dpo|reward|grpo`
+(conf/model/objective/), each objective in its own module behind this one small interface, so that
+CausalLMLitModule stays the same when an objective is added.
 
 An objective owns its training step (a loss normalised over the whole optimizer step, so that N ranks train what one
 process trains: LitModule.token_mean_loss), the statistics it logs, its evaluation metrics, what it adds to a
@@ -58,7 +58,8 @@ class TrainedModule(Protocol):
 class Objective(nn.Module):
     name = ""  # its option in conf/model/objective/
     # What its batches hold, as the datamodule's `batch_kind` says: tokens (input ids with shifted targets: text,
-    # instructions, chats) | pairs (a chosen and a rejected answer to one prompt: data=preference)
+    # instructions, chats) | pairs (a chosen and a rejected answer to one prompt: data=preference) | prompts
+    # (data=prompts: GRPO samples the answers)
     batch_kind = "tokens"
     # strategies it cannot run under: class name -> the option and why (trainer=pipeline's schedule computes the
     # next-token loss on its last stage, and nothing else)

@@ -130,7 +130,7 @@ class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
 
     @property
     def meta_init(self) -> bool:
-        """ZeRO-3: train.py builds the model on meta; GPT2LitModule.configure_model builds it again inside
+        """ZeRO-3: train.py builds the model on meta; CausalLMLitModule.configure_model builds it again inside
         Lightning's deepspeed.zero.Init, so each parameter is partitioned as it is made."""
         return self.zero_stage_3
 

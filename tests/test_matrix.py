@@ -64,7 +64,8 @@ DATA = {
     "instruct": ["data.seq_len=128", *SPLITS],
     "instruct-packed": ["data.seq_len=512", *SPLITS],  # about 2 records a row
     "chat": ["data.seq_len=512", "data.chat_template=chatml", *SPLITS],
-    "chat-packed": ["data.seq_len=1024", "data.chat_template=chatml", *SPLITS],
+    # bytes as tokens: the default suite's cell, and a 257-wide head instead of GPT-2's 50257 (suite time)
+    "chat-packed": ["data.seq_len=1024", "data.chat_template=chatml", "data.tokenizer=bytes", *SPLITS],
     "preference": ["data.seq_len=48", "data.max_prompt_len=24", *SPLITS],
     "prompts": ["data.seq_len=32", *SPLITS],
 }
@@ -164,7 +165,7 @@ def cell_args(kind: str, objective: str, directory: Path) -> list[str]:
         f"data.path={data_file(kind, directory)}",
         *DATA[kind],
         *packing_args,
-        *GPT2_TOKENIZER,
+        *([] if any(a.startswith("data.tokenizer=") for a in DATA[kind]) else GPT2_TOKENIZER),
         *MODEL,
         *RUN,
         *OBJECTIVE_ARGS.get(objective, []),

@@ -34,6 +34,7 @@ import yaml
 if __name__ == "__main__":  # python -m tests.test_matrix RESULTS: the tests' own imports, as under pytest
     sys.path.insert(0, str(Path(__file__).parent))
 from conftest import ALL, ROOT, once_per_session, path_overrides, read_events, run_script, shared
+from test_parity import QUIET
 
 from tests.helpers.margins import within
 
@@ -170,17 +171,6 @@ def cell_args(kind: str, objective: str, directory: Path) -> list[str]:
         *RUN,
         *OBJECTIVE_ARGS.get(objective, []),
     ]
-
-
-QUIET = [
-    "extras.print_config=false",
-    "trainer.enable_progress_bar=false",
-    "trainer.num_sanity_val_steps=0",
-    "callbacks.generate_text=null",
-    "callbacks.throughput=null",
-    "trainer.log_every_n_steps=1",
-    "trainer.precision=32-true",
-]
 
 
 def train(tmp: Path, name: str, args: list[str], check: bool = True):

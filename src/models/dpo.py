@@ -176,7 +176,7 @@ class DPO(PairObjective):
             return answer_logps(logits, batch["labels"])[0]
 
     @torch.no_grad()
-    def precompute_table(self, module: TrainedModule, datamodule: TrainedModule) -> None:
+    def precompute_table(self, module: TrainedModule, datamodule: Any) -> None:
         """One pass of the starting policy over every split's pairs, each rank its shard (the evaluation sampler:
         every rank the same number of forwards, which FSDP2 and ZeRO-3 need); gathered so that every rank holds
         the whole table. Called before the first step, or not at all when a checkpoint brought the table."""
@@ -215,7 +215,7 @@ class DPO(PairObjective):
         self.table, self.fingerprint = state["table"], state["fingerprint"]
 
 
-def data_fingerprint(datamodule: TrainedModule) -> str:
+def data_fingerprint(datamodule: Any) -> str:
     """Changes when any split's token ids or order change."""
     digest = hashlib.sha256()
     for name, split in sorted(datamodule.splits.items()):

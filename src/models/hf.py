@@ -130,20 +130,45 @@ def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> Pre
         ) from e
 
 
-def build_on_meta(config: PretrainedConfig) -> PreTrainedModel:
+def build_on_meta(
+    config: PretrainedConfig, constructor_values: Optional[dict[str, torch.Tensor]] = None
+) -> PreTrainedModel:
     """The model's parameters on the meta device (no memory, no RNG draws) and its buffers as an eager build
     computes them, on the CPU (accelerate's `init_empty_weights(include_buffers=False)`): what no checkpoint
     stores (RoPE's inv_freq, Gemma's embed_scale, Apertus' xIELU beta and eps) keeps its value through
     `init.allocate`, whatever computes it. Each parameter is created on the CPU and moved to meta as its module
-    registers it: one parameter's memory at a time, never the model's."""
+    registers it: one parameter's memory at a time, never the model's. `constructor_values`, when given, gets by
+    name the value each parameter of up to RECORDED_PARAMETER_SIZE elements had when it was registered (Apertus'
+    xIELU alpha_p: set by its constructor, which its _init_weights leaves)."""
     from accelerate import init_empty_weights
 
+    record: dict[tuple[int, str], torch.Tensor] = {}
     # some modules draw a parameter's value before registering it (Qwen3-Next's A_log): under a forked RNG that draw
     # leaves no trace, so every rank's later draws are those of a build on meta
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
+        to_meta = nn.Module.register_parameter  # accelerate's: moves the parameter to meta as it registers
+
+        def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+            if param is not None and not param.is_meta and param.numel() <= RECORDED_PARAMETER_SIZE:
+                record[(id(module), name)] = param.detach().clone()
+            to_meta(module, name, param)
+
+        if constructor_values is not None:
+            nn.Module.register_parameter = register
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        finally:
+            nn.Module.register_parameter = to_meta
     model.tie_weights()  # the patch gives each registration its own meta parameter: a tied head would come untied
+    if constructor_values is not None:
+        for prefix, module in model.named_modules():
+            for name, _ in module.named_parameters(recurse=False):
+                if (id(module), name) in record:
+                    constructor_values[f"{prefix}.{name}" if prefix else name] = record[(id(module), name)]
     return model
+
+
+RECORDED_PARAMETER_SIZE = 2**20  # build_on_meta's constructor values: kept for parameters up to this many elements
 
 
 def context_length(config: PretrainedConfig) -> int:
@@ -207,7 +232,8 @@ def architecture_fill(model: nn.Module, fallback: init.Fill) -> init.Fill:
     adapter) takes `fallback`. Private name with a canary: `_init_weights` (tests/test_architectures.py)."""
     from transformers import initialization
 
-    skeleton, built = build_on_meta_recording(model.config)
+    built: dict[str, torch.Tensor] = {}
+    skeleton = build_on_meta(model.config, built)
     modules = dict(skeleton.named_modules())
     params = dict(skeleton.named_parameters())
 
@@ -248,37 +274,6 @@ def architecture_fill(model: nn.Module, fallback: init.Fill) -> init.Fill:
         tensor.copy_(real)
 
     return fill
-
-
-RECORDED_PARAMETER_SIZE = 2**20  # constructor values kept for parameters up to this many elements
-
-
-def build_on_meta_recording(config: PretrainedConfig) -> tuple[PreTrainedModel, dict[str, torch.Tensor]]:
-    """build_on_meta, and the value each parameter of up to RECORDED_PARAMETER_SIZE elements had when its module
-    registered it (Apertus' xIELU alpha_p: set by its constructor, which its _init_weights leaves), by name."""
-    from accelerate import init_empty_weights
-
-    record: dict[tuple[int, str], torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        to_meta = nn.Module.register_parameter  # accelerate's: moves the parameter to meta as it registers
-
-        def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-            if param is not None and not param.is_meta and param.numel() <= RECORDED_PARAMETER_SIZE:
-                record[(id(module), name)] = param.detach().clone()
-            to_meta(module, name, param)
-
-        nn.Module.register_parameter = register
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        finally:
-            nn.Module.register_parameter = to_meta
-    model.tie_weights()
-    values = {}
-    for prefix, module in model.named_modules():
-        for name, _ in module.named_parameters(recurse=False):
-            if (id(module), name) in record:
-                values[f"{prefix}.{name}" if prefix else name] = record[(id(module), name)]
-    return model, values
 
 
 def resize_vocab(model: PreTrainedModel, vocab_size: int, base_seed: int, tokenizer: Optional[str] = None) -> None:

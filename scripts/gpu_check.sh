@@ -3,14 +3,15 @@
 # first, once: `bash scripts/gpu_wheels.sh NANOGPT_CHECKOUT` (fills the ignored .wheels/: the packages the machine's
 # image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
 #   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
-#   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py, eager and
-#            model.compile=true, against nanoGPT's own train.py compiled (as it comes, and with GPT-2's biases and
-#            vocabulary): step ms, tokens/s, MFU and the ratios, one round (~5 min by estimate, three compiles); and
-#            nocache (+model.config.use_cache=false: the same forward since the training forward asks for no KV cache
-#            on any device; kept to compare with the 2026-11-27 run, where it differed)
+#   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py: eager (the
+#            template), the compiled loss alone (loss), compiled blocks (blocks), the whole compiled model and loss
+#            (compile: model.compile=true) and the same with the loss eager, against nanoGPT's own train.py
+#            compiled (as it comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the
+#            ratios, one round (~7 min by estimate, six compiles)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
-#   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue
+#   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
+#            picks some
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
 # Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/; docs/performance.md).
@@ -19,6 +20,7 @@ OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}
 W=.wheels
 STAGES=${*:-bench profile lane}
+LANE_ARGS=${LANE_ARGS:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # The device README's way: the wheels into a target dir put on PYTHONPATH (ahead of the image's transformers), no
@@ -46,8 +48,9 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     bench)
-      timeout 420 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
-        --variants compile=model.compile=true nocache=+model.config.use_cache=false --nanogpt-repo "$W/nanoGPT" \
+      timeout 480 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
+        --variants loss=model.compile_loss=true blocks=model.compile=blocks compile=model.compile=true \
+        compile_eagerloss=model.compile=true,model.compile_loss=false --nanogpt-repo "$W/nanoGPT" \
         --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
       echo "exit $?" >> "$OUT/bench.txt"
@@ -69,8 +72,9 @@ for stage in $STAGES; do
       echo "exit $?" >> "$OUT/llama.txt" ;;
     lane)
       # make test-gpu's command, without make (the image may not have it)
-      GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 "$PYTHON" -m pytest -m gpu -p no:cacheprovider -n 0 -rs \
-        tests/test_gpu.py > "$OUT/test_gpu.txt" 2>&1
+      # -n 4: the tests are small; four share the GPU (1.7 min on an H200, 2026-11-27)
+      SHARED_DATA=$PWD/$W/shared-data GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 "$PYTHON" -m pytest -m gpu \
+        -p no:cacheprovider -n 4 -rs --durations=10 tests/test_gpu.py $LANE_ARGS > "$OUT/test_gpu.txt" 2>&1
       echo "the lane: exit $?" >> "$OUT/test_gpu.txt" ;;
     *) echo "unknown stage $stage (bench, profile, lane, llama)"; exit 2 ;;
   esac

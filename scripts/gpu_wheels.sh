@@ -20,6 +20,11 @@ rm -rf "$DEST" && mkdir -p "$DEST"
 # pure-Python projects published as source only: built here into wheels
 "$PY" -m pip wheel -q --no-deps -w "$DEST" "$(pin antlr4-python3-runtime)" "$(pin deepspeed)"
 cp -r ../shared/data/gpt2-tokenizer "$DEST/gpt2-tokenizer"
+# the shared data the lane's tests read (tests/conftest.py's SHARED_DATA points there): ../shared does not travel
+mkdir -p "$DEST/shared-data/preference" "$DEST/shared-data/chat"
+cp -r ../shared/data/tiny-gpt2 "$DEST/shared-data/"
+cp ../shared/data/preference/dpo_en_demo.json "$DEST/shared-data/preference/"
+cp ../shared/data/chat/glaive_toolcall_en_demo.json "$DEST/shared-data/chat/"
 if [ $# -ge 1 ]; then
   mkdir -p "$DEST/nanoGPT"
   cp "$1"/model.py "$1"/train.py "$1"/configurator.py "$DEST/nanoGPT/"

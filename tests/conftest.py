@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = Path(os.environ.get("SHARED_DATA") or ROOT.parent / "shared" / "data")  # SHARED_DATA: the GPU lane's copy
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub requests from tests: fail fast instead of retrying
 # One torch thread per process: in the test processes and in every run they start (which inherit it). `make test`

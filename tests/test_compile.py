@@ -1,7 +1,10 @@
-"""model.compile=true compiles and stays compiled: through torch's own dynamo counters, on a CPU with inductor, each
-block's forward is compiled once for training and once for evaluation (grad mode is a guard), with no graph break,
-and no step after the first compiles again. (A KV cache in the training forward made every block recompile on a
-guard of transformers' DynamicCache until dynamo's limit, then run eagerly: seen on an H200, ../shared/gpu/.)"""
+"""model.compile compiles and stays compiled: through torch's own dynamo counters, on a CPU with inductor, the
+compiled region (each whole network by default under DDP and one device; each block with model.compile=blocks) is
+compiled once for training and once for evaluation (grad mode is a guard), with no graph break, and no step after
+the first compiles again; the forwards that are not the run's (generation, the packing check) run eagerly instead
+of compiling graphs of their own. (A KV cache in the training forward made every block recompile on a guard of
+transformers' DynamicCache until dynamo's limit, then run eagerly: seen on an H200, ../shared/gpu/.) And the
+compiled model computes what the eager one does: in float64, loss and gradients to FLOAT64_TOL."""
 
 from __future__ import annotations
 
@@ -10,43 +13,54 @@ import torch
 from conftest import FULL_MATRIX_ONLY
 
 from tests.helpers.architectures import SAMPLE, tiny_config
+from tests.helpers.margins import close64
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: 15-40 s an architecture on 2 cores
 
 
-def compiled_module(arch: str):
+def compiled_module(arch: str, compile=True, **kwargs):
     from src.models.causal_lm import CausalLMLitModule
     from src.models.gpt2 import GPT2LitModule
     from src.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
     if arch == "gpt2":
-        module = GPT2LitModule(vocab_size=100, seq_len=32, n_layer=2, n_head=2, n_embd=16, compile=True,
-                               compile_loss=False)  # fmt: skip
+        module = GPT2LitModule(vocab_size=100, seq_len=32, n_layer=2, n_head=2, n_embd=16, compile=compile,
+                               compile_loss=False, **kwargs)  # fmt: skip
     else:
         from transformers import AutoConfig
 
         defaults = AutoConfig.for_model(arch).to_dict()  # the fields tiny_config changes, as the matrix passes them
         config = {k: v for k, v in tiny_config(arch).to_dict().items() if k in defaults and v != defaults[k]}
         config.pop("vocab_size", None)
-        module = CausalLMLitModule(vocab_size=100, seq_len=32, model_type=arch, config=config, compile=True,
-                                   compile_loss=False)  # fmt: skip
+        module = CausalLMLitModule(vocab_size=100, seq_len=32, model_type=arch, config=config, compile=compile,
+                                   compile_loss=False, **kwargs)  # fmt: skip
     return parallelize(module, **module.wrappers())  # as configure_model applies it under DDP and one device
 
 
-@pytest.mark.parametrize("arch", ["gpt2"] + [pytest.param(a, marks=FULL_MATRIX_ONLY) for a in SAMPLE])
-def test_compiled_blocks_compile_once_for_training_and_once_for_evaluation(arch, monkeypatch):
+def batch_of(vocab: int = 100) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.roll(-1, 1)}
+
+
+@pytest.mark.parametrize(
+    "arch, compile",
+    [("gpt2", True), ("gpt2", "blocks")] + [pytest.param(a, True, marks=FULL_MATRIX_ONLY) for a in SAMPLE],
+)
+def test_the_compiled_region_compiles_once_for_training_and_once_for_evaluation(arch, compile, monkeypatch):
     from torch._dynamo.utils import counters
 
+    from src.callbacks.generate_text import GenerateText
     from src.models.causal_lm import CausalLMLitModule
 
     torch._dynamo.reset()
     counters.clear()
-    module = compiled_module(arch)
+    module = compiled_module(arch, compile)
+    wrapped = [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert wrapped == ([module.model] if compile is True else [b for _, _, b in module.blocks()])
     # as on a GPU: the forward's choices must not depend on the device (a KV cache was kept on accelerators)
     monkeypatch.setattr(CausalLMLitModule, "device", property(lambda self: torch.device("cuda")))
-    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}
+    batch = batch_of()
     graphs = []
     for _ in range(3):
         module.train()
@@ -58,3 +72,70 @@ def test_compiled_blocks_compile_once_for_training_and_once_for_evaluation(arch,
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs == [2, 2, 2], graphs  # one graph for training, one for evaluation, none after the first step
+    monkeypatch.undo()
+    # the forwards that are not the run's: eager, no graph of their own (generation: a cache and a new length a step)
+    if arch == "gpt2":
+        module.check_packing()
+
+        class Tokenizer:
+            eos_id = 0
+
+            def encode_batch(self, texts):
+                return [torch.tensor([1, 2, 3])] * len(texts)
+
+            def decode(self, ids):
+                return str(ids)
+
+        callback = GenerateText(prompts=["a", "b"], max_new_tokens=4)
+        callback.prompts = ["a", "b"]
+        assert len(callback.generate(module.model, Tokenizer())) == 2
+        assert counters["stats"]["unique_graphs"] == 2, counters["stats"]
+
+
+def test_a_compiled_model_computes_what_the_eager_model_does():
+    """In float64 on both sides, loss and every gradient of the whole compiled network (training mode, dropout
+    off) to FLOAT64_TOL: inductor's fusions reorder sums, which float64 makes ~1e-15; a wrong graph moves them by
+    far more."""
+    results = []
+    for compile in (False, True):
+        torch._dynamo.reset()
+        module = compiled_module("gpt2", compile, dropout=0.0).double()
+        module.train()
+        loss, count = module.loss_and_count(batch_of())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in module.named_parameters()}))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    close64(compiled, eager, "loss")
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        close64(compiled_grads[name], grad, f"grad of {name}")
+
+
+def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it():
+    from src.parallel.parallelize import compile_region
+    from src.utils.config import ConfigError
+
+    assert compile_region(True, whole_model=True) == "model"
+    assert compile_region(True, whole_model=False) == "blocks"  # FSDP2, tp, pipeline stages, ZeRO-3
+    assert compile_region("blocks", whole_model=True) == "blocks"
+    assert compile_region(False, whole_model=True) is None
+    with pytest.raises(ConfigError, match=r"model.compile='model': use true"):
+        compile_region("model", whole_model=True)
+
+
+@FULL_MATRIX_ONLY  # suite time: two gloo ranks compiling a whole GPT-2 each take ~1 min on 2 cores
+def test_a_whole_compiled_model_under_ddp_trains_the_eager_model(tmp_path, reference):
+    """train.py, 2 gloo ranks, model.compile=true (the whole network and its loss compiled, the log says so)
+    against the eager 2-rank reference run of test_parity, at test_parity's fp32 tolerance; the checkpoint holds
+    the plain model's parameter names."""
+    from test_parity import GPT2_DDP, assert_same_series, max_param_diff, train
+
+    from tests.helpers.margins import within
+
+    eager = reference(GPT2_DDP)
+    compiled = train(tmp_path, "compiled", GPT2_DDP + ["model.compile=true"])
+    for tag in ("train/loss", "val/loss"):
+        assert_same_series(eager, compiled, tag, 1e-5)
+    within(max_param_diff(eager["params"], compiled["params"]), 1e-5, "params")
+    (log,) = (tmp_path / "compiled" / "train" / "runs").glob("*/train.log")
+    assert "compile model" in log.read_text() and "Token loss: compiled" in log.read_text()

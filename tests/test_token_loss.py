@@ -213,8 +213,8 @@ def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path)
 
 def test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs():
     """model.compile_loss: the torch.compile'd loss gives the eager sums and gradients (fp32 logits, and bf16 ones
-    as autocast makes them); auto compiles it on a CPU from AUTO_MIN_LOGITS logits over the run; a bad value is
-    one sentence.
+    as autocast makes them); auto compiles it where model.compile is on, or on a CPU from AUTO_MIN_LOGITS logits over
+    the run; a bad value is one sentence.
 
     The tolerances. In float64 the two are one function (FLOAT64_TOL). In fp32 (bf16 logits are upcast exactly
     first) inductor fuses and reorders the reductions, so each side rounds its own way: a token's log-sum-exp adds
@@ -233,6 +233,9 @@ def test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs
     for eager in ("auto", False):
         assert token_loss_function(eager, AUTO_MIN_LOGITS - 1, cpu) is summed_token_loss
     assert token_loss_function("auto", float("inf"), torch.device("meta")) is summed_token_loss  # not a CPU
+    # with model.compile on, auto compiles the loss on any device, whatever the run's length
+    assert token_loss_function("auto", 0, torch.device("meta"), model_compiled=True) is not summed_token_loss
+    assert token_loss_function(False, 0, cpu, model_compiled=True) is summed_token_loss
     with pytest.raises(ConfigError, match=r"model.compile_loss='yes': use true, false or auto\."):
         token_loss_function("yes", 0, cpu)
 

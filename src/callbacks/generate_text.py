@@ -97,7 +97,12 @@ class GenerateText(L.Callback):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         texts = []
         # A private RNG: sampling must not shift the training RNG stream (and with it the data order).
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # eagerly: model.compile's graphs are the training forward's, not generation's (a cache, a new length a step)
+        with (
+            torch.no_grad(),
+            torch.compiler.set_stance("force_eager"),
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
             torch.manual_seed(self.seed)
             # A diverged model would make sampling fail ("probability tensor contains either inf, nan").
             # The logits are the same on every rank (also sharded), so all ranks skip together. The last

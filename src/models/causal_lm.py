@@ -275,7 +275,8 @@ class CausalLMLitModule(LitModule):
         if init.has_meta(self.model) and not strategy.materializes_shards:
             self._materialize_here(strategy)
         if not strategy.parallelizes and not parallelized(self):  # DDP, one device, DeepSpeed
-            parallelize(self, **self.wrappers())  # no mesh: activation checkpointing and compile, per block
+            # no mesh: activation checkpointing and compile (each whole network; per block under ZeRO-3's hooks)
+            parallelize(self, **self.wrappers(), whole_model=not strategy.zero_stage_3)
 
     def _materialize_here(self, strategy: Any) -> None:
         if strategy.zero_stage_3 and not self._pretrained:
@@ -338,7 +339,7 @@ class CausalLMLitModule(LitModule):
         pipeline schedule computes on its last stage."""
         if self._token_loss is None:  # the device and the run's length are known from the first step on
             in_run = run_logits(self._trainer_or_none(), self.seq_len, self.config.vocab_size)
-            self._token_loss = token_loss_function(self._compile_loss, in_run, self.device)
+            self._token_loss = token_loss_function(self._compile_loss, in_run, self.device, bool(self._compile))
             log.info(
                 f"Token loss: {'compiled' if self._token_loss is not summed_token_loss else 'eager'} "
                 f"(model.compile_loss={str(self._compile_loss).lower()})"
@@ -390,8 +391,9 @@ class CausalLMLitModule(LitModule):
         positions = torch.cat([torch.arange(6), torch.arange(5)])[None].to(self.device)
         was_training = self.training
         self.eval()
-        packed = self.lm_forward({"input_ids": torch.cat([a, b], 1), "position_ids": positions}).logits.float()
-        alone = torch.cat([self.lm_forward({"input_ids": x}).logits.float() for x in (a, b)], 1)
+        with torch.compiler.set_stance("force_eager"):  # model.compile's graphs are for the run's shapes
+            packed = self.lm_forward({"input_ids": torch.cat([a, b], 1), "position_ids": positions}).logits.float()
+            alone = torch.cat([self.lm_forward({"input_ids": x}).logits.float() for x in (a, b)], 1)
         self.train(was_training)
         fp32 = next(self.model.parameters()).dtype == torch.float32
         gap, scale = (packed - alone).abs().max().item(), alone.abs().max().item()

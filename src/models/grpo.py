@@ -198,10 +198,11 @@ class GRPO(Objective):
             torch.Generator().manual_seed(sample_seed(module.base_seed, step, number, g)) for g in range(self.G)
         ]
         ids, tokens, cache = prompt.expand(self.G, -1), [], None
-        for _ in range(self.max_new_tokens):
-            out = module.model(input_ids=ids, cache=cache, use_cache=True)
-            ids, cache = self.pick(out.logits[:, -1], generators)[:, None], out.cache
-            tokens.append(ids)
+        with torch.compiler.set_stance("force_eager"):  # model.compile's graphs are the training forward's
+            for _ in range(self.max_new_tokens):
+                out = module.model(input_ids=ids, cache=cache, use_cache=True)
+                ids, cache = self.pick(out.logits[:, -1], generators)[:, None], out.cache
+                tokens.append(ids)
         return torch.cat(tokens, dim=1)
 
     def score(self, module: TrainedModule, number: int, completions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

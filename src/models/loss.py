@@ -29,9 +29,12 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return loss, (labels != IGNORE_INDEX).sum()
 
 
-def token_loss_function(compile: Union[bool, str], run_logits: float, device: torch.device) -> Callable:
+def token_loss_function(
+    compile: Union[bool, str], run_logits: float, device: torch.device, model_compiled: bool = False
+) -> Callable:
     """summed_token_loss as the model runs it (model.compile_loss): compiled by torch.compile when `compile` is
-    true, or "auto" on a CPU for a training run whose logits hold at least AUTO_MIN_LOGITS values (`run_logits`:
+    true, or "auto" where the model is compiled too (`model_compiled`: model.compile is on, its compiling time
+    already spent), or on a CPU for a training run whose logits hold at least AUTO_MIN_LOGITS values (`run_logits`:
     global batch x sequence length x vocabulary x optimizer steps; 0 outside training); else eager.
 
     Eagerly, the fp32 upcast, the log-softmax and the pick of each target are separate passes over a (tokens x
@@ -42,12 +45,12 @@ def token_loss_function(compile: Union[bool, str], run_logits: float, device: to
     runs (docs/performance.md). Compiling costs about 3 s of each process (9 s the first time on a machine, until
     inductor's cache in the temp dir holds the kernels); auto compiles where the run saves more than that: from
     2e9 logits, at least 8 s in bf16 (2 s in fp32).
-    The decision reads only the config, so every device count makes the same one. Not run on a GPU here.
+    The decision reads only the config, so every device count makes the same one.
     """
     if compile not in (True, False, "auto"):
         raise ConfigError(f"model.compile_loss={compile!r}: use true, false or auto.")
     if compile == "auto":
-        compile = device.type == "cpu" and run_logits >= AUTO_MIN_LOGITS
+        compile = model_compiled or (device.type == "cpu" and run_logits >= AUTO_MIN_LOGITS)
     return torch.compile(summed_token_loss) if compile else summed_token_loss
 
 

@@ -3,7 +3,8 @@
 
     1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor_parallel.py)
     2. activation ckpt    recompute each block's activations in backward instead of storing them
-    3. compile            torch.compile each block, in place
+    3. compile            torch.compile the largest region that is correct, in place: each whole network (with
+                          no mesh: DDP, one device, ZeRO-1/2), else each block
     4. FSDP2              shard each block, then the rest as one root unit, over the `data_parallel` ranks
 
 Why this order: compile must see the final (tensor-parallel, checkpointed) block to trace it; FSDP2's
@@ -11,7 +12,8 @@ hooks must sit outside the compiled block, where they gather its parameters befo
 
 Every strategy reaches this function: FSDP2Strategy, TensorParallelStrategy and the pipeline (per stage)
 call it with their meshes (they set `parallelizes = True`); under DDP, one device and DeepSpeed the model's
-`configure_model` calls it without meshes (activation checkpointing and compile only). The model only says
+`configure_model` calls it without meshes (activation checkpointing and compile only; `whole_model=False` under
+ZeRO-3, whose gathering hooks sit on every module). The model only says
 which modules are its repeated blocks (`LitModule.blocks()`) and which networks its steps call
 (`networks()`); the switches come from `model.gradient_checkpointing` and `model.compile`.
 """
@@ -19,7 +21,7 @@ which modules are its repeated blocks (`LitModule.blocks()`) and which networks 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from src.parallel.tensor_parallel import split_blocks
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +44,15 @@ def parallelize(
     data_parallel: Optional[DeviceMesh] = None,
     blocks: Optional[list[Block]] = None,
     activation_checkpointing: bool = False,
-    compile: bool = False,
+    compile: Union[bool, str] = False,
+    whole_model: bool = True,
     fsdp: Optional[dict[str, Any]] = None,
 ) -> Any:
     """Apply steps 1-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
 
     `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.
+    `compile`: false, true (the largest correct region: `compile_region`) or "blocks".
+    `whole_model`: the caller allows compiling whole networks (see `compile_region`).
     `fsdp`: the options of `shard` (reshard_after_forward, param_dtype, reduce_dtype, cpu_offload).
     """
     blocks = module.blocks() if blocks is None else blocks
@@ -57,9 +63,10 @@ def parallelize(
         split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
     if activation_checkpointing:
         checkpoint_blocks(module)
-    if compile:
-        for _, _, block in blocks:
-            block.compile()  # in place: the parameter names (and so checkpoints) stay those of the plain model
+    region = compile_region(compile, whole_model and tensor_parallel is None and data_parallel is None)
+    # in place (Module.compile): the parameter names, and so checkpoints, stay those of the plain model
+    for network in module.networks() if region == "model" else [block for _, _, block in blocks] if region else []:
+        network.compile()
     if data_parallel is not None:
         shard(module, data_parallel, blocks, **(fsdp or {}))
     for name, param in module.named_parameters():
@@ -68,10 +75,21 @@ def parallelize(
     module._parallelized = True  # `parallelized`: a strategy's setup runs again for test after fit
     log.info(
         f"parallelize: {len(blocks)} blocks; tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
-        f"activation checkpointing {activation_checkpointing}, compile {compile}, "
+        f"activation checkpointing {activation_checkpointing}, compile {region or 'off'}, "
         f"FSDP2 over {data_parallel.size() if data_parallel is not None else 0} rank(s)"
     )
     return module
+
+
+def compile_region(compile: Union[bool, str], whole_model: bool) -> Optional[str]:
+    """What model.compile compiles: None, "model" (each network whole: its head and the matmuls between blocks in the
+    graph too, where inductor pads a vocabulary such as GPT-2's 50257 to an aligned width) or "blocks" (each block:
+    what FSDP2 and tensor parallel's per-block hooks and DTensors, and the pipeline's stages, allow)."""
+    if compile not in (True, False, "blocks"):
+        raise ConfigError(f"model.compile={compile!r}: use true (the largest correct region), blocks or false.")
+    if not compile:
+        return None
+    return "model" if compile is True and whole_model else "blocks"
 
 
 def parallelized(module: Any) -> bool:

@@ -283,6 +283,7 @@ def parallelize(
         module,
         tensor_parallel=tp if tp.size() > 1 else None,
         blocks=[block for block in blocks if int(block[1]) in keep],
+        whole_model=False,  # a stage is part of a network
         **module.wrappers(),
     )
     stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1, eager=eager) for i in indices]

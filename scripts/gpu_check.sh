@@ -4,17 +4,17 @@
 # image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
 #   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py: eager (the
-#            template), the compiled loss alone (loss), compiled blocks (blocks), the whole compiled model and loss
-#            (compile: model.compile=true) and the same with the loss eager, against nanoGPT's own train.py
-#            compiled (as it comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the
-#            ratios, one round (~7 min by estimate, six compiles)
+#            template), compiled blocks and head (blocks: model.compile=blocks), the whole compiled model (compile:
+#            model.compile=true), each with its loss compiled, against nanoGPT's own train.py compiled (as it comes,
+#            and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (~4 min;
+#            with two more variants it took 5.3 min on an H200, 2026-11-27)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
 #            picks some
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
-# Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/; docs/performance.md).
+# Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/, docs/results/gpu_*.jsonl; docs/performance.md).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}
@@ -49,8 +49,7 @@ for stage in $STAGES; do
   case $stage in
     bench)
       timeout 480 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
-        --variants loss=model.compile_loss=true blocks=model.compile=blocks compile=model.compile=true \
-        compile_eagerloss=model.compile=true,model.compile_loss=false --nanogpt-repo "$W/nanoGPT" \
+        --variants blocks=model.compile=blocks compile=model.compile=true --nanogpt-repo "$W/nanoGPT" \
         --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
       echo "exit $?" >> "$OUT/bench.txt"

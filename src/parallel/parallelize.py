@@ -3,8 +3,8 @@
 
     1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor_parallel.py)
     2. activation ckpt    recompute each block's activations in backward instead of storing them
-    3. compile            torch.compile the largest region that is correct, in place: each whole network (with
-                          no mesh: DDP, one device, ZeRO-1/2), else each block
+    3. compile            torch.compile, in place: each whole network (with no mesh: DDP, one device, ZeRO-1/2),
+                          else each block (and, with no mesh, the output projection)
     4. FSDP2              shard each block, then the rest as one root unit, over the `data_parallel` ranks
 
 Why this order: compile must see the final (tensor-parallel, checkpointed) block to trace it; FSDP2's
@@ -63,10 +63,14 @@ def parallelize(
         split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
     if activation_checkpointing:
         checkpoint_blocks(module)
-    region = compile_region(compile, whole_model and tensor_parallel is None and data_parallel is None)
+    no_mesh = tensor_parallel is None and data_parallel is None
+    region = compile_region(compile, whole_model and no_mesh)
     # in place (Module.compile): the parameter names, and so checkpoints, stay those of the plain model
-    for network in module.networks() if region == "model" else [block for _, _, block in blocks] if region else []:
-        network.compile()
+    parts, heads = compiled_parts(module, region, blocks, head=whole_model and no_mesh)
+    for part in parts:
+        part.compile()
+    for head in heads:  # Module.compile would trace nothing: dynamo skips a frame of torch.nn's own code
+        head.forward = torch.compile(head.forward)
     if data_parallel is not None:
         shard(module, data_parallel, blocks, **(fsdp or {}))
     for name, param in module.named_parameters():
@@ -83,13 +87,34 @@ def parallelize(
 
 def compile_region(compile: Union[bool, str], whole_model: bool) -> Optional[str]:
     """What model.compile compiles: None, "model" (each network whole: its head and the matmuls between blocks in the
-    graph too, where inductor pads a vocabulary such as GPT-2's 50257 to an aligned width) or "blocks" (each block:
-    what FSDP2 and tensor parallel's per-block hooks and DTensors, and the pipeline's stages, allow)."""
+    graph too, where inductor pads a vocabulary such as GPT-2's 50257 to an aligned width) or "blocks" (each block,
+    what FSDP2 and tensor parallel's per-block hooks and DTensors, and the pipeline's stages, allow; see
+    `compiled_parts`)."""
     if compile not in (True, False, "blocks"):
         raise ConfigError(f"model.compile={compile!r}: use true (the largest correct region), blocks or false.")
     if not compile:
         return None
     return "model" if compile is True and whole_model else "blocks"
+
+
+def compiled_parts(
+    module: Any, region: Optional[str], blocks: list[Block], head: bool
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the modules, the output projections) `region` compiles: each network whole ("model"), or each block
+    ("blocks") and, where `head`
+    allows (no mesh, no ZeRO-3), each network's output projection: eagerly, a vocabulary such as GPT-2's 50257 is a
+    matmul of an unaligned width (measured on an H200: docs/performance.md).
+
+    Between compiled blocks the model's own forward runs eagerly, its attention masks too: there transformers can
+    hand SDPA `is_causal` and no mask for an unpadded batch, which it cannot while tracing a whole model (it cannot
+    read the position ids that would say the batch is not packed), so a whole compiled model's attention takes an
+    explicit mask (tests/test_compile.py)."""
+    if region == "model":
+        return list(module.networks()), []
+    if region != "blocks":
+        return [], []
+    heads = [getattr(network, "get_output_embeddings", lambda: None)() for network in module.networks() if head]
+    return [block for _, _, block in blocks], [h for h in heads if h is not None]
 
 
 def parallelized(module: Any) -> bool:

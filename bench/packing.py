@@ -52,7 +52,7 @@ def batches(data: str, packing: bool, batch: int, seq_len: int, steps: int) -> l
 def train_time(batches_: list[tuple[dict, int, int]], shape: tuple[int, int, int], vocab: int) -> float:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from src.models.loss import summed_token_loss
+    from src.objectives.loss import summed_token_loss
 
     layers, heads, width = shape
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ commit measured, or "unknown") and `bench` (the command), then its figures as na
     python scripts/results_tables.py --write    # rewrite the marked blocks
 
 A marked block in README.md or docs/*.md is the generated table between `<!-- results:NAME -->` and
-`<!-- /results:NAME -->`, each on a line of its own.
+`<!-- /results:NAME -->`, each on a line of its own; `<!-- results:NAME latest -->` shows only the records of the
+file's newest date and commit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ RESULTS = ROOT / "docs" / "results"
 REQUIRED = ("date", "machine", "commit", "bench")
 MAX_COLUMNS = 10  # more named figures than this across a file: one "figures" column of name=value pairs
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-BLOCK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
+BLOCK = re.compile(r"(<!-- results:(\w+)( latest)? -->\n)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
 
 
 class Number(str):
@@ -100,11 +101,17 @@ def names() -> list[str]:
     return sorted(path.stem for path in RESULTS.glob("*.jsonl"))
 
 
-def generate(name: str) -> str:
+def generate(name: str, latest: bool = False) -> str:
+    """The table of docs/results/NAME.jsonl; `latest`: only the records of its newest date and commit (the current
+    figures; the file keeps the history)."""
     path = RESULTS / f"{name}.jsonl"
     if not path.is_file():
         raise ResultsError(f"no results file docs/results/{name}.jsonl")
-    return table(load(path))
+    records = load(path)
+    if latest and records:
+        newest = (records[-1]["date"], records[-1]["commit"])
+        records = [r for r in records if (r["date"], r["commit"]) == newest]
+    return table(records)
 
 
 def documents() -> list[Path]:
@@ -113,7 +120,7 @@ def documents() -> list[Path]:
 
 def update(text: str) -> str:
     """The text with every marked block replaced by what its results file generates."""
-    return BLOCK.sub(lambda m: m.group(1) + generate(m.group(2)) + m.group(4), text)
+    return BLOCK.sub(lambda m: m.group(1) + generate(m.group(2), bool(m.group(3))) + m.group(5), text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,7 +216,7 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
     loss and every gradient agree in float64 (the real shared chats, GPT-2's tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from src.models.loss import summed_token_loss
+    from src.objectives.loss import summed_token_loss
 
     tokenizer = gpt2_tokenizer()
     render = ChatTemplate(tokenizer, None)

@@ -16,8 +16,8 @@ from conftest import ALL, FULL_MATRIX_ONLY, shared
 
 from src.datamodules.corpus import CorpusError
 from src.datamodules.preference import PreferenceDataModule, pair_collate
-from src.models.dpo import DPO, answer_logps
 from src.models.gpt2 import GPT2LitModule
+from src.objectives.dpo import DPO, answer_logps
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, close64, within
 
@@ -682,3 +682,27 @@ def test_a_checkpoint_from_before_objectives_were_a_config_group_builds_its_dpo_
     torch.save({"config": stored}, tmp_path / "old.ckpt")
     module = instantiate(OmegaConf.create(read_config(tmp_path / "old.ckpt")).model, vocab_size=257)
     assert isinstance(module.objective, DPO) and module.objective.beta == 0.3 and module.reference is not None
+
+
+def test_a_checkpoint_from_before_src_objectives_builds_its_objective_and_rewards(tmp_path):
+    """A stored config names its objective and reward functions where they lived before src/objectives/
+    (`src.models.grpo.GRPO`, `src.models.verifiers.exact_match`): read back, they are named where they are now and
+    the model builds with them."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from test_configs import compose_cfg
+
+    from src.checkpoint.convert import read_config
+    from src.objectives.grpo import GRPO
+
+    cfg = compose_cfg(["model/objective=grpo", "data=prompts", "model.pretrained=null", *GPT2_SHAPE])
+    stored = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
+    stored = OmegaConf.to_container(
+        OmegaConf.create(OmegaConf.to_yaml(stored).replace("src.objectives.", "src.models."))
+    )  # as train.py stored it before
+    assert stored["model"]["objective"]["_target_"] == "src.models.grpo.GRPO"
+    torch.save({"config": stored}, tmp_path / "old.ckpt")
+    config = read_config(tmp_path / "old.ckpt")
+    assert "src.models.grpo" not in str(config) and "src.models.verifiers" not in str(config)
+    module = instantiate(OmegaConf.create(config).model, vocab_size=257)
+    assert isinstance(module.objective, GRPO)

@@ -13,8 +13,8 @@ from conftest import FULL_MATRIX_ONLY, shared
 from test_dpo import CPU_DS, LORA, moved, worst_relative_difference
 
 from src.models.gpt2 import GPT2LitModule
-from src.models.grpo import GRPO, completion_mask, group_advantages, sample_seed
-from src.models.verifiers import exact_match, format_match
+from src.objectives.grpo import GRPO, completion_mask, group_advantages, sample_seed
+from src.objectives.verifiers import exact_match, format_match
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
 
@@ -243,7 +243,7 @@ def test_objective_data_and_strategy_must_agree(overrides, words):
 
 REWARDS = [
     "model.objective.rewards=[{_target_: tests.helpers.rewards.digit_share, _partial_: true},"
-    "{_target_: src.models.verifiers.exact_match, _partial_: true}]",
+    "{_target_: src.objectives.verifiers.exact_match, _partial_: true}]",
     "model.objective.reward_weights=[1.0,2.0]",
 ]
 
@@ -333,7 +333,7 @@ def test_a_reward_model_scores_completions_as_its_export_does(tmp_path):
     """RewardModelScore on export-hf's dir of a reward model (bytes): the scores of prompt + completion are the
     reward model's own (the head at the last real token); the policy's tokenizer must be the reward model's."""
     from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer
-    from src.models.reward import Reward, RewardModelScore
+    from src.objectives.reward import Reward, RewardModelScore
 
     torch.manual_seed(0)
     module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward()).eval()
@@ -377,7 +377,7 @@ def test_sft_then_a_reward_model_then_grpo_from_config_alone(tmp_path):
     run_script("-m", ["src.tools.checkpoints", "export-hf", str(last_ckpt(tmp_path, "reward")), str(tmp_path / "rm")])
     run_script("train.py", stage("grpo") + [
         "experiment=gpt2_grpo", f"model.pretrained={sft}", f"data.path={arithmetic(tmp_path / 'sums.jsonl')}",
-        f"model.objective.rewards=[{{_target_: src.models.reward.RewardModelScore, path: {tmp_path / 'rm'}}}]",
+        f"model.objective.rewards=[{{_target_: src.objectives.reward.RewardModelScore, path: {tmp_path / 'rm'}}}]",
         "trainer.val_check_interval=2", "model.objective.num_generations=2",
     ])  # fmt: skip
     (run,) = (tmp_path / "grpo" / "train" / "runs").iterdir()

@@ -3,8 +3,9 @@
 The order, lowest first (README "Code map"): utils (errors, config, logging, labels, machine: imports nothing of
 ours) < architectures (what is known of a model before it is built, GPT-2's adapter), launch (starting the ranks)
 < checkpoint (saving, reading, resuming anywhere) < parallel (what makes N ranks
-train as 1) < models, datamodules (which know nothing of each other) < callbacks < tools < run (what a job does
-around the Trainer); train.py, eval.py and bench/ sit on top.
+train as 1) < objectives (what a step optimises, and the contract a module offers it) < models, datamodules (which
+know nothing of each other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and
+bench/ sit on top.
 Function-level imports count too: they are how a circle hides.
 
 UPWARD lists the imports that still run against the order, each a debt to pay by moving the code that needs it
@@ -19,8 +20,8 @@ import ast
 from conftest import ROOT
 
 LAYER = {
-    **{"utils": 0, "architectures": 1, "launch": 1, "checkpoint": 2, "parallel": 3, "models": 4, "datamodules": 4},
-    **{"callbacks": 5, "tools": 6, "run": 7},
+    **{"utils": 0, "architectures": 1, "launch": 1, "checkpoint": 2, "parallel": 3, "objectives": 4},
+    **{"models": 5, "datamodules": 5, "callbacks": 6, "tools": 7, "run": 8},
 }
 UPWARD: set[tuple[str, str]] = set()  # (importing module, imported module): known debts; none left
 
@@ -89,37 +90,39 @@ def test_no_import_circle():
 
 
 def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):
-    """The check bites: a utils module importing a model is reported."""
+    """The check bites: a utils module importing an objective's module is reported."""
     import test_layers
 
     fake = tmp_path / "src" / "utils"
     fake.mkdir(parents=True)
-    (fake / "bad.py").write_text("from src.models.loss import IGNORE_INDEX\n")
-    (tmp_path / "src" / "models").mkdir()
-    (tmp_path / "src" / "models" / "loss.py").write_text("IGNORE_INDEX = -100\n")
+    (fake / "bad.py").write_text("from src.objectives.loss import IGNORE_INDEX\n")
+    (tmp_path / "src" / "objectives").mkdir()
+    (tmp_path / "src" / "objectives" / "loss.py").write_text("IGNORE_INDEX = -100\n")
     monkeypatch.setattr(test_layers, "ROOT", tmp_path)
     monkeypatch.setattr(test_layers, "UPWARD", set())
     try:
         test_layers.test_no_import_runs_against_the_layer_order()
     except AssertionError as e:
-        assert "('src.utils.bad', 'src.models.loss')" in str(e)
+        assert "('src.utils.bad', 'src.objectives.loss')" in str(e)
     else:
         raise AssertionError("an upward import went unseen")
 
 
-OBJECTIVES = ["objective", "sft", "dpo", "reward", "grpo"]  # src/models/: the objectives and their base
+OBJECTIVES = ["base", "sft", "dpo", "reward", "grpo"]  # src/objectives/: the objectives and their base
 
 
 def test_objectives_use_only_the_trained_modules_contract():
-    """Every `module.<name>` an objective reads is a member of TrainedModule (src/models/objective.py), none is
+    """Every `module.<name>` an objective reads is a member of TrainedModule (src/objectives/base.py), none is
     private, and CausalLMLitModule has each: the contract between the module and its objectives is that class."""
+    # every objective of conf/model/objective/ is scanned
+    assert sorted(OBJECTIVES[1:]) == sorted(p.stem for p in (ROOT / "conf" / "model" / "objective").glob("*.yaml"))
     from src.models.gpt2 import GPT2LitModule
-    from src.models.objective import TrainedModule
+    from src.objectives.base import TrainedModule
 
     contract = set(TrainedModule.__annotations__) | {n for n in vars(TrainedModule) if not n.startswith("_")}
     used: dict[str, set[str]] = {}
     for name in OBJECTIVES:
-        tree = ast.parse((ROOT / "src" / "models" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "src" / "objectives" / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "module":
                 used.setdefault(node.attr, set()).add(name)

@@ -345,7 +345,7 @@ def test_the_forward_without_kv_cache_gives_the_cached_loss(prefix):
     from conftest import shared
     from peft import PrefixTuningConfig
 
-    from src.models.loss import summed_token_loss
+    from src.objectives.loss import summed_token_loss
 
     torch.manual_seed(0)
     if prefix:  # on pretrained weights, as users run it: the prefix takes positions of the model's context
@@ -600,10 +600,10 @@ def test_no_training_or_evaluation_forward_fills_a_kv_cache(arch, objective, mon
     none, whatever the module's device: the module is made to report a CUDA device, where transformers' default
     (config.use_cache) would fill one in every training forward."""
     from src.models.causal_lm import CausalLMLitModule
-    from src.models.dpo import DPO
-    from src.models.grpo import GRPO
-    from src.models.reward import Reward
-    from src.models.verifiers import exact_match
+    from src.objectives.dpo import DPO
+    from src.objectives.grpo import GRPO
+    from src.objectives.reward import Reward
+    from src.objectives.verifiers import exact_match
 
     made = {"sft": None, "sft-packed": None, "dpo": DPO(), "dpo-lora": DPO(), "reward": Reward(center_rewards=0.01),
             "grpo": GRPO(rewards=[exact_match], num_generations=2, max_new_tokens=3, beta=0.04)}[objective]  # fmt: skip

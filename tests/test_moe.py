@@ -1,5 +1,5 @@
 """Mixture-of-experts models: the router's load-balancing loss is in the trained loss as transformers defines it
-(its own `load_balancing_loss_func`, on each sequence: src/models/moe.py), logged, and refused where a strategy or
+(its own `load_balancing_loss_func`, on each sequence: src/objectives/moe.py), logged, and refused where a strategy or
 objective cannot carry it. That 2 ranks, FSDP2 and accumulation train what 1 process trains, aux loss included, is
 tests/test_architectures_parity.py's (mixtral cases)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from src.models.causal_lm import CausalLMLitModule
-from src.models.dpo import DPO
+from src.objectives.dpo import DPO
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
 
@@ -65,9 +65,9 @@ def test_trained_loss_is_the_token_loss_plus_each_sequences_transformers_aux_los
 
 @pytest.mark.parametrize("name", ["dpo", "reward", "grpo"])
 def test_an_objective_without_the_router_loss_on_an_moe_model_is_one_sentence(name):
-    from src.models.grpo import GRPO
-    from src.models.reward import Reward
-    from src.models.verifiers import exact_match
+    from src.objectives.grpo import GRPO
+    from src.objectives.reward import Reward
+    from src.objectives.verifiers import exact_match
 
     made = {"dpo": DPO, "reward": Reward, "grpo": lambda: GRPO(rewards=[exact_match])}[name]
     with pytest.raises(ConfigError, match=f"model/objective={name} does not add MixtralForCausalLM's router load-bal"):

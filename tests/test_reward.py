@@ -20,7 +20,7 @@ from test_dpo import (
 )
 
 from src.models.gpt2 import GPT2LitModule
-from src.models.reward import Reward
+from src.objectives.reward import Reward
 from src.utils.config import ConfigError
 from tests.helpers.margins import within
 

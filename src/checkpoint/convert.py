@@ -14,6 +14,7 @@ previous version during its swap (src/checkpoint/files.py), never checkpoints to
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -97,12 +98,16 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
 
 
 # the objectives a checkpoint written before objectives were a config group can name
-OBJECTIVES = {"sft": "src.models.sft.SFT", "dpo": "src.models.dpo.DPO"}
+OBJECTIVES = {"sft": "src.objectives.sft.SFT", "dpo": "src.objectives.dpo.DPO"}
+# where a stored `_target_` of an objective, a reward function or the token loss lived before src/objectives/
+MOVED = re.compile(r"^src\.models\.(objective|sft|dpo|reward|grpo|verifiers|loss|moe)\.")
 
 
-def upgraded(config: dict[str, Any]) -> dict[str, Any]:
+def upgraded(config: Any) -> Any:
     """A stored config as this version builds it: one from before objectives were a config group (`model.objective:
-    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.models.dpo.DPO, beta: ...}`."""
+    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.objectives.dpo.DPO, beta: ...}`; a
+    `_target_` under src/models/ that moved to src/objectives/ is named where it is now."""
+    config = _moved(config)
     model = config.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("objective"), str):
         return config
@@ -110,6 +115,17 @@ def upgraded(config: dict[str, Any]) -> dict[str, Any]:
     model = {k: v for k, v in model.items() if k != "dpo"}
     model["objective"] = {"_target_": OBJECTIVES[name], **(settings if name == "dpo" else {})}
     return {**config, "model": model}
+
+
+def _moved(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _moved(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_moved(v) for v in node]
+    if isinstance(node, str) and MOVED.match(node):
+        name = MOVED.match(node).group(1)
+        return MOVED.sub(f"src.objectives.{'base' if name == 'objective' else name}.", node)
+    return node
 
 
 def read_stored(path: str | Path, key: str) -> Any:

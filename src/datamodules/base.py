@@ -114,7 +114,7 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, u
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
-    # what a batch holds, for the objective that trains on it (src/models/objective.py): tokens (input ids and their
+    # what a batch holds, for the objective that trains on it (src/objectives/base.py): tokens (input ids and their
     # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
     # for GRPO) | images (data=digits, mnist: for model=convnet, no objective)
     batch_kind = "tokens"

@@ -118,7 +118,7 @@ def sequence(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.nda
 
 class Pairs(Dataset):
     """Item i: (index, chosen ids, chosen labels, rejected ids, rejected labels). `index` numbers the pair in the
-    file's usable pairs, so a precomputed reference log-prob can be found again (src/models/dpo.py)."""
+    file's usable pairs, so a precomputed reference log-prob can be found again (src/objectives/dpo.py)."""
 
     def __init__(self, items: list[tuple]) -> None:
         self.items = items

@@ -18,12 +18,13 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from src.models import hf, init, moe
+from src.models import hf, init
 from src.models.base import LitModule
 from src.models.flops import FlopCount, count_flops
-from src.models.loss import run_logits, summed_token_loss, token_loss_function
-from src.models.objective import Objective
-from src.models.sft import SFT
+from src.objectives import moe
+from src.objectives.base import Objective
+from src.objectives.loss import run_logits, summed_token_loss, token_loss_function
+from src.objectives.sft import SFT
 from src.parallel import capabilities
 from src.parallel.parallelize import parallelize, parallelized
 from src.utils.config import ConfigError
@@ -94,7 +95,7 @@ class CausalLMLitModule(LitModule):
         use_lora = bool(lora.pop("enabled", False))
         objective = SFT() if objective is None else objective
         check_choices(model_type, pretrained, size_for, objective, use_lora, peft)
-        self.objective = objective  # what the step optimises (src/models/objective.py)
+        self.objective = objective  # what the step optimises (src/objectives/base.py)
         adapter = use_lora or peft is not None
         # Under a sharding strategy (train.py's deferred_init) the model stays on the meta device here and
         # the strategy materialises only this rank's part (see materialize); adapters are built eagerly.
@@ -121,7 +122,7 @@ class CausalLMLitModule(LitModule):
             model = self._add_adapter(model, peft, seq_len)
         self.flop_count: FlopCount = flops_of(model, peft)
         self.model = model
-        # an MoE model's load-balancing loss (src/models/moe.py), read before a strategy wraps the model's class
+        # an MoE model's load-balancing loss (src/objectives/moe.py), read before a strategy wraps the model's class
         self.router_balance = moe.balance_loss_function(self.hf_model) if router_aux_loss else None
         objective.check(self)
         if self.router_balance is not None and not objective.adds_router_loss:
@@ -335,7 +336,7 @@ class CausalLMLitModule(LitModule):
     # ---- steps ----
 
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """summed_token_loss, compiled or not as model.compile_loss says (src/models/loss.py); also what the
+        """summed_token_loss, compiled or not as model.compile_loss says (src/objectives/loss.py); also what the
         pipeline schedule computes on its last stage."""
         if self._token_loss is None:  # the device and the run's length are known from the first step on
             in_run = run_logits(self._trainer_or_none(), self.seq_len, self.config.vocab_size)
@@ -408,7 +409,7 @@ class CausalLMLitModule(LitModule):
         """(sum of the batch's token losses, number of targets)."""
         return self.token_loss(self.lm_forward(batch).logits, batch["labels"])
 
-    # ---- the objective's (src/models/objective.py) ----
+    # ---- the objective's (src/objectives/base.py) ----
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.loss_for_backward(self.objective.training_step(self, batch, batch_idx))

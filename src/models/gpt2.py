@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
-from src.models.objective import Objective
+from src.objectives.base import Objective
 from src.utils.config import ConfigError, check_int
 
 

@@ -1,6 +1,6 @@
 """Next-token prediction on the data's targets (`model/objective=sft`, the default): pretraining on packed text and
 supervised fine-tuning on instructions and chats alike, the loss the mean over the optimizer step's target tokens;
-an MoE model adds its router's load-balancing loss (src/models/moe.py). Metrics: loss and perplexity."""
+an MoE model adds its router's load-balancing loss (src/objectives/moe.py). Metrics: loss and perplexity."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from src.models import moe
-from src.models.loss import TokenMeanLoss
-from src.models.objective import Objective, TrainedModule
+from src.objectives import moe
+from src.objectives.base import Objective, TrainedModule
+from src.objectives.loss import TokenMeanLoss
 
 
 class SFT(Objective):
@@ -33,7 +33,7 @@ class SFT(Objective):
 
     def _balanced_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
-        each one's load-balancing loss (src/models/moe.py); logged: train/aux_loss (that mean) and
+        each one's load-balancing loss (src/objectives/moe.py); logged: train/aux_loss (that mean) and
         train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
         out = module.lm_forward(batch, output_router_logits=True)
         loss = module.token_mean_loss(*module.token_loss(out.logits, batch["labels"]), batch_idx)

@@ -178,3 +178,11 @@ class PairStats(Metric):
 
     def compute(self) -> dict[str, torch.Tensor]:
         return {name: (s / self.pairs).float() for name, s in zip(self.names, self.sums)}
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off in the policy (and so in its copy), as TRL's DPOTrainer and GRPOTrainer do by default: with dropout
+    on, the policy's log-probs at the start differ from the reference's and the rewards start away from zero."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0

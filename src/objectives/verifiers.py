@@ -1,6 +1,6 @@
 """Verifiable rewards for model/objective=grpo, with TRL's reward-function signature: `f(prompts, completions,
 **columns) -> list[float]`, one value per completion, `columns` the data's other fields by name (one value per
-completion). Named in a config as `{_target_: src.models.verifiers.exact_match, _partial_: true}`; a function of
+completion). Named in a config as `{_target_: src.objectives.verifiers.exact_match, _partial_: true}`; a function of
 your own is named the same way."""
 
 from __future__ import annotations

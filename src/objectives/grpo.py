@@ -17,7 +17,7 @@ Generation runs `max_new_tokens` forwards for every prompt, also after its EOS (
 masked out): FSDP2 and ZeRO-3 gather parameters in every forward, so every rank must run as many.
 
 Reward functions take TRL's signature, `f(prompts=[...], completions=[...], **columns) -> list[float]` (the data's
-other fields by name, one value per completion): `_target_` any importable function (src/models/verifiers.py has
+other fields by name, one value per completion): `_target_` any importable function (src/objectives/verifiers.py has
 exact-match and format rewards), weighted and summed.
 """
 
@@ -31,8 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from src.models.dpo import disable_dropout
-from src.models.objective import Objective, PairStats, TrainedModule
+from src.objectives.base import Objective, PairStats, TrainedModule, disable_dropout
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -96,7 +95,7 @@ class GRPO(Objective):
         if not rewards or not all(callable(f) for f in rewards):
             raise ConfigError(
                 "model.objective.rewards needs at least one reward function: a list of {_target_: module.function, "
-                "_partial_: true} (src/models/verifiers.py has exact_match and format_match)."
+                "_partial_: true} (src/objectives/verifiers.py has exact_match and format_match)."
             )
         weights = [1.0] * len(rewards) if reward_weights is None else [float(w) for w in reward_weights]
         if len(weights) != len(rewards):
@@ -162,7 +161,7 @@ class GRPO(Objective):
 
     def on_fit_start(self, module: TrainedModule) -> None:
         datamodule = module.trainer.datamodule
-        for f in self.rewards:  # a reward model reads the policy's tokens as its own (src/models/reward.py)
+        for f in self.rewards:  # a reward model reads the policy's tokens as its own (src/objectives/reward.py)
             if hasattr(f, "check_tokenizer"):
                 f.check_tokenizer(datamodule.tokenizer)
         room = datamodule.max_prompt_len + self.max_new_tokens
@@ -307,7 +306,7 @@ class GRPO(Objective):
         real = torch.tensor(real, device=module.device)
         return (torch.stack(rows) * real[:, None].to(rows[0].dtype)).sum(dim=0), real.sum()
 
-    # ---- the objective (src/models/objective.py) ----
+    # ---- the objective (src/objectives/base.py) ----
 
     def training_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         trainer = module.trainer

@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (Rafailov et al. 2023) as an objective (src/models/objective.py): `model/objective=dpo`
+"""Direct Preference Optimization (Rafailov et al. 2023) as an objective (src/objectives/base.py): `model/objective=dpo`
 with `data=preference`. No reward model, no sampling: a frozen reference policy and a loss on the log-probability
 ratios of a chosen and a rejected answer.
 
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.models.loss import IGNORE_INDEX
-from src.models.objective import PairObjective, TrainedModule
+from src.objectives.base import PairObjective, TrainedModule, disable_dropout
+from src.objectives.loss import IGNORE_INDEX
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -101,7 +101,7 @@ class DPO(PairObjective):
         self.table: Optional[torch.Tensor] = None  # (pairs, 2) reference log-probs of chosen and rejected
         self.fingerprint: Optional[str] = None  # of the data the table was computed on
 
-    # ---- the objective (src/models/objective.py) ----
+    # ---- the objective (src/objectives/base.py) ----
 
     def prepare(self, model: nn.Module) -> list[str]:
         if self.disable_dropout:
@@ -230,11 +230,3 @@ def pairs_of(split: Any) -> Iterator[tuple]:
     """A split's items, (pair index, chosen ids, chosen labels, rejected ids, rejected labels), also where the
     split is a Subset of them (data.overfit_batches)."""
     return (split[i] for i in range(len(split)))
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout off in the policy (and so in its copy), as TRL's DPOTrainer does by default: with dropout on, the
-    policy's log-probs at the start differ from the reference's and the rewards start away from zero."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0

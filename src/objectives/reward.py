@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.models.objective import PairObjective, TrainedModule
+from src.objectives.base import PairObjective, TrainedModule
 from src.utils.config import ConfigError
 from src.utils.precision import at_least_fp32
 
@@ -123,7 +123,7 @@ class Reward(PairObjective):
 
 
 class RewardModelScore:
-    """A trained reward model as a reward function of model/objective=grpo: `{_target_: src.models.reward.
+    """A trained reward model as a reward function of model/objective=grpo: `{_target_: src.objectives.reward.
     RewardModelScore, path: DIR}`, DIR what export-hf wrote for a `model/objective=reward` checkpoint (transformers'
     sequence-classification model, one label). Each completion's reward is the model's score of prompt + completion
     as text, tokenized by the reward model's own tokenizer (saved beside it; bytes where export-hf wrote

@@ -50,7 +50,7 @@ def whole_conversations(seq_len: int, work: Path) -> tuple[Path, int]:
         for line, (messages, tools) in zip(
             every.read_text(encoding="utf-8").splitlines(), read_conversations(str(every), "auto")
         )
-        if any(m["role"] == "assistant" for m in messages) and dm.fit(messages, tools, str(every)) is not None
+        if any(m["role"] == "assistant" for m in messages) and dm.cut(messages, tools, str(every)) is not None
     ]
     out.write_text("\n".join(kept) + "\n", encoding="utf-8")
     return out, len(kept)

@@ -134,6 +134,11 @@ def test_unknown_key_inside_a_target_node_fails_before_any_work(tmp_path):
     cfg = compose_cfg(["+data.seqlen=64"], tmp=tmp_path)
     with pytest.raises(ConfigError, match=r"data\.seqlen.*seq_len"):
         check_targets(cfg)
+    # model=gpt2 passes its options on to CausalLMLitModule: a key of neither is refused, naming keys of both
+    cfg = compose_cfg(["+model.compile_los=true"], tmp=tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.compile_los.*GPT2LitModule.*n_layer.*compile_loss"):
+        check_targets(cfg)
+    check_targets(compose_cfg(["model.compile_loss=true", "model.n_layer=2"], tmp=tmp_path))  # one of each: taken
 
 
 def test_unknown_top_level_key_in_a_yaml_fails(tmp_path):

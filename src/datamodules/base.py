@@ -5,7 +5,8 @@ samplers that give each rank its own samples in training and each sample exactly
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from functools import cached_property
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.datamodules.corpus import CorpusError
+from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.parallel.samplers import ShardSampler, rank_and_world, train_sampler
 from src.utils.labels import IGNORE_INDEX
 
@@ -95,6 +97,30 @@ def working_shapes(global_batch_size: int, world_size: int, accumulate: int) -> 
         options.append(f"trainer.accumulate_grad_batches={best} on {world_size} device(s)")
     options.append(f"a data.global_batch_size that is a multiple of {world_size * accumulate}")
     return ", or ".join(options)
+
+
+class Items(Dataset):
+    """A split held in memory: a list of samples (records, pairs, prompts) and each one's number of targets, the
+    loss normaliser (LitModule.token_mean_loss): given (a record's label tokens), or one per sample (pairs, prompts:
+    the loss is a mean over them)."""
+
+    def __init__(self, items: list, targets: Optional[list[int]] = None) -> None:
+        self.items = items
+        self.targets = np.ones(len(items), dtype=np.int64) if targets is None else np.asarray(targets, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+    def target_counts(self) -> np.ndarray:
+        return self.targets
+
+
+def label_targets(items: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+    """Each (input ids, labels) record's target tokens."""
+    return [int((labels != IGNORE_INDEX).sum()) for _, labels in items]
 
 
 def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, unit: str) -> tuple[int, int, int]:
@@ -245,3 +271,35 @@ class ShardedDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.eval_loader("test")
+
+
+class RecordsDataModule(ShardedDataModule):
+    """Data read whole from one file of records (instruct, chat, preference, prompts): its tokenizer (data.tokenizer
+    and data.special_tokens), the vocabulary the model is built for, the records checked on rank 0 before any
+    rank's setup, and the cut of the usable items into train, val and test in file order."""
+
+    tokenizer_name: str
+    special_tokens: Sequence[str] = ()
+    path: str
+    val_fraction: float
+    test_fraction: float
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_name, self.special_tokens)
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        return {"vocab_size": self.tokenizer.vocab_size}
+
+    def records(self) -> list:
+        """The file's records, parsed; a bad one raises its one sentence."""
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
+
+    def cut_splits(self, items: list, unit: str) -> dict[str, list]:
+        """`items` in file order as {"train", "val", "test"} (split_sizes' counts)."""
+        n_train, n_val, _ = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, unit)
+        return {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}

@@ -39,12 +39,12 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule, split_sizes
+from src.datamodules.base import Items, RecordsDataModule, label_targets
 from src.datamodules.corpus import CorpusError
-from src.datamodules.instruct import Records, pad_collate, read_json_records
+from src.datamodules.instruct import pad_collate, read_json_records
 from src.datamodules.packing import PackedRows, packed_collate, padding_share
 from src.datamodules.text import IGNORE_INDEX
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_sequence_data
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def encode(
     return tokens[:-1], labels.astype(np.int64)
 
 
-class ChatDataModule(ShardedDataModule):
+class ChatDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
@@ -279,21 +279,13 @@ class ChatDataModule(ShardedDataModule):
         self.held_out: list[tuple[list[Message], Optional[list[dict]]]] = []
 
     @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name, self.special_tokens)
-
-    @cached_property
     def render(self) -> ChatTemplate:
         return ChatTemplate(self.tokenizer, self.chat_template)
 
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
+    def records(self) -> list:
+        return read_conversations(self.path, self.layout, self.hf_split)
 
-    def prepare_data(self) -> None:
-        read_conversations(self.path, self.layout, self.hf_split)  # bad records fail here, on rank 0 alone
-
-    def fit(self, messages: list[Message], tools: Optional[list[dict]], where: str):
+    def cut(self, messages: list[Message], tools: Optional[list[dict]], where: str):
         """(input_ids, labels, how) of the conversation within seq_len as data.overlong says, how being "" (it
         fits), "turns" (later turns dropped) or "truncated"; None when it is dropped."""
         text, turns = spans(self.render, messages, tools, where)
@@ -313,11 +305,11 @@ class ChatDataModule(ShardedDataModule):
 
     def build_splits(self) -> dict[str, Dataset]:
         items, counts, conversations = [], {"turns": 0, "truncated": 0, "dropped": 0, "no_assistant": 0}, []
-        for i, (messages, tools) in enumerate(read_conversations(self.path, self.layout, self.hf_split)):
+        for i, (messages, tools) in enumerate(self.records()):
             if not any(m["role"] == "assistant" for m in messages):
                 counts["no_assistant"] += 1
                 continue
-            fitted = self.fit(messages, tools, f"{self.path}: conversation {i}")
+            fitted = self.cut(messages, tools, f"{self.path}: conversation {i}")
             if fitted is None:
                 counts["dropped"] += 1
                 continue
@@ -331,21 +323,19 @@ class ChatDataModule(ShardedDataModule):
                 f"No conversation of {self.path} trains at data.seq_len={self.seq_len} ({counts['no_assistant']} "
                 f"without an assistant turn, {counts['dropped']} too long): raise data.seq_len or fix the data."
             )
-        n_train, n_val, n_test = split_sizes(
-            len(items), self.val_fraction, self.test_fraction, self.path, "conversation"
-        )
-        self.held_out = conversations[n_train:]
-        parts = {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}
+        parts = self.cut_splits(items, "conversation")
+        self.held_out = conversations[len(parts["train"]) :]
         lengths = np.array([len(ids) for ids, _ in parts["train"]])
         log.info(
             f"{len(items)} conversations ({counts['turns']} cut to their turns that fit, {counts['truncated']} "
             f"truncated, {counts['dropped']} dropped at seq_len {self.seq_len}, {counts['no_assistant']} without an "
-            f"assistant turn skipped) -> {n_train}/{n_val}/{n_test} train/val/test; padding would be "
+            f"assistant turn skipped) -> {'/'.join(str(len(part)) for part in parts.values())} train/val/test; "
+            "padding would be "
             f"{padding_share(lengths, self.global_batch_size):.0%} of a batch" + (", packed" if self.packing else "")
         )
         if self.packing:
             return {name: PackedRows(part, self.seq_len) for name, part in parts.items()}
-        return {name: Records(part) for name, part in parts.items()}
+        return {name: Items(part, label_targets(part)) for name, part in parts.items()}
 
     def collate_fn(self):
         return packed_collate(self.tokenizer.eos_id) if self.packing else pad_collate(self.tokenizer.eos_id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -20,11 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule, split_sizes
+from src.datamodules.base import Items, RecordsDataModule, label_targets
 from src.datamodules.corpus import CorpusError, hf_records, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
 from src.datamodules.text import IGNORE_INDEX
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_sequence_data
 
 log = logging.getLogger(__name__)
@@ -94,21 +93,6 @@ def encode(record: dict, tokenizer: Tokenizer, template: str, template_no_input:
     return ids, labels
 
 
-class Records(Dataset):
-    def __init__(self, items: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.items[i]
-
-    def target_counts(self) -> np.ndarray:
-        """Target tokens per record: the loss normaliser (see LitModule.token_mean_loss)."""
-        return np.array([(labels != IGNORE_INDEX).sum() for _, labels in self.items], dtype=np.int64)
-
-
 def pad_collate(pad_id: int):
     def collate(batch: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
         longest = max(len(ids) for ids, _ in batch)
@@ -124,7 +108,7 @@ def pad_collate(pad_id: int):
     return collate
 
 
-class InstructDataModule(ShardedDataModule):
+class InstructDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
@@ -154,22 +138,12 @@ class InstructDataModule(ShardedDataModule):
         self.special_tokens = list(special_tokens)
         self.packing, self.hf_split = packing, hf_split
 
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name, self.special_tokens)
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
-
-    def prepare_data(self) -> None:
-        read_records(
-            self.path, self.hf_split
-        )  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
+    def records(self) -> list[dict]:
+        return read_records(self.path, self.hf_split)
 
     def build_splits(self) -> dict[str, Dataset]:
         items, dropped, truncated = [], 0, 0
-        for record in read_records(self.path, self.hf_split):
+        for record in self.records():
             ids, labels = encode(record, self.tokenizer, self.template, self.template_no_input)
             if len(ids) > self.seq_len:
                 # truncate: keep the first seq_len tokens (the response is cut, its EOS lost); drop: skip it
@@ -180,15 +154,14 @@ class InstructDataModule(ShardedDataModule):
             items.append((ids, labels))
         if not items:
             raise CorpusError(f"No record of {self.path} fits data.seq_len={self.seq_len}.")
-        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "record")
+        parts = self.cut_splits(items, "record")
         log.info(
             f"{len(items)} records ({truncated} truncated, {dropped} dropped at seq_len {self.seq_len}) -> "
-            f"{n_train}/{n_val}/{n_test} train/val/test"
+            f"{'/'.join(str(len(part)) for part in parts.values())} train/val/test"
         )
-        parts = {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}
         if self.packing:
             return {name: PackedRows(part, self.seq_len) for name, part in parts.items()}
-        return {name: Records(part) for name, part in parts.items()}
+        return {name: Items(part, label_targets(part)) for name, part in parts.items()}
 
     def collate_fn(self):
         return packed_collate(self.tokenizer.eos_id) if self.packing else pad_collate(self.tokenizer.eos_id)

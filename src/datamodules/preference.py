@@ -18,18 +18,17 @@ answers always go through one forward on one rank. A pair longer than seq_len ha
 from __future__ import annotations
 
 import logging
-from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule, split_sizes
+from src.datamodules.base import Items, RecordsDataModule
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.text import IGNORE_INDEX
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_prompt_len, check_sequence_data
 
 log = logging.getLogger(__name__)
@@ -116,24 +115,6 @@ def sequence(prompt: np.ndarray, answer: np.ndarray) -> tuple[np.ndarray, np.nda
     return ids, labels
 
 
-class Pairs(Dataset):
-    """Item i: (index, chosen ids, chosen labels, rejected ids, rejected labels). `index` numbers the pair in the
-    file's usable pairs, so a precomputed reference log-prob can be found again (src/objectives/dpo.py)."""
-
-    def __init__(self, items: list[tuple]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> tuple:
-        return self.items[i]
-
-    def target_counts(self) -> np.ndarray:
-        """One per pair: the DPO loss is the mean over the optimizer step's pairs (LitModule.token_mean_loss)."""
-        return np.ones(len(self.items), dtype=np.int64)
-
-
 def pair_collate(pad_id: int, margins: Optional[np.ndarray] = None):
     """2B rows right-padded to the longest of the batch: the B chosen sequences, then the B rejected ones; with
     `margins` (one per pair, by its number), the batch's pairs' margins too."""
@@ -157,7 +138,7 @@ def pair_collate(pad_id: int, margins: Optional[np.ndarray] = None):
     return collate
 
 
-class PreferenceDataModule(ShardedDataModule):
+class PreferenceDataModule(RecordsDataModule):
     batch_kind = "pairs"
 
     def __init__(
@@ -188,24 +169,13 @@ class PreferenceDataModule(ShardedDataModule):
         self.counts: dict[str, int] = {}
         self.margins: Optional[np.ndarray] = None  # each usable pair's margin, by its number, when the records have one
 
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name)
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
-
     def records(self) -> list[tuple]:
         where = f"{self.path}: record"
         return [
             parse(r, f"{where} {i}") for i, r in enumerate(read_json_records(self.path, "a preference", self.hf_split))
         ]
 
-    def prepare_data(self) -> None:
-        self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
-
-    def fit(self, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> Optional[tuple]:
+    def cut(self, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> Optional[tuple]:
         """The pair cut to seq_len (prompt from the left, then the answers from the right), or None to drop it."""
         room = self.seq_len + 1  # tokens: the last one is a target only
         longest = max(len(chosen), len(rejected))
@@ -235,7 +205,7 @@ class PreferenceDataModule(ShardedDataModule):
             self.counts["identical"] += chosen == rejected
             (head, chosen), (_, rejected) = render(prompt, chosen), render(prompt, rejected)
             p, c, r = tok.encode_batch([head, chosen, rejected])
-            fitted = self.fit(p, np.concatenate([c, eos]), np.concatenate([r, eos]))
+            fitted = self.cut(p, np.concatenate([c, eos]), np.concatenate([r, eos]))
             if fitted is None:
                 self.counts["dropped"] += 1
                 continue
@@ -251,17 +221,15 @@ class PreferenceDataModule(ShardedDataModule):
             raise CorpusError(
                 f"No pair of {self.path} fits data.seq_len={self.seq_len}: raise it or use data.overlong=truncate."
             )
-        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "pair")
-        c = self.counts
+        parts, c = self.cut_splits(items, "pair"), self.counts
         log.info(
             f"{c['pairs']} pairs: {c['prompt_cut']} prompts cut from the left, {c['answer_cut']} answers cut, "
-            f"{c['dropped']} dropped at seq_len {self.seq_len} -> {n_train}/{n_val}/{n_test} train/val/test"
+            f"{c['dropped']} dropped at seq_len {self.seq_len} -> "
+            f"{'/'.join(str(len(part)) for part in parts.values())} train/val/test"
         )
-        return {
-            "train": Pairs(items[:n_train]),
-            "val": Pairs(items[n_train : n_train + n_val]),
-            "test": Pairs(items[n_train + n_val :]),
-        }
+        # item: (the pair's number among the file's usable pairs, so that a precomputed reference log-prob is found
+        # again (src/objectives/dpo.py), chosen ids, chosen labels, rejected ids, rejected labels); one target each
+        return {name: Items(part) for name, part in parts.items()}
 
     def padding_sample(self, sample: tuple) -> tuple:
         """Evaluation padding: the pair's inputs, no targets (so it counts in no metric)."""

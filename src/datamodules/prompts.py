@@ -12,18 +12,16 @@ number of ranks.
 from __future__ import annotations
 
 import logging
-from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule, split_sizes
+from src.datamodules.base import Items, RecordsDataModule
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.preference import Message, Renderer, message
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import check_prompt_len, check_sequence_data
 
 log = logging.getLogger(__name__)
@@ -43,23 +41,6 @@ def parse(record: Any, where: str) -> tuple[list[Message] | str, dict[str, Any]]
     return prompt, {k: v for k, v in record.items() if k != "prompt"}
 
 
-class Prompts(Dataset):
-    """Item i: (the prompt's number in the file, its token ids)."""
-
-    def __init__(self, items: list[tuple[int, np.ndarray]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> tuple[int, np.ndarray]:
-        return self.items[i]
-
-    def target_counts(self) -> np.ndarray:
-        """One per prompt: the loss is the mean over the optimizer step's prompts (LitModule.token_mean_loss)."""
-        return np.ones(len(self.items), dtype=np.int64)
-
-
 def prompt_collate(pad_id: int):
     """The prompts right-padded to the longest, with their lengths and numbers (-1: evaluation's padding item)."""
 
@@ -77,7 +58,7 @@ def prompt_collate(pad_id: int):
     return collate
 
 
-class PromptDataModule(ShardedDataModule):
+class PromptDataModule(RecordsDataModule):
     batch_kind = "prompts"
 
     def __init__(
@@ -105,20 +86,9 @@ class PromptDataModule(ShardedDataModule):
         self.texts: list[str] = []  # each prompt as the model reads it, by its number
         self.columns: list[dict[str, Any]] = []  # each record's other fields, by its number
 
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name)
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
-
     def records(self) -> list[tuple]:
         where = f"{self.path}: record"
         return [parse(r, f"{where} {i}") for i, r in enumerate(read_json_records(self.path, "a prompt", self.hf_split))]
-
-    def prepare_data(self) -> None:
-        self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
 
     def build_splits(self) -> dict[str, Dataset]:
         render = Renderer(self.tokenizer, self.template)
@@ -130,16 +100,12 @@ class PromptDataModule(ShardedDataModule):
         encoded = self.tokenizer.encode_batch(self.texts)
         cut = sum(len(ids) > self.max_prompt_len for ids in encoded)
         items = [(i, ids[-self.max_prompt_len :].astype(np.int64)) for i, ids in enumerate(encoded)]
-        n_train, n_val, n_test = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, "prompt")
+        parts = self.cut_splits(items, "prompt")
         log.info(
             f"{len(items)} prompts, {cut} cut from the left to data.max_prompt_len={self.max_prompt_len} -> "
-            f"{n_train}/{n_val}/{n_test} train/val/test"
+            f"{'/'.join(str(len(part)) for part in parts.values())} train/val/test"
         )
-        return {
-            "train": Prompts(items[:n_train]),
-            "val": Prompts(items[n_train : n_train + n_val]),
-            "test": Prompts(items[n_train + n_val :]),
-        }
+        return {name: Items(part) for name, part in parts.items()}  # item: (the prompt's number, its ids); one target
 
     def padding_sample(self, sample: tuple) -> tuple:
         """Evaluation padding: a real prompt numbered -1, which the objective counts nowhere."""

@@ -4,7 +4,7 @@ GPT-2's adapter, says the rest the template knows of GPT-2)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from transformers import PretrainedConfig
@@ -12,13 +12,13 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
-from src.objectives.base import Objective
 from src.utils.config import ConfigError, check_int
 
 
 class GPT2LitModule(CausalLMLitModule):
-    """`model.config` may set any other GPT2Config field; `model.model_type` stays gpt2. The signature repeats
-    CausalLMLitModule's on purpose: src/utils/config.py checks every `model.*` key against it (no **kwargs)."""
+    """GPT-2's shape keys; every other option is CausalLMLitModule's (typed there once: src/utils/config.py checks a
+    `model.*` key against both signatures). `model.config` may set any other GPT2Config field; `model.model_type`
+    stays gpt2."""
 
     def __init__(
         self,
@@ -31,24 +31,7 @@ class GPT2LitModule(CausalLMLitModule):
         activation_function: str = "gelu",
         model_type: str = "gpt2",
         config: Optional[dict[str, Any]] = None,
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
-        scheduler: Optional[Callable[..., Any]] = None,
-        weight_decay: float = 0.1,
-        lr_scaling: str = "none",
-        base_batch_size: int = 32,
-        pretrained: Optional[str] = None,
-        gradient_checkpointing: bool = False,
-        lora: Optional[dict[str, Any]] = None,
-        peft: Optional[Any] = None,
-        compile: bool = False,
-        attn_implementation: str = "auto",
-        resize_embeddings: bool = False,
-        tokenizer: Optional[str] = None,
-        objective: Optional[Objective] = None,
-        size_for: Optional[str] = None,
-        compile_loss: Any = "auto",
-        fastest_attention: str = "sdpa",
-        router_aux_loss: bool = True,
+        **options: Any,
     ) -> None:
         for key, value in (("model.n_layer", n_layer), ("model.n_head", n_head), ("model.n_embd", n_embd)):
             check_int(key, value)
@@ -57,7 +40,7 @@ class GPT2LitModule(CausalLMLitModule):
                 f"model.model_type={model_type!r} with model=gpt2: pick the architecture with "
                 f"model={model_type} (or model=causal_lm model.model_type={model_type})."
             )
-        if not pretrained and n_embd % n_head:
+        if not options.get("pretrained") and n_embd % n_head:
             raise ConfigError(
                 f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
                 "n_embd as a multiple of n_head."
@@ -74,30 +57,7 @@ class GPT2LitModule(CausalLMLitModule):
             "activation_function": activation_function,
             **(config or {}),
         }
-        super().__init__(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            model_type="gpt2",
-            config=config,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            weight_decay=weight_decay,
-            lr_scaling=lr_scaling,
-            base_batch_size=base_batch_size,
-            pretrained=pretrained,
-            gradient_checkpointing=gradient_checkpointing,
-            lora=lora,
-            peft=peft,
-            compile=compile,
-            attn_implementation=attn_implementation,
-            resize_embeddings=resize_embeddings,
-            tokenizer=tokenizer,
-            objective=objective,
-            size_for=size_for,
-            compile_loss=compile_loss,
-            fastest_attention=fastest_attention,
-            router_aux_loss=router_aux_loss,
-        )
+        super().__init__(vocab_size=vocab_size, seq_len=seq_len, model_type="gpt2", config=config, **options)
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
         if config.model_type != GPT2.model_type:

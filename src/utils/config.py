@@ -105,10 +105,7 @@ def check_targets(cfg: Any, key: str = "") -> None:
             ) from e
         finally:
             hydra_log.level = level
-        try:
-            params = inspect.signature(obj).parameters
-        except (TypeError, ValueError):  # builtins without a signature: nothing to check
-            params = {}
+        params = accepted_parameters(obj)
         accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         if params and not accepts_any:
             for name in cfg:
@@ -122,6 +119,21 @@ def check_targets(cfg: Any, key: str = "") -> None:
         if name == "hydra":
             continue
         check_targets(node, f"{key}.{name}" if key else str(name))
+
+
+def accepted_parameters(obj: Any) -> dict[str, inspect.Parameter]:
+    """The keyword parameters `obj` accepts. A class whose `__init__` passes `**kwargs` on to its base's accepts the
+    base's too (GPT2LitModule adds GPT-2's shape keys to CausalLMLitModule's options, typed once there)."""
+    try:
+        params = dict(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return {}
+    rest = [name for name, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    bases = [b for b in getattr(obj, "__mro__", ())[1:] if "__init__" in vars(b) and b is not object]
+    if rest and bases and "__init__" in vars(obj):
+        del params[rest[0]]
+        return {**params, **{k: v for k, v in accepted_parameters(bases[0]).items() if k not in params}}
+    return params
 
 
 def flatten(d: dict, prefix: str = ""):

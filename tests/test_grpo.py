@@ -206,7 +206,7 @@ def test_completion_mask_and_verifiers():
 @pytest.mark.parametrize(
     "settings,words",
     [
-        ({"num_generations": 1}, r"num_generations=1: use 2 or more samples per prompt"),
+        ({"num_generations": 1}, r"num_generations=1 is not valid: use 2 or more samples per prompt"),
         ({"rewards": []}, "needs at least one reward function"),
         ({"reward_weights": [1.0, 2.0]}, "2 weights for 1 reward functions"),
         ({"loss_type": "dapo"}, "use one of grpo, dr_grpo"),

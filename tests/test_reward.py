@@ -201,7 +201,9 @@ def test_the_head_trains_under_lora_and_is_filled_alike_on_every_build_path():
 
 
 def test_settings_are_checked():
-    with pytest.raises(ConfigError, match=r"model.objective.center_rewards=-1: use 0 \(off\) or a positive weight"):
+    with pytest.raises(
+        ConfigError, match=r"model.objective.center_rewards=-1 is not valid: use 0 \(off\) or a positive weight"
+    ):
         Reward(center_rewards=-1)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from src.utils.config import ConfigError
+from src.utils.config import check_number
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 PHASE = "comm:"  # prefix of the phase ranges this callback opens
@@ -201,11 +201,8 @@ class CommVolume(L.Callback):
     """
 
     def __init__(self, every_n_steps: int = 0, save_dir: Optional[str] = None) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ConfigError(
-                f"callbacks.comm.every_n_steps={every_n_steps!r} is not valid: use 0 (off) or a "
-                "number of optimizer steps between two profiled steps."
-            )
+        check_number("callbacks.comm.every_n_steps", every_n_steps, lambda v: v >= 0,
+                     "0 (off) or a number of optimizer steps between two profiled steps", integer=True)  # fmt: skip
         self.every, self.save_dir = every_n_steps, save_dir
         self.profiler: Optional[profile] = None
         self.range: Optional[record_function] = None

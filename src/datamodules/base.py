@@ -118,6 +118,25 @@ class Items(Dataset):
         return self.targets
 
 
+def right_padded(rows: list[np.ndarray], value: int) -> torch.Tensor:
+    """(len(rows), longest) int64: each row from position 0, then `value` (right padding keeps each real token's
+    position)."""
+    out = torch.full((len(rows), max(len(row) for row in rows)), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.from_numpy(np.asarray(row))
+    return out
+
+
+def padded_records(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
+    """(input ids, labels) records as one right-padded batch: padding is `pad_id` in the inputs, never a target,
+    and masked out of attention."""
+    return {
+        "input_ids": right_padded([ids for ids, _ in rows], pad_id),
+        "labels": right_padded([labels for _, labels in rows], IGNORE_INDEX),
+        "attention_mask": right_padded([np.ones(len(ids), dtype=np.int64) for ids, _ in rows], 0),
+    }
+
+
 def label_targets(items: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
     """Each (input ids, labels) record's target tokens."""
     return [int((labels != IGNORE_INDEX).sum()) for _, labels in items]

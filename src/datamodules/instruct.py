@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, label_targets
+from src.datamodules.base import Items, RecordsDataModule, label_targets, padded_records
 from src.datamodules.corpus import CorpusError, hf_records, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
 from src.datamodules.text import IGNORE_INDEX
@@ -95,15 +95,7 @@ def encode(record: dict, tokenizer: Tokenizer, template: str, template_no_input:
 
 def pad_collate(pad_id: int):
     def collate(batch: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, (ids, lab) in enumerate(batch):  # right padding: positions of real tokens are unchanged
-            input_ids[row, : len(ids)] = torch.from_numpy(ids)
-            labels[row, : len(lab)] = torch.from_numpy(lab)
-            mask[row, : len(ids)] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+        return padded_records(batch, pad_id)
 
     return collate
 

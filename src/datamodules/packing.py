@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from src.datamodules.base import right_padded
 from src.datamodules.text import IGNORE_INDEX
 
 Record = tuple[np.ndarray, np.ndarray]  # (input_ids, labels), labels shifted
@@ -67,13 +68,12 @@ def packed_collate(pad_id: int):
     No attention mask: the position ids say where each record starts."""
 
     def collate(batch: list[Row]) -> dict[str, torch.Tensor]:
-        longest = max(len(row["input_ids"]) for row in batch)
-        input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+        input_ids = right_padded([row["input_ids"] for row in batch], pad_id)
+        labels = right_padded([row["labels"] for row in batch], IGNORE_INDEX)
+        longest = input_ids.shape[1]
         positions = torch.arange(longest).repeat(len(batch), 1)
         for i, row in enumerate(batch):
             n = len(row["input_ids"])
-            input_ids[i, :n], labels[i, :n] = torch.from_numpy(row["input_ids"]), torch.from_numpy(row["labels"])
             positions[i, :n] = torch.from_numpy(row["position_ids"])
             positions[i, n:] = torch.arange(longest - n)
         return {"input_ids": input_ids, "labels": labels, "position_ids": positions}

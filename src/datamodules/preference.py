@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule
+from src.datamodules.base import Items, RecordsDataModule, padded_records
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.text import IGNORE_INDEX
@@ -121,16 +121,8 @@ def pair_collate(pad_id: int, margins: Optional[np.ndarray] = None):
 
     def collate(batch: list[tuple]) -> dict[str, torch.Tensor]:
         rows = [(item[1], item[2]) for item in batch] + [(item[3], item[4]) for item in batch]
-        longest = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for row, (ids, lab) in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.from_numpy(ids)
-            labels[row, : len(lab)] = torch.from_numpy(lab)
-            mask[row, : len(ids)] = 1
         index = torch.tensor([item[0] for item in batch], dtype=torch.long)
-        out = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "pair_index": index}
+        out = {**padded_records(rows, pad_id), "pair_index": index}
         if margins is not None:
             out["margin"] = torch.from_numpy(margins[index.numpy()])
         return out

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule
+from src.datamodules.base import Items, RecordsDataModule, right_padded
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.preference import Message, Renderer, message
@@ -45,12 +45,8 @@ def prompt_collate(pad_id: int):
     """The prompts right-padded to the longest, with their lengths and numbers (-1: evaluation's padding item)."""
 
     def collate(batch: list[tuple[int, np.ndarray]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for _, ids in batch)
-        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        for row, (_, prompt) in enumerate(batch):
-            ids[row, : len(prompt)] = torch.from_numpy(prompt)
         return {
-            "prompt_ids": ids,
+            "prompt_ids": right_padded([prompt for _, prompt in batch], pad_id),
             "prompt_lengths": torch.tensor([len(p) for _, p in batch], dtype=torch.long),
             "prompt_index": torch.tensor([i for i, _ in batch], dtype=torch.long),
         }

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
-from src.utils.config import ConfigError, check_int
+from src.utils.config import ConfigError, check_int, check_number
 
 
 class GPT2LitModule(CausalLMLitModule):
@@ -45,8 +45,7 @@ class GPT2LitModule(CausalLMLitModule):
                 f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
                 "n_embd as a multiple of n_head."
             )
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ConfigError(f"model.dropout={dropout!r} is not valid: use a probability in [0, 1).")
+        check_number("model.dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")
         config = {
             "n_layer": n_layer,
             "n_head": n_head,

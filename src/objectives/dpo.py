@@ -31,7 +31,7 @@ from torch import nn
 
 from src.objectives.base import PairObjective, TrainedModule, disable_dropout
 from src.objectives.loss import IGNORE_INDEX
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_number
 from src.utils.precision import at_least_fp32
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,10 @@ class DPO(PairObjective):
         disable_dropout: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-            raise ConfigError(
-                f"model.objective.beta={beta!r} is not valid: use a positive number (0.1 is usual; smaller "
-                "lets the policy move further from the reference)."
-            )
+        check_number(
+            "model.objective.beta", beta, lambda v: v > 0,
+            "a positive number (0.1 is usual; smaller lets the policy move further from the reference)",
+        )  # fmt: skip
         if loss_type not in LOSS_TYPES:
             raise ConfigError(f"model.objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}.")
         if not 0 <= label_smoothing < 0.5:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from src.objectives.base import Objective, PairStats, TrainedModule, disable_dropout
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_number
 from src.utils.precision import at_least_fp32
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,12 @@ class GRPO(Objective):
                 f"model.objective.reward_weights has {len(weights)} weights for {len(rewards)} reward functions: "
                 "give one per function, or none (all 1)."
             )
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
-            raise ConfigError(
-                f"model.objective.num_generations={num_generations!r}: use 2 or more samples per prompt (a group of "
-                "one has no spread to learn from)."
-            )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"model.objective.max_new_tokens={max_new_tokens!r}: use a positive number of tokens.")
+        check_number(
+            "model.objective.num_generations", num_generations, lambda v: v >= 2,
+            "2 or more samples per prompt (a group of one has no spread to learn from)", integer=True,
+        )  # fmt: skip
+        check_number("model.objective.max_new_tokens", max_new_tokens, lambda v: v >= 1, "a positive number of tokens",
+                     integer=True)  # fmt: skip
         if not temperature > 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ConfigError(
                 f"model.objective sampling: temperature={temperature!r} must be > 0, top_p={top_p!r} in (0, 1], "

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.objectives.base import PairObjective, TrainedModule
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_number
 from src.utils.precision import at_least_fp32
 
 
@@ -44,10 +44,8 @@ class Reward(PairObjective):
 
     def __init__(self, center_rewards: float = 0.0) -> None:
         super().__init__()
-        if isinstance(center_rewards, bool) or not isinstance(center_rewards, (int, float)) or center_rewards < 0:
-            raise ConfigError(
-                f"model.objective.center_rewards={center_rewards!r}: use 0 (off) or a positive weight (0.01 is usual)."
-            )
+        check_number("model.objective.center_rewards", center_rewards, lambda v: v >= 0,
+                     "0 (off) or a positive weight (0.01 is usual)")  # fmt: skip
         self.center_rewards = float(center_rewards)
 
     # ---- the model ----

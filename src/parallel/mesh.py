@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from src.utils.config import ConfigError, check_int
+from src.utils.config import ConfigError, check_int, check_number
 
 DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 KEYS = {
@@ -48,8 +48,7 @@ def mesh_sizes(
             )
         data_parallel = world_size // model
     sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"{KEYS['data_parallel']}={data_parallel!r} is not valid: use an integer >= 1 or auto.")
+    check_number(KEYS["data_parallel"], data_parallel, lambda v: v >= 1, "an integer >= 1 or auto", integer=True)
     if data_parallel * model != world_size:
         raise ConfigError(
             f"The world size {world_size} is not data_parallel_size={data_parallel} x pipeline_parallel_size="

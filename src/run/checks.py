@@ -15,7 +15,7 @@ from src.checkpoint.files import problem
 from src.datamodules.base import working_shapes
 from src.launch.choices import CONF
 from src.parallel import capabilities
-from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int
+from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int, check_number
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision
 
@@ -102,8 +102,8 @@ def check_values(cfg: DictConfig) -> None:
             check(cfg)
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps == 0 or steps < -1:
-            raise ConfigError(f"trainer.max_steps={steps!r} is not valid: use a positive number of optimizer steps.")
+        check_number("trainer.max_steps", steps, lambda v: v >= 1 or v == -1, "a positive number of optimizer steps",
+                     integer=True)  # fmt: skip
         _check_global_batch(cfg)
         if steps == -1 and epochs in (None, -1) and cfg.model.get("scheduler") is not None:
             raise ConfigError(
@@ -112,8 +112,8 @@ def check_values(cfg: DictConfig) -> None:
             )
     _check_objective(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
-        raise ConfigError(f"model.optimizer.lr={lr!r} is not valid: use a positive learning rate, e.g. 3e-4.")
+    if lr is not None:
+        check_number("model.optimizer.lr", lr, lambda v: v > 0, "a positive learning rate, e.g. 3e-4")
     pretrained = OmegaConf.select(cfg, "model.pretrained", default=None)
     is_path = isinstance(pretrained, str) and pretrained.startswith(("/", ".", "~"))  # not a hub name
     if is_path and not Path(pretrained).expanduser().exists():

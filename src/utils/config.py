@@ -183,17 +183,23 @@ def check_unsupported(cfg: DictConfig, strategy: str, keys: tuple[str, ...]) -> 
             )
 
 
+def check_number(key: str, value: Any, valid: Callable[[Any], bool], use: str, integer: bool = False) -> None:
+    """`key` must be a number (an integer where `integer`; never a bool, nor a string from the command line) that
+    `valid` accepts; else one sentence, `{key}={value} is not valid: use {use}.`"""
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not valid(value):
+        raise ConfigError(f"{key}={value!r} is not valid: use {use}.")
+
+
 def check_int(key: str, value: Any, minimum: int = 1) -> None:
     """`key` must be an integer >= minimum (a string or float from the command line is named, not divided by)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}={value!r} is not valid: use an integer >= {minimum}.")
+    check_number(key, value, lambda v: v >= minimum, f"an integer >= {minimum}", integer=True)
 
 
 def check_fractions(val_key: str, val: Any, test_key: str, test: Any) -> None:
     """Val and test fractions each in [0, 1), leaving some data to train on."""
     for key, value in ((val_key, val), (test_key, test)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ConfigError(f"{key}={value!r} is not valid: use a fraction of the data in [0, 1), e.g. 0.05.")
+        check_number(key, value, lambda v: 0 <= v < 1, "a fraction of the data in [0, 1), e.g. 0.05")
     if val + test >= 1:
         raise ConfigError(f"{val_key}={val} + {test_key}={test} leave nothing to train on: their sum must be < 1.")
 

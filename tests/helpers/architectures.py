@@ -24,6 +24,54 @@ TINY = {  # a CPU size, where the architecture's config has the key; the rest st
     "n_head": 4,
     "rotary_dim": 8,
 }
+# Architectures whose config names its sizes otherwise than TINY, or ties fields together (multi-head latent
+# attention needs as many key/value heads as heads; the indexers of DeepSeek-V3.2, GLM-DSA and dots3; Gemma-3n's and
+# Gemma-4's per-layer embeddings of their own vocabulary; LongCat's zero experts; dots1's expert count, None by
+# default; Gemma-3n's key/value sharing across its last layers, none at 2 layers): the fields that make them a CPU size
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16, "v_head_dim": 16, "qk_head_dim": 32, "n_routed_experts": 4, "n_group": 1,
+        "topk_group": 1}  # fmt: skip
+FIELDS = {
+    "deepseek_v32": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
+    "glm_moe_dsa": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
+    "longcat_flash": {
+        **_MLA,
+        "ffn_hidden_size": 128,
+        "expert_ffn_hidden_size": 32,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+    },
+    "gemma4_text": {"vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 16},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "dots3_note_text": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
+    "gemma3n_text": {"vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0},
+    # its image and audio encoders (no text-only batch reaches them) at a CPU size
+    "phi4_multimodal": {
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 56,
+            "crop_size": 56,
+        },
+        "audio_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_blocks": 2,
+            "num_attention_heads": 2,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+            "nemo_conv_channels": 32,
+        },
+    },  # fmt: skip
+    # its default rope_parameters are empty, and each layer type reads its own
+    "cohere_compass_text": {
+        "rope_parameters": {
+            t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("full_attention", "sliding_attention")
+        }
+    },  # fmt: skip
+}
 # one of each thing that differs: q/k norms (Qwen3), fused projections (Phi-3), soft-capping and scaled embeddings
 # (Gemma2, Gemma3 with local + global rotary), multipliers (Granite), logit scale + parallel blocks (Cohere),
 # partial rotary (GPT-NeoX), experts (Mixtral)
@@ -62,7 +110,7 @@ def tiny_config(model_type: str, layers: int = 2, **fields):
     # dropout off: its masks are drawn per rank, so runs with it are not equal across device counts
     # (docs/distributed.md); Seed-OSS defaults to 0.1
     quiet = {k: 0.0 for k, v in defaults.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v}
-    return AutoConfig.for_model(model_type, **{**sizes, **spread, **quiet, **fields})
+    return AutoConfig.for_model(model_type, **{**sizes, **spread, **quiet, **FIELDS.get(model_type, {}), **fields})
 
 
 def too_large(config, limit: int = 20_000_000) -> str | None:

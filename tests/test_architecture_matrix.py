@@ -75,6 +75,10 @@ def hydra_value(value) -> str:
         return "null"
     if isinstance(value, list):
         return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a sub-config (rope_parameters per layer type, an encoder's config)
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str) and not value.replace("_", "").replace(".", "").isalnum():
+        return "'" + value.replace("'", "\\'") + "'"
     return str(value)
 
 

@@ -163,6 +163,19 @@ def test_an_expert_count_that_does_not_divide_is_one_sentence():
     check_divisible(MixtralConfig(num_local_experts=4, **shape), 2)
 
 
+def test_a_per_layer_mlp_width_is_checked_layer_by_layer():
+    """Gemma-3n's intermediate_size is a list, one width a layer: each must divide (it crashed with a TypeError)."""
+    from transformers import AutoConfig
+
+    from src.parallel.tensor_parallel import check_divisible
+    from src.utils.config import ConfigError
+
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "num_hidden_layers": 2}
+    check_divisible(AutoConfig.for_model("gemma3n_text", intermediate_size=[64, 128], **shape), 2)
+    with pytest.raises(ConfigError, match=r"intermediate_size=\[64, 65\] must all divide"):
+        check_divisible(AutoConfig.for_model("gemma3n_text", intermediate_size=[64, 65], **shape), 2)
+
+
 @pytest.mark.slow
 def test_tp_config_error_is_one_line_before_any_rank_starts(tmp_path):
     from test_errors import FAST as USER_FAST

@@ -298,8 +298,8 @@ def check_divisible(config: Any, tp: int) -> None:
     adapter = own_adapter(config)
     if adapter is not None:
         return adapter.check_divisible(config, tp)
-    width = getattr(config, "intermediate_size", None) or 0
-    if heads % tp or kv_heads % tp or width % tp:
+    width = getattr(config, "intermediate_size", None) or 0  # per layer in some configs (Gemma-3n)
+    if heads % tp or kv_heads % tp or any(w % tp for w in (width if isinstance(width, list) else [width])):
         raise ConfigError(
             f"model.config.num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
             f"intermediate_size={width} must all divide by {key}={tp}: pick a tensor-parallel size "

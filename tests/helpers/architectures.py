@@ -32,6 +32,7 @@ _MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rop
         "qk_nope_head_dim": 16, "v_head_dim": 16, "qk_head_dim": 32, "n_routed_experts": 4, "n_group": 1,
         "topk_group": 1}  # fmt: skip
 FIELDS = {
+    **{a: _MLA for a in ("axk1", "axk2", "beam", "deepseek_v2", "deepseek_v3", "minicpm3", "sarvam_mla", "youtu")},
     "deepseek_v32": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
     "glm_moe_dsa": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
     "longcat_flash": {
@@ -110,7 +111,8 @@ def tiny_config(model_type: str, layers: int = 2, **fields):
     # dropout off: its masks are drawn per rank, so runs with it are not equal across device counts
     # (docs/distributed.md); Seed-OSS defaults to 0.1
     quiet = {k: 0.0 for k, v in defaults.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v}
-    return AutoConfig.for_model(model_type, **{**sizes, **spread, **quiet, **FIELDS.get(model_type, {}), **fields})
+    own = {k: v for k, v in FIELDS.get(model_type, {}).items() if k in defaults}  # _MLA names a superset
+    return AutoConfig.for_model(model_type, **{**sizes, **spread, **quiet, **own, **fields})
 
 
 def too_large(config, limit: int = 20_000_000) -> str | None:

@@ -73,3 +73,20 @@ def test_an_objective_without_the_router_loss_on_an_moe_model_is_one_sentence(na
     with pytest.raises(ConfigError, match=f"model/objective={name} does not add MixtralForCausalLM's router load-bal"):
         module("mixtral", objective=made())
     module("mixtral", objective=made(), router_aux_loss=False)  # said how to go on: it builds
+
+
+def test_a_router_loss_of_another_form_is_refused_in_one_sentence():
+    """Doge's product-key experts have a router loss of another signature (no top-k): taken per sequence as the
+    Switch Transformer form, its router logits would be read wrongly, so it is refused; Mixtral's is taken."""
+    from transformers import AutoModelForCausalLM
+
+    from src.objectives.moe import balance_loss_function
+    from src.utils.config import ConfigError
+    from tests.helpers.architectures import tiny_config
+
+    with torch.device("meta"):
+        doge, mixtral = (AutoModelForCausalLM.from_config(tiny_config(a)) for a in ("doge", "mixtral"))
+    with pytest.raises(ConfigError, match=r"doge's router load-balancing loss is not the Switch Transformer form.*"
+                       r"model\.router_aux_loss=false"):  # fmt: skip
+        balance_loss_function(doge)
+    assert balance_loss_function(mixtral) is not None

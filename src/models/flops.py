@@ -96,8 +96,6 @@ def count_flops(
     grad = trainable_input or any(_trains(m) for m in before)  # embeddings (GPT-2: and positions)
     per_token = per_context = 0
     config = hf_model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    width = config.num_attention_heads * head_dim  # Q·Kᵀ and A·V run over every query head
 
     def project(module: torch.nn.Module, grad_in: bool) -> bool:
         """Count `module`'s matmuls for an input that needs a gradient or not; whether its output needs one.
@@ -117,6 +115,10 @@ def count_flops(
                 continue
             inputs = [project(p, grad) for p in projections[:-1]]
             if "Attention" in type(child).__name__ and inputs:
+                # Q·Kᵀ and A·V run over every query head, of the layer's own width (per layer in a heterogeneous
+                # config, Gemma-4's, whose global head_dim refuses to be read)
+                head_dim = getattr(child, "head_dim", None) or getattr(config, "head_dim", None)
+                width = config.num_attention_heads * (head_dim or config.hidden_size // config.num_attention_heads)
                 q, k, v = inputs if len(inputs) == 3 else [any(inputs)] * 3  # GPT-2: one fused q/k/v projection
                 # forward Q·Kᵀ and A·V; backward: dQ, dK, dA (when Q or K needs it) and dV, each 2·width
                 per_context += 4 * width + 2 * width * (q + k + (q or k) + v)

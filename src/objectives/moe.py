@@ -12,19 +12,34 @@ per-expert token counts the run logs.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from src.utils.config import ConfigError
+
+SWITCH = ["gate_logits", "num_experts", "top_k", "attention_mask"]  # the Switch Transformer loss's parameters
+
 
 def balance_loss_function(model: nn.Module) -> Optional[Callable]:
     """The model's own `load_balancing_loss_func` when its causal LM adds one (it has `router_aux_loss_coef`,
-    `num_experts` and `num_experts_per_tok`, as transformers' MoE causal LMs do); None for dense models."""
+    `num_experts` and `num_experts_per_tok`, as transformers' MoE causal LMs do); None for dense models. A router
+    loss of another form (Doge's product-key experts: another signature, no top-k) is refused in one sentence:
+    `sequence_balance` would read its router logits wrongly."""
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     needed = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
-    return fn if callable(fn) and all(hasattr(model, name) for name in needed) else None
+    if not (callable(fn) and all(hasattr(model, name) for name in needed)):
+        return None
+    if list(inspect.signature(fn).parameters) != SWITCH or not isinstance(model.num_experts_per_tok, int):
+        raise ConfigError(
+            f"{model.config.model_type}'s router load-balancing loss is not the Switch Transformer form this template "
+            "takes per sequence (over the experts' top-k of each token): set model.router_aux_loss=false to train "
+            "without it."
+        )
+    return fn
 
 
 def sequence_balance(

@@ -34,6 +34,9 @@ _MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rop
 FIELDS = {
     **{a: _MLA for a in ("axk1", "axk2", "beam", "deepseek_v2", "deepseek_v3", "minicpm3", "sarvam_mla", "youtu")},
     "deepseek_v32": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
+    # MLA with linear-attention layers (their own head sizes) and experts named otherwise
+    "kimi_linear": {**_MLA, "num_experts_per_token": 2, "linear_head_dim": 16, "linear_num_heads": 4},
+    "bailing_hybrid": {**_MLA, "num_experts_per_token": 2, "num_expert_group": 1, "topk_group": 1, "head_dim": 16},
     "glm_moe_dsa": {**_MLA, "index_head_dim": 32, "index_n_heads": 4},
     "longcat_flash": {
         **_MLA,

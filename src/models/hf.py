@@ -237,14 +237,7 @@ def architecture_fill(model: nn.Module, fallback: init.Fill) -> init.Fill:
     modules = dict(skeleton.named_modules())
     params = dict(skeleton.named_parameters())
 
-    def rule_of(module_name: str) -> PreTrainedModel:
-        """The PreTrainedModel whose _init_weights transformers applies to this module: the nearest at or above."""
-        parts = module_name.split(".") if module_name else []
-        for i in range(len(parts), -1, -1):
-            candidate = modules[".".join(parts[:i])]
-            if isinstance(candidate, PreTrainedModel):
-                return candidate
-        raise ValueError(f"{module_name} is not inside a transformers model")
+    owners = init.init_owners(skeleton)  # the PreTrainedModel whose _init_weights transformers applies to each
 
     def fill(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name not in params or params[name].shape != tensor.shape:
@@ -263,7 +256,7 @@ def architecture_fill(model: nn.Module, fallback: init.Fill) -> init.Fill:
             setattr(owner, attr, real)
             try:
                 for module_name in chain:
-                    rule_of(module_name)._init_weights(modules[module_name])
+                    owners[modules[module_name]]._init_weights(modules[module_name])
             finally:
                 setattr(owner, attr, original)
         if real.isnan().any():

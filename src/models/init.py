@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 # fill(name, tensor, generator): writes the initial values of the parameter `name` into `tensor` (CPU, fp32)
 Fill = Callable[[str, torch.Tensor, torch.Generator], None]
@@ -88,20 +89,36 @@ def allocate(model: nn.Module, device: torch.device, tie: bool = True) -> None:
     for name, buffer in model.named_buffers():
         if name in built:
             buffer.copy_(built[name])
-    owner = next((m for m in model.modules() if hasattr(m, "_init_weights")), None)  # the transformers model
-    if owner is None or len(built) == len(dict(model.named_buffers())):
+    owners = init_owners(model)
+    if not any(owners.values()) or len(built) == len(dict(model.named_buffers())):
         return
     unmarked = [p for p in model.parameters() if not getattr(p, "_is_hf_initialized", False)]
     for param in unmarked:
         param._is_hf_initialized = True
     try:
         with torch.random.fork_rng(devices=[]):
-            for module in model.modules():
-                if next(module.buffers(recurse=False), None) is not None:
+            for module, owner in owners.items():
+                if owner is not None and next(module.buffers(recurse=False), None) is not None:
                     owner._init_weights(module)
     finally:
         for param in unmarked:
             del param._is_hf_initialized
+
+
+def init_owners(model: nn.Module) -> dict[nn.Module, Optional[nn.Module]]:
+    """Each module -> the transformers model whose `_init_weights` initialises it: the nearest one holding it, or
+    itself, as transformers' own init dispatches (a sub-model's init may read its own attributes: Gemma-3n's text
+    model's `hidden_size`); None outside any."""
+    owners: dict[nn.Module, Optional[nn.Module]] = {}
+
+    def walk(module: nn.Module, owner: Optional[nn.Module]) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        owners[module] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return owners
 
 
 @torch.no_grad()

@@ -111,3 +111,16 @@ def test_numbers_print_as_written_and_the_newest_record_first(tmp_path):
         "| 2026-11-27 | m | unknown | b | 9.5e-7 | a\\|b |",
         "| 2026-11-26 | m | abc1234 | b | 1.0000 |  |",
     ]
+
+
+def test_every_refusal_in_docs_refusals_is_where_it_says_and_tested():
+    """docs/refusals.md is the one list of refused combinations: each row's sentence fragment is in the file it names,
+    and the test it names exists."""
+    rows = [line for line in (ROOT / "docs" / "refusals.md").read_text().splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 15, "the table lost its rows"
+    for row in rows:
+        _, fragment, where, test = (cell.strip() for cell in row.strip("|").split(" | "))
+        fragment = fragment.strip("`")
+        assert fragment in (ROOT / where).read_text(), f"{where} has no {fragment!r}"
+        path, name = test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{path} has no test {name}"

@@ -95,5 +95,7 @@ def test_a_router_loss_of_another_form_is_refused_in_one_sentence():
 def test_packing_with_a_router_loss_is_one_sentence():
     """The load-balancing loss is taken per row, which would mix packed records: refused before step 1, naming both
     ways out."""
-    with pytest.raises(ConfigError, match=r"data.packing=true and a mixture-of-experts router loss.*router_aux_loss=fal"):
+    with pytest.raises(
+        ConfigError, match=r"data.packing=true and a mixture-of-experts router loss.*router_aux_loss=fal"
+    ):
         module("mixtral").check_packing()

@@ -16,6 +16,15 @@ import lightning as L
 from torch.distributed.checkpoint import filesystem
 
 
+def mark_saving(trainer: L.Trainer) -> None:
+    """The run dir's `saving_rank<R>` marker, holding this rank's pid, written whole at once: the test reads it as
+    soon as it exists (a marker created empty and written after was once read empty)."""
+    marker = Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}")
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, marker)
+
+
 class StallShardedSave(L.Callback):
     def __init__(self, step: int, name: str = "last.ckpt") -> None:
         self.step, self.name = step, name
@@ -27,7 +36,7 @@ class StallShardedSave(L.Callback):
             done = original(writer, plan, planner)
             if trainer.global_step == callback.step and callback.name in str(writer.path):
                 done.wait()  # this rank's shard files are on disk
-                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(os.getpid()))
+                mark_saving(trainer)
                 time.sleep(600)  # killed here
             return done
 
@@ -75,7 +84,7 @@ class StallDeepSpeedSave(L.Callback):
 
         def save_zero(engine, save_path, tag):
             if trainer.global_step == callback.step and callback.name in str(save_path):
-                Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}").write_text(str(os.getpid()))
+                mark_saving(trainer)
                 time.sleep(600)  # killed here
             return original(engine, save_path, tag)
 

@@ -15,14 +15,12 @@ from pathlib import Path
 import lightning as L
 from torch.distributed.checkpoint import filesystem
 
+from tests.helpers.faults import write_whole
+
 
 def mark_saving(trainer: L.Trainer) -> None:
-    """The run dir's `saving_rank<R>` marker, holding this rank's pid, written whole at once: the test reads it as
-    soon as it exists (a marker created empty and written after was once read empty)."""
-    marker = Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}")
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, marker)
+    """The run dir's `saving_rank<R>` marker, holding this rank's pid; the test reads it as soon as it exists."""
+    write_whole(Path(trainer.default_root_dir, f"saving_rank{trainer.global_rank}"), str(os.getpid()))
 
 
 class StallShardedSave(L.Callback):

@@ -13,6 +13,14 @@ import torch
 import torch.distributed as dist
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path`, which appears whole at once (written aside, then renamed): a test polling for the file
+    reads it as soon as it exists (a marker created empty and filled after was once read empty)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class RankFault(L.Callback):
     """Every rank writes its pid to `pid_rank<r>` in the run dir; at optimizer step `step`, rank `rank` misbehaves.
 
@@ -31,7 +39,7 @@ class RankFault(L.Callback):
         self.step, self.action, self.rank, self.only_where_env = step, action, rank, only_where_env
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        Path(trainer.default_root_dir, f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
+        write_whole(Path(trainer.default_root_dir, f"pid_rank{trainer.global_rank}"), str(os.getpid()))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         here = os.environ.get(self.only_where_env) == "1" if self.only_where_env else trainer.global_rank == self.rank

@@ -62,6 +62,7 @@ def test_the_compiled_region_compiles_once_and_computes_what_the_eager_model_doe
     module = compiled_module(arch, compile)
     if arch == "gpt2":
         module.double()
+    # torch's private mark of Module.compile(): if it is renamed, this line fails (the canary of that name)
     wrapped = [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert wrapped == ([module.model] if compile is True else [b for _, _, b in module.blocks()])
     assert ("forward" in vars(module.model.get_output_embeddings())) == (compile == "blocks")  # the head's own
@@ -147,6 +148,10 @@ def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it()
     assert compile_region(False, whole_model=True) is None
     with pytest.raises(ConfigError, match=r"model.compile='model': use true"):
         compile_region("model", whole_model=True)
+    from src.models.gpt2 import GPT2LitModule
+
+    with pytest.raises(ConfigError, match=r"model.compile='model': use true"):  # when the module is built
+        GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile="model")
 
 
 @FULL_MATRIX_ONLY  # suite time: two gloo ranks compiling a whole GPT-2 each take ~1 min on 2 cores

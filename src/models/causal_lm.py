@@ -26,7 +26,7 @@ from src.objectives.base import Objective
 from src.objectives.loss import run_logits, summed_token_loss, token_loss_function
 from src.objectives.sft import SFT
 from src.parallel import capabilities
-from src.parallel.parallelize import parallelize, parallelized
+from src.parallel.parallelize import compile_region, parallelize, parallelized
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class CausalLMLitModule(LitModule):
         self._resize_embeddings, self._tokenizer = resize_embeddings, tokenizer
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/parallel/parallelize.py
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
+        compile_region(compile, whole_model=True)  # likewise model.compile, not once the ranks have started
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
         # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
         fields = OmegaConf.to_container(config) if isinstance(config, DictConfig) else dict(config or {})

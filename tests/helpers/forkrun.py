@@ -216,7 +216,14 @@ def _supervise(conn: socket.socket, stand_in: str) -> None:
         with open(os.environ["FORKRUN_LOG"], "a") as f:
             request = json.loads(request)
             f.write(
-                json.dumps({"cwd": request["cwd"], "argv": request["argv"], "cpu": usage.ru_utime + usage.ru_stime})
+                json.dumps(
+                    {
+                        "test": request["env"].get("PYTEST_CURRENT_TEST"),
+                        "cwd": request["cwd"],
+                        "argv": request["argv"],
+                        "cpu": usage.ru_utime + usage.ru_stime,
+                    }
+                )
                 + "\n"
             )
     try:

@@ -145,6 +145,36 @@ def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
     assert re.search(r"^eager/compiled = \d+\.\d{3}$", out.stdout, re.M), out.stdout
 
 
+def test_dropout_bench_times_keyed_against_torchs_dropout():
+    """bench.dropout prints one dropout's and a GPT-2 step's time, keyed and torch's, with their ratio."""
+    out = subprocess.run(
+        [
+            python(),
+            "-m",
+            "bench.dropout",
+            "--rows",
+            "2",
+            "--seq",
+            "8",
+            "--width",
+            "64",
+            "--layers",
+            "1",
+            "--rounds",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^op \(2 x 8 x 64\): torch [\d.]+ ms \(1\.00x torch\), keyed [\d.]+ ms", out.stdout, re.M), (
+        out.stdout
+    )
+    assert re.search(r"^step .*keyed [\d.]+ ms \([\d.]+x torch\), none", out.stdout, re.M), out.stdout
+
+
 @pytest.mark.slow
 @FULL_MATRIX_ONLY  # suite time (stop 57), 25 s: a benchmark's figure; the pipeline schedules' parity tests stay
 def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src.datamodules.corpus import CorpusError
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
@@ -72,6 +72,33 @@ class PaddedSplit(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         return self.padding if i == len(self.split) else self.split[i]
+
+
+class Indexed(Dataset):
+    """A training split whose item i is (i, the split's item i): the collate below adds each batch's sample indices,
+    which key its dropout masks (src/models/dropout.py) and are the same on every layout."""
+
+    def __init__(self, split: Dataset) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        return i, self.split[i]
+
+
+class IndexedCollate:
+    """`collate` (None: torch's default) of Indexed items; a dict batch gets `sample_index`, the items' indices."""
+
+    def __init__(self, collate: Optional[Callable]) -> None:
+        self.collate = collate or default_collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> Any:
+        batch = self.collate([item for _, item in items])
+        if isinstance(batch, dict):
+            batch["sample_index"] = torch.tensor([i for i, _ in items], dtype=torch.long)
+        return batch
 
 
 def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
@@ -253,7 +280,7 @@ class ShardedDataModule(L.LightningDataModule):
         return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
-        dataset = self.splits["train"]
+        dataset = Indexed(self.splits["train"])
         sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
         sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
         return ResumableLoader(
@@ -261,7 +288,7 @@ class ShardedDataModule(L.LightningDataModule):
             batch_size=batch,
             sampler=sampler,
             drop_last=True,
-            collate_fn=self.collate_fn(),
+            collate_fn=IndexedCollate(self.collate_fn()),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from src.models import dropout as keyed
 from src.models import hf, init
 from src.models.base import LitModule
 from src.models.flops import FlopCount, count_flops
@@ -27,7 +28,7 @@ from src.objectives.loss import run_logits, summed_token_loss, token_loss_functi
 from src.objectives.sft import SFT
 from src.parallel import capabilities
 from src.parallel.parallelize import compile_region, parallelize, parallelized
-from src.utils.config import ConfigError
+from src.utils.config import ArchitectureRefused, ConfigError, check_number
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class CausalLMLitModule(LitModule):
         compile_loss: Any = "auto",
         fastest_attention: str = "sdpa",
         router_aux_loss: bool = True,
+        dropout: Optional[float] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -109,6 +111,9 @@ class CausalLMLitModule(LitModule):
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         compile_region(compile, whole_model=True)  # likewise model.compile, not once the ranks have started
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
+        if dropout is not None:
+            check_number("model.dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1), or null")
+        self._dropout = dropout
         # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
         fields = OmegaConf.to_container(config) if isinstance(config, DictConfig) else dict(config or {})
         model = self._build(seq_len, model_type, fields)
@@ -121,6 +126,7 @@ class CausalLMLitModule(LitModule):
             peft = hf.lora_config(**lora, model=model)
         if peft is not None:
             model = self._add_adapter(model, peft, seq_len)
+        self.dropouts = self._key_dropout(model)  # its dropouts with p > 0, keyed per sample
         self.flop_count: FlopCount = flops_of(model, peft)
         self.model = model
         # an MoE model's load-balancing loss (src/objectives/moe.py), read before a strategy wraps the model's class
@@ -137,15 +143,35 @@ class CausalLMLitModule(LitModule):
         config; on the meta device when a strategy materialises it later."""
         if self._pretrained:
             config = self.check_pretrained(hf.pretrained_config(self._pretrained, self.attn_implementation), seq_len)
+            self._set_dropout(config)
             if not self._deferred:
-                return self._load_pretrained()
+                return self._set_dropout(self._load_pretrained(config))
             config.vocab_size = max(self._vocab_size, config.vocab_size)  # rank 0 reads the weights later
-            return hf.build_on_meta(config)
+            return self._set_dropout(hf.build_on_meta(config))
         config = self.new_config(self._vocab_size, seq_len, model_type, fields, self.attn_implementation)
-        model = hf.build_on_meta(config)
+        model = self._set_dropout(hf.build_on_meta(self._set_dropout(config)))
         if not self._deferred:
             init.materialize_full(model, self.fill(model), self.base_seed, torch.device("cpu"))
         return model
+
+    def _key_dropout(self, model: torch.nn.Module) -> int:
+        """Every dropout of `model` keyed per sample (src/models/dropout.py): its dropout modules, and where its config
+        holds a dropout probability, its attention's; the number of dropouts with p > 0 (modules or attention)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        attention = any(keyed.config_fields(base.config).values())
+        attention = attention and keyed.key_attention(base, self.attn_implementation)
+        return keyed.key_dropouts(model) + attention
+
+    def _set_dropout(self, built: Any) -> Any:
+        """model.dropout (when set) in a config, before its model is built, or in a built model's dropout modules:
+        every dropout probability of the architecture (its adapter's is model.lora.dropout)."""
+        if self._dropout is not None:
+            if isinstance(built, PretrainedConfig):
+                keyed.set_probabilities(built, self._dropout)
+            for module in built.modules() if isinstance(built, torch.nn.Module) else ():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = self._dropout
+        return built
 
     def _reference_of(self, model: PreTrainedModel, adapter: bool) -> Optional[PreTrainedModel]:
         """A frozen copy of the starting policy where the objective asks for one (DPO's reference)."""
@@ -241,9 +267,10 @@ class CausalLMLitModule(LitModule):
         log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
         return model
 
-    def _load_pretrained(self) -> PreTrainedModel:
-        """The whole pretrained model, its embeddings resized to the tokenizer's vocabulary."""
-        model = hf.load_pretrained(self._pretrained, self.attn_implementation)
+    def _load_pretrained(self, config: Optional[PretrainedConfig] = None) -> PreTrainedModel:
+        """The whole pretrained model (with `config`, that instead of the checkpoint's: model.dropout), its embeddings
+        resized to the tokenizer's vocabulary."""
+        model = hf.load_pretrained(self._pretrained, self.attn_implementation, config)
         if self._vocab_size > model.config.vocab_size:  # special tokens added to the tokenizer
             hf.resize_vocab(model, self._vocab_size, self.base_seed, self._tokenizer)
         return model
@@ -291,7 +318,8 @@ class CausalLMLitModule(LitModule):
                 with no_init_weights():
                     model = AutoModelForCausalLM.from_config(self.config)
                 model.tie_weights()
-                model = self._prepare(model) if name == "model" else model  # what it adds is filled below
+                if name == "model":  # what the objective adds is filled below
+                    self.dropouts = self._key_dropout(self._prepare(self._set_dropout(model)))
                 init.materialize_zero3(model, self.fill(model), self.base_seed)
                 setattr(self, name, model if name == "model" else init.frozen(model))
         else:
@@ -374,9 +402,77 @@ class CausalLMLitModule(LitModule):
         """A training or evaluation forward of `network` (the trained model by default; or the reference) on a batch's
         input ids with its attention mask, or a packed batch's position ids (src/datamodules/packing.py: no mask,
         so transformers keeps its records apart). Never a KV cache, on any device: a cache serves generation, and in
-        any other forward transformers would fill one that nothing reads (torch.compile recompiling on it)."""
+        any other forward transformers would fill one that nothing reads (torch.compile recompiling on it).
+        A training forward of the trained model keys its dropout masks by the batch's sample indices
+        (src/models/dropout.py)."""
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
+        if self.dropouts and self.training and (network is None or network is self.model):
+            keyed.set_keys(self.row_keys(batch))
         return (network if network is not None else self.model)(**inputs, use_cache=False, **kwargs)
+
+    def row_keys(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The dropout keys of a training batch's rows: the run's seed, the optimizer step and each row's sample."""
+        rows = batch["input_ids"].shape[0]
+        index = batch.get("sample_index")
+        if index is None or rows % index.numel():
+            raise ConfigError(
+                f"{type(self.hf_model).__name__} has dropout and this batch does not say which sample each row is "
+                f"(the data's train loader gives `sample_index`; {self.objective.name}'s rows are its own): "
+                "set model.dropout=0."
+            )
+        step = self.trainer.global_step if self._trainer_or_none() is not None else 0
+        return keyed.row_keys(index.to(batch["input_ids"].device), rows, step, self.base_seed)
+
+    @torch.no_grad()
+    def check_dropout(self) -> None:
+        """Before step 1, on every rank alike: a training forward draws nothing from torch's generator (two forwards
+        under different generator states give the same logits), or the run stops in one sentence. Its dropout modules
+        are keyed per sample (src/models/dropout.py); what a forward draws itself (functional attention dropout,
+        router jitter) would give each layout other masks. Under a strategy that splits a row's forward (tensor
+        parallel, pipeline stages: `keys_dropout` false) any dropout is refused."""
+        fields = {k: v for k, v in keyed.config_fields(self.config).items() if v}
+        if not capabilities.of(self.trainer.strategy).keys_dropout:
+            if keyed.has_dropout(self.model) or fields:
+                raise ArchitectureRefused(
+                    f"{type(self.hf_model).__name__} has dropout ({self._dropout_names(fields)}), which "
+                    f"{type(self.trainer.strategy).__name__} would draw per rank: {self._dropout_fix(fields)}."
+                )
+            return
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self._vocab_size, (1, 8), generator=generator).to(self.device)
+        batch = {"input_ids": ids, "sample_index": torch.zeros(1, dtype=torch.long)}
+        was_training, outs = self.training, []
+        gpus = [self.device] if self.device.type == "cuda" else []  # the generators the probe must not advance
+        self.train()
+        with torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=gpus):
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                outs.append(self.lm_forward(batch).logits.float())
+        self.train(was_training)
+        fp32 = next(self.model.parameters()).dtype == torch.float32
+        gap, scale = (outs[0] - outs[1]).abs().max().item(), outs[0].abs().max().item()
+        if not gap <= (1e-4 if fp32 else 3e-2) * scale + 1e-6:
+            raise ArchitectureRefused(
+                f"{type(self.hf_model).__name__}'s training forward draws random numbers of its own "
+                f"({self._dropout_names(fields)}; logits {gap:.3g} apart under two generator states), which would "
+                f"differ with the number of devices: {self._dropout_fix(fields)}."
+            )
+
+    def _dropout_fix(self, fields: dict[str, float]) -> str:
+        """What turns off every random draw named in a refusal: model.dropout, the config's other random fields (router
+        jitter: model.config.X), LoRA's dropout."""
+        fix = []
+        probabilities = [k for k in fields if keyed.PROBABILITY_FIELD.search(k)]
+        if probabilities or not fields:
+            fix.append("model.dropout=0")
+        fix += [f"model.config.{k}=0" for k in fields if not keyed.PROBABILITY_FIELD.search(k)]
+        if any(isinstance(m, keyed.KeyedDropout) and m.p > 0 and "lora_" in m.name for m in self.model.modules()):
+            fix.append("model.lora.dropout=0")
+        return "set " + " and ".join(fix)
+
+    def _dropout_names(self, fields: dict[str, float]) -> str:
+        named = [f"{k}={v}" for k, v in fields.items()]
+        return ", ".join(named) if named else "its dropout modules"
 
     @torch.no_grad()
     def check_packing(self) -> None:
@@ -439,6 +535,7 @@ class CausalLMLitModule(LitModule):
         self.log_dict(self.objective.epoch_metrics("test", self.test_metrics))
 
     def on_fit_start(self) -> None:
+        self.check_dropout()
         if getattr(self.trainer.datamodule, "packing", False):
             self.check_packing()
         self.objective.on_fit_start(self)

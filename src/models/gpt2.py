@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
-from src.utils.config import ConfigError, check_int, check_number
+from src.utils.config import ConfigError, check_int
 
 
 class GPT2LitModule(CausalLMLitModule):
@@ -27,7 +27,7 @@ class GPT2LitModule(CausalLMLitModule):
         n_layer: int = 4,
         n_head: int = 4,
         n_embd: int = 128,
-        dropout: float = 0.0,
+        dropout: Optional[float] = 0.0,
         activation_function: str = "gelu",
         model_type: str = "gpt2",
         config: Optional[dict[str, Any]] = None,
@@ -45,18 +45,16 @@ class GPT2LitModule(CausalLMLitModule):
                 f"model.n_embd={n_embd} does not divide into model.n_head={n_head} heads: pick "
                 "n_embd as a multiple of n_head."
             )
-        check_number("model.dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")
         config = {
             "n_layer": n_layer,
             "n_head": n_head,
             "n_embd": n_embd,
-            "resid_pdrop": dropout,
-            "embd_pdrop": dropout,
-            "attn_pdrop": dropout,
             "activation_function": activation_function,
             **(config or {}),
         }
-        super().__init__(vocab_size=vocab_size, seq_len=seq_len, model_type="gpt2", config=config, **options)
+        super().__init__(
+            vocab_size=vocab_size, seq_len=seq_len, model_type="gpt2", config=config, dropout=dropout, **options
+        )
 
     def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
         if config.model_type != GPT2.model_type:

@@ -117,11 +117,13 @@ def choose_attention(model_type: str, requested: str, fastest: str = "sdpa") -> 
     return requested
 
 
-def load_pretrained(name_or_path: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """The whole pretrained model."""
-    pretrained_config(name_or_path, attn_implementation)  # one sentence if it is not a decoder-only LM
+def load_pretrained(
+    name_or_path: str, attn_implementation: str = "sdpa", config: Optional[PretrainedConfig] = None
+) -> PreTrainedModel:
+    """The whole pretrained model; with `config` (the checkpoint's, changed), built from that."""
+    config = config or pretrained_config(name_or_path, attn_implementation)  # one sentence if not a decoder-only LM
     try:
-        return AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(name_or_path, config=config)
     except Exception as e:  # noqa: BLE001 - whatever transformers or safetensors raise, the sentence names it
         first = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(

@@ -34,6 +34,11 @@ class Capabilities:
     can_generate: bool = True
     """Some rank holds the whole model, so callbacks.generate_text can sample (not the pipeline's stages)."""
 
+    keys_dropout: bool = True
+    """Each rank runs whole rows through the whole model, so a row's dropout masks keyed by its sample
+    (src/models/dropout.py) are those one process draws. False (tensor parallel splits a row's heads and widths, the
+    pipeline's schedule its micro-batches over stages): a model with dropout is refused."""
+
     optimizer_class: Optional[type] = None
     """The optimizer class the model's optimizer must be instead of its configured one (DeepSpeed's CPU Adam
     under optimizer offload), or None."""

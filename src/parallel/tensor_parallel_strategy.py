@@ -52,6 +52,7 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     src/checkpoint/convert.py can give them back in HF GPT-2 form.
     """
 
+    keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 

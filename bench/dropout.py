@@ -1,0 +1,93 @@
+"""What keyed dropout (src/models/dropout.py) costs against torch's: one dropout, and a GPT-2 training step.
+
+    python -m bench.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7]
+
+`op`: forward + backward of one dropout (p = 0.1) on a rows x seq x width fp32 tensor, torch's `F.dropout` against
+KeyedDropout. `step`: forward + backward of a GPT-2 (the width, `--layers` blocks of 64-wide heads) with dropout 0.1
+everywhere: transformers' own (nn.Dropout modules, SDPA's dropout), the template's keyed (modules keyed, attention
+through the model's eager function with its dropout keyed), and no dropout. Ways are interleaved round by round;
+each figure is the median of the rounds after the first. Prints ms and the ratio to torch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from src.models import dropout as keyed
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def op_ways(rows: int, seq: int, width: int) -> dict:
+    x = torch.randn(rows, seq, width, requires_grad=True)
+    module = keyed.KeyedDropout(0.1, "bench")
+    keys = keyed.row_keys(torch.arange(rows), rows, step=0, seed=0)
+
+    def torch_way():
+        F.dropout(x, 0.1, training=True).sum().backward()
+
+    def keyed_way():
+        keyed.set_keys(keys)
+        module(x).sum().backward()
+
+    return {"torch": torch_way, "keyed": keyed_way}
+
+
+def step_ways(rows: int, seq: int, width: int, layers: int) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model(p: float, key: bool):
+        torch.manual_seed(0)
+        config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=seq, vocab_size=8192,
+                            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
+        m = GPT2LMHeadModel(config).train()
+        if key:
+            keyed.key_attention(m, "sdpa")
+            keyed.key_dropouts(m)
+        return m
+
+    ids = torch.randint(0, 8192, (rows, seq), generator=torch.Generator().manual_seed(0))
+    keys = keyed.row_keys(torch.arange(rows), rows, step=0, seed=0)
+
+    def way(m):
+        def run():
+            keyed.set_keys(keys)
+            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+        return run
+
+    return {"torch": way(model(0.1, False)), "keyed": way(model(0.1, True)), "none": way(model(0.0, False))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    for name, ways in (
+        ("op", op_ways(args.rows, args.seq, args.width)),
+        ("step", step_ways(args.rows, args.seq, args.width, args.layers)),
+    ):
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(args.rounds):
+            for way, fn in ways.items():
+                times[way].append(timed(fn))
+        median = {way: statistics.median(t[1:]) for way, t in times.items()}
+        shown = ", ".join(f"{way} {ms:.1f} ms ({ms / median['torch']:.2f}x torch)" for way, ms in median.items())
+        print(f"{name} ({args.rows} x {args.seq} x {args.width}): {shown}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Dropout whose masks do not depend on the layout: each row's mask is a function of the run's seed, the optimizer
+step, the row's sample (its index in the dataset) and the module, never of the rank, the micro-batch or the RNG state.
+
+torch's dropout draws from the device's generator, so the same sample gets another mask on 1 process than on rank 1
+of 2, or in another micro-batch: a run with dropout trains another model on every layout. Here every `nn.Dropout` of
+the trained model is replaced by `KeyedDropout` (`key_dropouts`), which hashes (row key, module, element position)
+with a 32-bit integer finaliser and keeps the elements whose hash is at least p x 2^32: plain tensor ops, on any
+device and under torch.compile. A row's key (`row_keys`) mixes the seed, the step and its sample index; an element's
+position is its index along each dimension, so a row right-padded to another width keeps its mask. The LM module
+sets the keys before each training forward (`set_keys`); a training forward without keys is an error, not a silent
+draw from torch's generator.
+
+Dropout that a model's forward draws with `torch.nn.functional.dropout` (attention dropout in transformers' attention
+functions, Seed-OSS's residual dropout) cannot be keyed from outside; CausalLMLitModule's check before step 1 finds it
+(two training forwards under different generator states must agree) and refuses the run in one sentence.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import zlib
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from transformers import PretrainedConfig
+
+from src.utils.config import ConfigError
+
+_M32 = 0xFFFFFFFF
+# (the keys of the current training forward's rows, int64 in [0, 2^32)); a module global rather than an attribute of
+# each module, so that torch.compile reads it as a graph input instead of guarding on each step's new tensor
+_rows: list[Optional[torch.Tensor]] = [None]
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 values in [0, 2^32): an avalanche of every input bit into every output
+    bit. Products may pass 2^63; their low 32 bits, all that is kept, are the same either way."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def row_keys(sample_index: torch.Tensor, rows: int, step: int, seed: int) -> torch.Tensor:
+    """The key of each of `rows` rows made from the batch's `sample_index` (one per sample): a batch of k rows a
+    sample holds k blocks of the samples, in order (a pair batch: the chosen rows, then the rejected), and row
+    j x B + i gets the key of (sample i, block j)."""
+    n = sample_index.numel()
+    if n == 0 or rows % n:
+        raise ValueError(f"{rows} rows cannot be keyed by {n} sample indices")
+    block = torch.arange(rows // n, device=sample_index.device).repeat_interleave(n)
+    samples = sample_index.to(torch.int64).repeat(rows // n)
+    h = _mix(torch.full_like(samples, (seed ^ 0x5BD1E995) & _M32))
+    h = _mix(h ^ (step & _M32))
+    h = _mix(h ^ (samples & _M32))
+    h = _mix(h ^ ((samples >> 32) & _M32))
+    return _mix(h ^ block)
+
+
+def set_keys(keys: Optional[torch.Tensor]) -> None:
+    """The row keys of the step's forward, kept until the next: an activation-checkpointing recompute in the backward
+    draws the same masks as the forward did."""
+    _rows[0] = keys
+
+
+def keyed_mask(shape: torch.Size, keys: torch.Tensor, salt: int, p: float) -> torch.Tensor:
+    """Keep (True) or drop for each element of a tensor of `shape` whose dim 0 holds the keyed rows."""
+    h = _mix(keys.view(-1, *([1] * (len(shape) - 1))) ^ salt)
+    for dim in range(1, len(shape)):
+        index = torch.arange(shape[dim], device=keys.device).view(*([1] * dim), -1, *([1] * (len(shape) - dim - 1)))
+        h = _mix(h ^ index)
+    return h >= int(p * 2**32)
+
+
+class KeyedDropout(nn.Module):
+    """nn.Dropout with keyed masks (module doc): the same `p` (read by transformers, e.g. GPT-2's SDPA path)."""
+
+    def __init__(self, p: float, name: str) -> None:
+        super().__init__()
+        self.p, self.name = p, name
+        self.salt = zlib.crc32(name.encode())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return _keyed(x, self.p, self.salt, self.name)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def key_dropouts(model: nn.Module) -> int:
+    """Replace every nn.Dropout of `model` by a KeyedDropout of the same p named by its place in `model`; the number
+    replaced with p > 0. Run on the model as trained (adapters added), so the names are those of every layout."""
+    n = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Dropout:
+                full = f"{name}.{child_name}" if name else child_name
+                setattr(module, child_name, KeyedDropout(child.p, full))
+                n += child.p > 0
+    return n
+
+
+class _KeyedFunctionalDropout(TorchFunctionMode):
+    """Inside a model's eager attention function: its `torch.nn.functional.dropout` of the attention weights, keyed
+    like KeyedDropout's by the rows and the attention module's salt."""
+
+    def __init__(self, salt: int, name: str) -> None:
+        super().__init__()
+        self.salt, self.name = salt, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.dropout:
+            x, p = args[0], kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p > 0:
+                return _keyed(x, p, self.salt, self.name)
+            return x
+        return func(*args, **kwargs)
+
+
+def _keyed(x: torch.Tensor, p: float, salt: int, name: str) -> torch.Tensor:
+    keys = _rows[0]
+    if keys is None or keys.shape[0] != x.shape[0]:
+        raise RuntimeError(
+            f"{name}: a training forward with dropout needs the keys of its {x.shape[0]} rows "
+            "(src/models/dropout.py set_keys)"
+        )
+    if p == 1:
+        return torch.zeros_like(x)
+    return x * keyed_mask(x.shape, keys, salt, p).to(x.dtype) * (1 / (1 - p))
+
+
+def keyed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):
+    """transformers' attention function for a model with attention dropout (`key_attention`): without dropout
+    (evaluation, or p = 0) the implementation the model was built with; with dropout the model's own eager attention
+    function, its dropout keyed per row and attention module."""
+    if dropout == 0:
+        return module.keyed_inner_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs)
+    if module.keyed_eager_attention is None:
+        raise ConfigError(
+            f"{type(module).__name__} has attention dropout and its file no eager_attention_forward to key it with: "
+            "set model.dropout=0."
+        )
+    with _KeyedFunctionalDropout(module.keyed_salt, module.keyed_name):
+        return module.keyed_eager_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+
+
+def key_attention(model: nn.Module, implementation: str) -> bool:
+    """Route `model`'s attention (built with `implementation`) through keyed_attention, registered with transformers
+    as "keyed" with the eager implementation's explicit masks, which both of its paths take. Each module gets the
+    functions and the salt keyed_attention reads; False (nothing changed) for another implementation than sdpa or
+    eager (FlashAttention and flex draw their dropout inside their kernels)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation not in ("sdpa", "eager"):
+        return False
+    ALL_ATTENTION_FUNCTIONS.register("keyed", keyed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("keyed", eager_mask)
+    for name, module in model.named_modules():
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        module.keyed_eager_attention = eager
+        module.keyed_inner_attention = sdpa_attention_forward if implementation == "sdpa" else eager
+        module.keyed_salt, module.keyed_name = zlib.crc32(name.encode()), name
+    model.set_attn_implementation("keyed")
+    return True
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether `model` holds a dropout module with p > 0 (keyed or not)."""
+    return any(isinstance(m, (nn.Dropout, KeyedDropout)) and m.p > 0 for m in model.modules())
+
+
+PROBABILITY_FIELD = re.compile(r"dropout|pdrop", re.IGNORECASE)  # what model.dropout sets
+RANDOM_FIELD = re.compile(r"dropout|pdrop|jitter|noise", re.IGNORECASE)  # what a training forward may draw from
+
+
+def config_fields(config: Any, pattern: re.Pattern = RANDOM_FIELD, prefix: str = "") -> dict[str, float]:
+    """The numeric fields of a transformers config (and of its sub-configs, as `text_config.x`) whose names match
+    `pattern`, with their values."""
+    found = {}
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            found.update(config_fields(value, pattern, f"{prefix}{name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and pattern.search(name):
+            found[prefix + name] = value
+    return found
+
+
+def set_probabilities(config: Any, p: float) -> None:
+    """Every dropout probability of `config` (PROBABILITY_FIELD, sub-configs too) set to p, before a model is built
+    from it: transformers' modules read them when they are made."""
+    for name in config_fields(config, PROBABILITY_FIELD):
+        *parents, field = name.split(".")
+        target = config
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, field, p)

@@ -1,0 +1,238 @@
+"""Dropout keyed per sample (src/models/dropout.py): a row's masks depend on the seed, the step, its sample and the
+module only, so dropout on trains the same model on any number of ranks and any accumulation; a forward that draws
+its own random numbers is refused before step 1."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FULL_MATRIX_ONLY, path_overrides, shared
+
+from tests.helpers.margins import within
+
+KEYS = dict(step=3, seed=1234)
+
+
+def mask(shape, sample_index, salt=7, p=0.25, rows=None):
+    from src.models.dropout import keyed_mask, row_keys
+
+    index = torch.as_tensor(sample_index)
+    keys = row_keys(index, rows or len(index), **KEYS)
+    return keyed_mask(torch.Size(shape), keys, salt, p)
+
+
+def test_a_rows_mask_depends_on_its_sample_and_position_only():
+    """The same sample gets the same mask alone or among others, in any order, right-padded to any width; another
+    sample, step, seed or module gets another."""
+    from src.models.dropout import keyed_mask, row_keys
+
+    batch = mask((4, 6, 16), [5, 9, 2, 11])
+    assert torch.equal(mask((1, 6, 16), [9])[0], batch[1])
+    assert torch.equal(mask((2, 6, 16), [11, 5])[1], batch[0])
+    assert torch.equal(mask((4, 10, 16), [5, 9, 2, 11])[:, :6], batch)  # padded to 10 positions
+    assert torch.equal(mask((4, 2, 6, 6), [5, 9, 2, 11])[:, :, :4, :4], mask((4, 2, 4, 4), [5, 9, 2, 11]))
+    assert not torch.equal(batch[0], batch[1])
+    assert not torch.equal(batch, mask((4, 6, 16), [5, 9, 2, 11], salt=8))
+    index = torch.tensor([5, 9, 2, 11])
+    for step, seed in ((4, 1234), (3, 1235)):
+        assert not torch.equal(batch, keyed_mask(batch.shape, row_keys(index, 4, step, seed), 7, 0.25))
+    # two rows a sample (a pair batch: the chosen rows, then the rejected): each keyed by (sample, block)
+    pairs = mask((4, 6, 16), [5, 9], rows=4)
+    assert torch.equal(mask((4, 6, 16), [9, 5], rows=4), pairs[[1, 0, 3, 2]])
+    assert torch.equal(mask((2, 6, 16), [9], rows=2), pairs[[1, 3]])
+    assert not torch.equal(pairs[0], pairs[2])
+
+
+def test_each_element_is_kept_with_probability_one_minus_p():
+    """The keep rate, and the agreement of two masks (independent: (1-p)^2 + p^2), within 6 binomial standard
+    deviations of what independent draws give."""
+    for p in (0.05, 0.1, 0.5):
+        m = mask((64, 32, 48), list(range(100, 164)), p=p)
+        n = m.numel()
+        within(abs(m.float().mean().item() - (1 - p)), 6 * math.sqrt(p * (1 - p) / n), f"keep rate at p={p}")
+        other = mask((64, 32, 48), list(range(200, 264)), p=p)
+        agree = (m == other).float().mean().item()
+        q = (1 - p) ** 2 + p**2
+        within(abs(agree - q), 6 * math.sqrt(q * (1 - q) / n), f"two samples' masks at p={p}")
+        # neighbouring positions and features are not correlated either
+        within(abs((m[:, 1:] == m[:, :-1]).float().mean().item() - q), 6 * math.sqrt(q * (1 - q) / n), "positions")
+        within(abs((m[..., 1:] == m[..., :-1]).float().mean().item() - q), 6 * math.sqrt(q * (1 - q) / n), "features")
+
+
+def gpt2(**options):
+    from src.models.gpt2 import GPT2LitModule
+
+    return GPT2LitModule(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=16, **options)
+
+
+def logits(module, ids, index, training, seed=0):
+    from src.models import dropout
+
+    module.train(training)
+    torch.manual_seed(seed)
+    if training:
+        dropout.set_keys(dropout.row_keys(torch.as_tensor(index), ids.shape[0], 0, module.base_seed))
+    with torch.no_grad():
+        return module.model(input_ids=ids, use_cache=False).logits.double()
+
+
+def test_every_dropout_of_a_model_is_keyed_and_applied():
+    """model.dropout=0.1 with LoRA: no torch dropout is left (modules, GPT-2's attention, LoRA's), a training forward
+    draws nothing from torch's generator and drops (it differs from evaluation), and attention dropout alone drops
+    too; in evaluation the keyed attention gives the logits of the model's own sdpa attention."""
+    from torch import nn
+
+    from src.models.dropout import KeyedDropout
+
+    torch.manual_seed(0)
+    module = gpt2(
+        dropout=0.1, lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["c_attn"]}
+    )
+    assert not any(type(m) is nn.Dropout for m in module.model.modules())
+    names = [m.name for m in module.model.modules() if isinstance(m, KeyedDropout) and m.p > 0]
+    assert any("lora_dropout" in n for n in names) and any("resid_dropout" in n for n in names), names
+    assert module.hf_model.config._attn_implementation == "keyed"
+    ids = torch.randint(0, 64, (3, 16))
+    a, b = (logits(module, ids, [4, 1, 7], True, seed) for seed in (1, 2))
+    assert torch.equal(a, b)
+    assert (a - logits(module, ids, [4, 1, 7], False)).abs().max() > 1e-3
+
+    attention_only = gpt2(dropout=None, config={"attn_pdrop": 0.5, "resid_pdrop": 0.0, "embd_pdrop": 0.0})
+    # GPT-2's attn_dropout module serves only its reordered-upcast path: the attention function draws it
+    assert {
+        m.name.rsplit(".", 1)[1] for m in attention_only.model.modules() if isinstance(m, KeyedDropout) and m.p
+    } == {"attn_dropout"}
+    assert (logits(attention_only, ids, [0, 1, 2], True) - logits(attention_only, ids, [0, 1, 2], False)).abs().max()
+
+    plain = gpt2(dropout=0.0, attn_implementation="sdpa")
+    plain.model.load_state_dict(attention_only.model.state_dict())
+    assert plain.hf_model.config._attn_implementation == "sdpa"
+    for m in (plain, attention_only):
+        m.model.double()
+    within((logits(plain, ids, [], False) - logits(attention_only, ids, [], False)).abs().max().item(), 1e-12, "eval")
+
+
+def test_a_rows_training_logits_are_the_same_alone_or_in_any_batch():
+    """The whole model, dropout on everywhere: a sample's training logits do not depend on the rows beside it or on
+    how far the batch is padded (right padding: its own positions see the same masks)."""
+    torch.manual_seed(0)
+    module = gpt2(dropout=0.2)
+    module.model.double()
+    ids = torch.randint(0, 64, (4, 12))
+    batch = logits(module, ids, [10, 11, 12, 13], True)
+    assert torch.equal(logits(module, ids[2:3], [12], True)[0], batch[2])
+    assert torch.equal(logits(module, ids[[3, 0]], [13, 10], True)[1], batch[0])
+    padded = torch.cat([ids, torch.zeros(4, 4, dtype=ids.dtype)], 1)
+    within((logits(module, padded, [10, 11, 12, 13], True)[:, :12] - batch).abs().max().item(), 1e-12, "padded")
+
+
+def test_a_training_batch_that_does_not_name_its_samples_is_one_sentence():
+    """A training forward with dropout whose batch has no sample indices (GRPO's sampled completions, with its
+    disable_dropout=false) stops in one sentence instead of drawing unkeyed masks."""
+    from src.utils.config import ConfigError
+
+    module = gpt2(dropout=0.1)
+    module.train()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ConfigError, match=r"does not say which sample each row is .* set model\.dropout=0\.$"):
+        module.lm_forward({"input_ids": ids})
+    with pytest.raises(ConfigError, match="does not say which sample"):  # 3 rows cannot be blocks of 2 samples
+        module.lm_forward({"input_ids": torch.cat([ids, ids[:1]]), "sample_index": torch.tensor([0, 1])})
+    module.lm_forward({"input_ids": ids, "sample_index": torch.tensor([0, 1])})
+    module.eval()
+    module.lm_forward({"input_ids": ids})  # evaluation draws no mask
+
+
+def test_model_dropout_sets_a_pretrained_checkpoints_probabilities():
+    """model.dropout=null keeps a checkpoint's dropout (tiny GPT-2's 0.1, keyed); a number sets every probability
+    of its config before the model is built, so its attention is left as it was at 0."""
+    from src.models.causal_lm import CausalLMLitModule
+    from src.models.dropout import KeyedDropout, config_fields
+
+    path = str(shared("tiny-gpt2"))
+    kept = CausalLMLitModule(vocab_size=50257, seq_len=32, pretrained=path)
+    assert {m.p for m in kept.model.modules() if isinstance(m, KeyedDropout)} == {0.1}
+    assert kept.config._attn_implementation == "keyed" and kept.dropouts > 0
+    off = CausalLMLitModule(vocab_size=50257, seq_len=32, pretrained=path, dropout=0.0)
+    assert not any(config_fields(off.config).values()) and off.dropouts == 0
+    assert off.config._attn_implementation != "keyed"
+
+
+# ---- through train.py (slow) ----
+
+RUN = [
+    "model.dropout=0.1",
+    "model.lora.enabled=true",  # LoRA's own dropout, 0.05, keyed too
+    "model.lora.target_modules=[c_attn,c_proj]",
+    "model.scheduler.num_warmup_steps=1",
+]
+
+
+def train(tmp: Path, name: str, args: list[str]) -> dict:
+    from test_fsdp import last_ckpt, params_of, train_sharded
+    from test_parity import GPT2, train
+
+    if "trainer=fsdp" not in args:
+        return train(tmp, name, GPT2 + RUN + args)
+    return {**train_sharded(tmp, name, GPT2 + RUN + args), "params": params_of(last_ckpt(tmp, name))}
+
+
+@pytest.mark.slow
+def test_dropout_trains_the_same_model_on_any_layout(tmp_path):
+    """Dropout 0.1 everywhere and LoRA's 0.05: 1 x 8 = 2 ranks x 2 x accumulation 2 = FSDP2's 2 x 4 (ZeRO-2 in the
+    full matrix), step by step, to fp32 rounding; and dropout is on: a run without it ends elsewhere."""
+    from test_parity import assert_same_series, max_param_diff
+
+    one = train(tmp_path, "1x8", [])
+    accumulate = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]  # micro-batches
+    ddp = train(tmp_path, "2x2x2", ["trainer=ddp", "trainer.devices=2", *accumulate])
+    fsdp = train(tmp_path, "fsdp", ["trainer=fsdp", "trainer.devices=2"])
+    for other in (ddp, fsdp):
+        assert_same_series(one, other, "train/loss", 1e-5)
+        assert_same_series(one, other, "val/loss", 1e-5)
+        within(max_param_diff(one["params"], other["params"]), 1e-5, "params")
+    off = train(tmp_path, "off", ["model.dropout=0", "model.lora.dropout=0"])
+    assert abs(off["scalars"]["train/loss"][-1][1] - one["scalars"]["train/loss"][-1][1]) > 1e-4
+
+
+@pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: DDP and FSDP2 above go through the same keys
+def test_dropout_under_zero2_trains_like_one_process(tmp_path):
+    from test_deepspeed import CPU_DS, needs_deepspeed  # noqa: F401
+    from test_parity import assert_same_series
+
+    pytest.importorskip("deepspeed")
+    one = train(tmp_path, "1x8", [])
+    zero = train(tmp_path, "zero2", CPU_DS + ["trainer.strategy.stage=2"])
+    assert_same_series(one, zero, "train/loss", 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, sentence",
+    [
+        # Mixtral's router jitter multiplies the tokens by noise of its own drawing
+        (
+            ["model=causal_lm", "model.model_type=mixtral", "+model.config.router_jitter_noise=0.1"]
+            + [f"+model.config.{k}={v}" for k, v in dict(hidden_size=16, intermediate_size=32).items()]
+            + [f"+model.config.{k}={v}" for k, v in dict(num_hidden_layers=1, num_attention_heads=2).items()]
+            + ["+model.config.num_key_value_heads=1", "+model.config.num_local_experts=2"],
+            ["draws random numbers of its own (router_jitter_noise=0.1", "set model.config.router_jitter_noise=0."],
+        ),
+        (
+            ["model.dropout=0.1", "trainer=tp", "trainer.devices=2"],
+            ["which TensorParallelStrategy would draw per rank", "set model.dropout=0."],
+        ),
+    ],
+    ids=["jitter", "tp"],
+)
+def test_a_forward_with_randomness_no_key_reaches_is_refused_before_step_1(tmp_path, args, sentence):
+    from test_errors import assert_one_clear_line, run_as_user
+    from test_parity import GPT2, QUIET
+
+    dirs = {"log_dir": tmp_path / "run", "cache_dir": tmp_path / "cache"}
+    data = [arg for arg in GPT2 if not arg.startswith("model.")] if "model=causal_lm" in args else GPT2
+    assert_one_clear_line(*run_as_user(["train.py", *QUIET, *path_overrides(dirs), *data, *args])[:2], *sentence)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, path_overrides, shared
 
+from tests.helpers.architectures import ARCHITECTURES, SAMPLE, eager_experts, tiny_config, too_large
 from tests.helpers.margins import within
 
 KEYS = dict(step=3, seed=1234)
@@ -94,7 +95,7 @@ def test_every_dropout_of_a_model_is_keyed_and_applied():
     assert not any(type(m) is nn.Dropout for m in module.model.modules())
     names = [m.name for m in module.model.modules() if isinstance(m, KeyedDropout) and m.p > 0]
     assert any("lora_dropout" in n for n in names) and any("resid_dropout" in n for n in names), names
-    assert module.hf_model.config._attn_implementation == "keyed"
+    assert module.hf_model.config._attn_implementation == "keyed_sdpa"
     ids = torch.randint(0, 64, (3, 16))
     a, b = (logits(module, ids, [4, 1, 7], True, seed) for seed in (1, 2))
     assert torch.equal(a, b)
@@ -155,10 +156,75 @@ def test_model_dropout_sets_a_pretrained_checkpoints_probabilities():
     path = str(shared("tiny-gpt2"))
     kept = CausalLMLitModule(vocab_size=50257, seq_len=32, pretrained=path)
     assert {m.p for m in kept.model.modules() if isinstance(m, KeyedDropout)} == {0.1}
-    assert kept.config._attn_implementation == "keyed" and kept.dropouts > 0
+    assert kept.config._attn_implementation.startswith("keyed_") and kept.dropouts > 0
     off = CausalLMLitModule(vocab_size=50257, seq_len=32, pretrained=path, dropout=0.0)
     assert not any(config_fields(off.config).values()) and off.dropouts == 0
-    assert off.config._attn_implementation != "keyed"
+    assert not off.config._attn_implementation.startswith("keyed_")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architectures_dropout_is_keyed(arch):
+    """model.dropout=0.2 on each architecture (the sample; every one under TEST_ALL_ARCHITECTURES=1): where the model
+    transformers builds with that config draws dropout (two training forwards under two generator states differ),
+    the template's training forward with keys set draws nothing from the generator and does drop (it differs from
+    evaluation); its evaluation gives the logits of the model built without dropout."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from src.models import dropout
+    from src.models.causal_lm import CausalLMLitModule
+
+    config, fields = config_of(arch)
+    modules = []
+    for p in (0.2, 0.0):
+        torch.manual_seed(0)
+        try:
+            modules.append(CausalLMLitModule(vocab_size=config.vocab_size, seq_len=16, model_type=arch, config=fields,
+                                             dropout=p))  # fmt: skip
+        except Exception as error:
+            if arch in SAMPLE:
+                raise
+            pytest.skip(f"the template does not build it at a tiny size (docs/models.md): {error}"[:300])
+    module, plain = modules
+    with_dropout = copy.deepcopy(plain.config)
+    dropout.set_probabilities(with_dropout, 0.2)
+    theirs = AutoModelForCausalLM.from_config(with_dropout)
+    plain.model.load_state_dict(module.model.state_dict())
+    theirs.load_state_dict(module.model.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        for m in (module.hf_model, plain.hf_model, theirs):
+            eager_experts(m).to(dtype)
+        try:
+            evaluation = logits(module, ids, [], False)
+            break
+        except RuntimeError:  # a kernel without float64 (linear attention's): float32
+            continue
+    within((evaluation - logits(plain, ids, [], False)).abs().max().item(), tol * evaluation.abs().max().item(), "eval")
+    theirs.train()
+    with torch.no_grad():
+        drawn = [(torch.manual_seed(seed), theirs(input_ids=ids, use_cache=False).logits)[1] for seed in (1, 2)]
+    train = [logits(module, ids, [3, 4], True, seed) for seed in (1, 2)]
+    assert torch.equal(train[0], train[1])
+    if not torch.equal(*drawn):  # transformers' model draws dropout: the template's drops, keyed
+        assert module.dropouts and (train[0] - evaluation).abs().max() > 1e-3 * evaluation.abs().max(), arch
+
+
+def config_of(arch: str):
+    from transformers import AutoConfig
+
+    try:
+        config = tiny_config(arch, layers=2)
+        reason = too_large(config)
+    except Exception as error:  # noqa: BLE001 - the reason is the skip's
+        reason = f"its config does not build at a tiny size: {error}"
+    if reason:
+        pytest.skip(reason + " (the architecture matrix skips it too)")
+    defaults = AutoConfig.for_model(arch).to_dict()
+    return config, {
+        k: v for k, v in config.to_dict().items() if k in defaults and v != defaults[k] and k != "vocab_size"
+    }
 
 
 # ---- through train.py (slow) ----
@@ -171,31 +237,36 @@ RUN = [
 ]
 
 
-def train(tmp: Path, name: str, args: list[str]) -> dict:
+def train(tmp: Path, name: str, args: list[str], model: list[str] | None = None) -> dict:
+    """test_parity's GPT-2 run with RUN's dropout, or with `model`'s overrides instead (another architecture)."""
     from test_fsdp import last_ckpt, params_of, train_sharded
     from test_parity import GPT2, train
 
+    base = GPT2 + RUN if model is None else [a for a in GPT2 if not a.startswith("model.")] + model
     if "trainer=fsdp" not in args:
-        return train(tmp, name, GPT2 + RUN + args)
-    return {**train_sharded(tmp, name, GPT2 + RUN + args), "params": params_of(last_ckpt(tmp, name))}
+        return train(tmp, name, base + args)
+    return {**train_sharded(tmp, name, base + args), "params": params_of(last_ckpt(tmp, name))}
 
 
 @pytest.mark.slow
 def test_dropout_trains_the_same_model_on_any_layout(tmp_path):
-    """Dropout 0.1 everywhere and LoRA's 0.05: 1 x 8 = 2 ranks x 2 x accumulation 2 = FSDP2's 2 x 4 (ZeRO-2 in the
-    full matrix), step by step, to fp32 rounding; and dropout is on: a run without it ends elsewhere."""
+    """GPT-2 with dropout 0.1 everywhere (attention included) and LoRA's 0.05: 1 x 8 = 2 ranks x 2 x accumulation 2 =
+    FSDP2's 2 x 4, step by step, to fp32 rounding. Seed-OSS, whose forward draws its residual dropout itself
+    (functional, keyed through its modules' hooks), at 0.1: 1 process = FSDP2 on 2 ranks. ZeRO-2: the full matrix."""
+    from test_architecture_matrix import overrides
     from test_parity import assert_same_series, max_param_diff
 
     one = train(tmp_path, "1x8", [])
     accumulate = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]  # micro-batches
     ddp = train(tmp_path, "2x2x2", ["trainer=ddp", "trainer.devices=2", *accumulate])
     fsdp = train(tmp_path, "fsdp", ["trainer=fsdp", "trainer.devices=2"])
-    for other in (ddp, fsdp):
-        assert_same_series(one, other, "train/loss", 1e-5)
-        assert_same_series(one, other, "val/loss", 1e-5)
-        within(max_param_diff(one["params"], other["params"]), 1e-5, "params")
-    off = train(tmp_path, "off", ["model.dropout=0", "model.lora.dropout=0"])
-    assert abs(off["scalars"]["train/loss"][-1][1] - one["scalars"]["train/loss"][-1][1]) > 1e-4
+    seed_oss = ["model=causal_lm", *overrides("seed_oss"), "model.dropout=0.1"]
+    seed_one = train(tmp_path, "seed_oss", [], seed_oss)
+    seed_fsdp = train(tmp_path, "seed_oss_fsdp", ["trainer=fsdp", "trainer.devices=2"], seed_oss)
+    for a, b in ((one, ddp), (one, fsdp), (seed_one, seed_fsdp)):
+        assert_same_series(a, b, "train/loss", 1e-5)
+        assert_same_series(a, b, "val/loss", 1e-5)
+        within(max_param_diff(a["params"], b["params"]), 1e-5, "params")
 
 
 @pytest.mark.slow

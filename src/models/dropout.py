@@ -17,6 +17,7 @@ functions, Seed-OSS's residual dropout) cannot be keyed from outside; CausalLMLi
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import zlib
@@ -107,22 +108,60 @@ def key_dropouts(model: nn.Module) -> int:
 
 
 class _KeyedFunctionalDropout(TorchFunctionMode):
-    """Inside a model's eager attention function: its `torch.nn.functional.dropout` of the attention weights, keyed
-    like KeyedDropout's by the rows and the attention module's salt."""
+    """While a module's forward (or its eager attention function) runs: each `torch.nn.functional.dropout` it calls
+    itself, keyed like KeyedDropout's by the rows, the module's salt and the call's number in that forward (the
+    forward's k-th call draws the same mask on every layout, and again in an activation-checkpointing recompute)."""
 
     def __init__(self, salt: int, name: str) -> None:
         super().__init__()
-        self.salt, self.name = salt, name
+        self.salt, self.name, self.calls = salt, name, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is nn.functional.dropout:
             x, p = args[0], kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            self.calls += 1
             if training and p > 0:
-                return _keyed(x, p, self.salt, self.name)
+                return _keyed(x, p, (self.salt + 0x9E3779B1 * self.calls) & _M32, f"{self.name} ({self.calls})")
             return x
         return func(*args, **kwargs)
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    if module.training:
+        module.keyed_mode = _KeyedFunctionalDropout(module.keyed_salt, module.keyed_name)
+        module.keyed_mode.__enter__()
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    mode = module.__dict__.pop("keyed_mode", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def calls_functional_dropout(module: nn.Module) -> bool:
+    """Whether `module`'s class's own forward calls torch.nn.functional.dropout (Seed-OSS's and StarCoder2's
+    residual dropout), read from its source."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\b(?:nn\.functional|F)\.dropout\(", source) is not None
+
+
+def key_functional_dropouts(model: nn.Module) -> int:
+    """Each module of `model` whose own forward calls functional dropout runs it keyed (_KeyedFunctionalDropout,
+    entered and left by forward hooks); the number of such modules. nn.Dropout modules are KeyedDropout instead."""
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Dropout, KeyedDropout)) or not calls_functional_dropout(module):
+            continue
+        module.keyed_salt, module.keyed_name = zlib.crc32(name.encode()), name
+        module.register_forward_pre_hook(_enter)
+        module.register_forward_hook(_leave, always_call=True)
+        n += 1
+    return n
 
 
 def _keyed(x: torch.Tensor, p: float, salt: int, name: str) -> torch.Tensor:
@@ -148,29 +187,42 @@ def keyed_attention(module: nn.Module, query, key, value, attention_mask, dropou
             f"{type(module).__name__} has attention dropout and its file no eager_attention_forward to key it with: "
             "set model.dropout=0."
         )
+    mask = _additive(attention_mask, query, key)
     with _KeyedFunctionalDropout(module.keyed_salt, module.keyed_name):
-        return module.keyed_eager_attention(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+        return module.keyed_eager_attention(module, query, key, value, mask, dropout=dropout, **kwargs)
+
+
+def _additive(mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask an eager attention function adds to its scores: sdpa's boolean one (True: attend) as 0 / the dtype's
+    minimum, or, where sdpa would have used `is_causal` (no mask), the causal one."""
+    if mask is None:
+        q, k = query.shape[-2], key.shape[-2]
+        mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+    if mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, blocked)
+    return mask
 
 
 def key_attention(model: nn.Module, implementation: str) -> bool:
     """Route `model`'s attention (built with `implementation`) through keyed_attention, registered with transformers
-    as "keyed" with the eager implementation's explicit masks, which both of its paths take. Each module gets the
-    functions and the salt keyed_attention reads; False (nothing changed) for another implementation than sdpa or
-    eager (FlashAttention and flex draw their dropout inside their kernels)."""
+    as "keyed_sdpa" or "keyed_eager" with that implementation's masks (evaluation computes what it computed). Each
+    module gets the functions and the salt keyed_attention reads; False (nothing changed) for another implementation
+    than sdpa or eager (FlashAttention and flex draw their dropout inside their kernels)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if implementation not in ("sdpa", "eager"):
         return False
-    ALL_ATTENTION_FUNCTIONS.register("keyed", keyed_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("keyed", eager_mask)
+    ALL_ATTENTION_FUNCTIONS.register(f"keyed_{implementation}", keyed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(f"keyed_{implementation}", ALL_MASK_ATTENTION_FUNCTIONS[implementation])
     for name, module in model.named_modules():
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         module.keyed_eager_attention = eager
         module.keyed_inner_attention = sdpa_attention_forward if implementation == "sdpa" else eager
         module.keyed_salt, module.keyed_name = zlib.crc32(name.encode()), name
-    model.set_attn_implementation("keyed")
+    model.set_attn_implementation(f"keyed_{implementation}")
     return True
 
 

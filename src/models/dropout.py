@@ -10,9 +10,13 @@ position is its index along each dimension, so a row right-padded to another wid
 sets the keys before each training forward (`set_keys`); a training forward without keys is an error, not a silent
 draw from torch's generator.
 
-Dropout that a model's forward draws with `torch.nn.functional.dropout` (attention dropout in transformers' attention
-functions, Seed-OSS's residual dropout) cannot be keyed from outside; CausalLMLitModule's check before step 1 finds it
-(two training forwards under different generator states must agree) and refuses the run in one sentence.
+Dropout a model draws with `torch.nn.functional.dropout` is keyed the same way, salted by the module and the call's
+number within its forward: attention dropout goes through `keyed_attention` (transformers' attention function
+registry: the model's own eager attention function where a training forward drops, the implementation it was built
+with otherwise), and a module whose own forward calls it (Seed-OSS's and StarCoder2's residual dropout) runs that
+forward under `_KeyedFunctionalDropout`, entered by forward hooks. What no key reaches (a kernel's own dropout, router
+jitter) CausalLMLitModule finds before step 1 (two training forwards under different generator states must agree)
+and refuses in one sentence.
 """
 
 from __future__ import annotations

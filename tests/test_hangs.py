@@ -202,7 +202,11 @@ def test_short_message_names_rank_and_collective_and_full_trace_on_request(monke
 
     def rendezvous_alone():
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2, timeout=timedelta(seconds=1)
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=2,
+            timeout=timedelta(milliseconds=200),
         )
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)

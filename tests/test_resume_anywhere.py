@@ -194,8 +194,11 @@ def test_a_torchrun_elastic_job_that_loses_a_node_continues_on_the_other_and_end
     ]
     job += ["+callbacks.fault.step=3", "+callbacks.fault.action=kill_node", "+callbacks.fault.only_where_env=LOSE_NODE"]
     nodes = []
+    # Node 0's agent finds node 1 gone when it has missed keep_alive_max_attempt heartbeats keep_alive_interval s apart:
+    # 3 x 1 s here (torch's default 3 x 5 s was 15 s of the test waiting); the agents do little else, and a live one
+    # beats every second
     for node in (0, 1):  # started together: each waits up to last_call_timeout for the other before the first round
-        conf = f"--rdzv-conf=last_call_timeout=5,is_host={node == 0}"
+        conf = f"--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={node == 0}"
         agent_pid = tmp_path / f"agent_pid_{node}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOSE_NODE": str(node), "AGENT_PID_FILE": str(agent_pid)}
         env.update(PYTHON_EXEC=python(), **forkrun.DIE_WITH_PARENT)

@@ -11,11 +11,12 @@ sends its argv, environment, cwd and its stdin/stdout/stderr file descriptors to
 supervisor, which forks the run; the stand-in forwards the signals it gets to the run and exits with the run's
 exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
 DDP launcher starts (`sys.executable train.py ...`) are forked from the server too, through the real launcher.
-It forks scripts (after an optional `-u`: torchrun starts its ranks so, and takes the stand-in from PYTHON_EXEC)
-and the project's own modules (`-m src.…`, `-m bench.…`); anything else (`-c`, other options, other modules, no
-server) it hands to the real interpreter with exec. A run's pid is not the pid its parent sees (the stand-in's),
-so programs that need that (submitit's local controller, `-m submitit.local._local`, names its job dir by it)
-must start as real processes: they do. So does torchrun's agent: its c10d rendezvous numbers the nodes by sorted
+It forks scripts (after an optional `-u`: torchrun starts its ranks so, and takes the stand-in from PYTHON_EXEC),
+the project's own modules (`-m src.…`, `-m bench.…`) and submitit's task (`-m submitit.core._submit`: the train.py
+job that `hydra/launcher=submitit_local` runs, started by the launcher's sys.executable); anything else (`-c`, other
+options, other modules, no server) it hands to the real interpreter with exec. A run's pid is not the pid its parent
+sees (the stand-in's), so programs that need that (submitit's local controller, `-m submitit.local._local`, names its
+job dir by it) must start as real processes: they do. So does torchrun's agent: its c10d rendezvous numbers the nodes by sorted
 (host, pid), and the two-"node" tests need node 0's agent, started first, to have the lower pid.
 
 What stays the same as a fresh `python script.py args`: the run is a process of its own with its own pid, cwd,
@@ -80,7 +81,8 @@ args = sys.argv[1:]
 unbuffered = args[:1] == ["-u"]  # torchrun starts its ranks as `python -u script ...`
 args = args[1:] if unbuffered else args
 script = bool(args) and not args[0].startswith("-")
-project_module = args[:1] == ["-m"] and len(args) > 1 and args[1].split(".")[0] in ("src", "bench")
+module = args[1] if args[:1] == ["-m"] and len(args) > 1 else ""
+project_module = module.split(".")[0] in ("src", "bench") or module == "submitit.core._submit"
 if not (script or project_module) or not os.path.exists(SERVER):
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # anything else, or no server: the real interpreter
 if os.environ.get("FORKRUN_DIE_WITH_PARENT") == "1":  # see DIE_WITH_PARENT

@@ -5,7 +5,7 @@ The slow tests run real 2-rank gloo train.py jobs with tests/helpers/faults.py m
 The timeout also bounds rank 1's start-up (Lightning re-runs the script for it while rank 0 waits in
 init_process_group), so it is 30 s in fresh interpreters (TEST_FRESH_PROCESSES=1): train.py's imports alone take
 ~7 s there on an idle 2-core machine, and 20 s failed in init_process_group at a load average of 15. A rank forked
-by the tests' stand-in starts in ~1 s of one core, and there 10 s bound the same behaviour: each test waits for
+by the tests' stand-in starts in ~1 s of one core (~3.5 s importing the trackers), and there 15 s bound the same behaviour: each test waits for
 the timeout (or for a SIGTERM within it), and the checks below are relative to TIMEOUT_S.
 SIGTERM goes to the job's process (rank 0), as a scheduler or a user's kill would send it; with the tests'
 stand-in interpreter it forwards the signal to the run (tests/helpers/forkrun.py).
@@ -31,9 +31,9 @@ from tests.test_parity import GPT2, QUIET
 # The jobs below mostly wait (a rank blocked in a collective uses no CPU until the timeout): one xdist worker runs
 # them one after another, so they never hold several of the suite's workers idle at once.
 pytestmark = pytest.mark.xdist_group("hangs")
-TIMEOUT_S = 30 if os.environ.get("TEST_FRESH_PROCESSES") == "1" else 10
-# How long past the timeout a job may take to end (its ranks' messages, exits and reaping): 2.5 times the
-# timeout in all (2 in fresh interpreters), so a job that waited out 3 times the timeout set still fails
+TIMEOUT_S = 30 if os.environ.get("TEST_FRESH_PROCESSES") == "1" else 15
+# How long past the timeout a job may take to end (its ranks' messages, exits and reaping): twice the timeout in
+# all, so a job that waited out 3 times the timeout set still fails
 MARGIN_S = max(15, TIMEOUT_S)
 FAULT = ["+callbacks.fault._target_=tests.helpers.faults.RankFault"]
 JOB = (

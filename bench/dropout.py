@@ -1,6 +1,6 @@
 """What keyed dropout (src/models/dropout.py) costs against torch's: one dropout, and a GPT-2 training step.
 
-    python -m bench.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7]
+    python -m bench.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7 --device cpu]
 
 `op`: forward + backward of one dropout (p = 0.1) on a rows x seq x width fp32 tensor, torch's `F.dropout` against
 KeyedDropout. `step`: forward + backward of a GPT-2 (the width, `--layers` blocks of 64-wide heads) with dropout 0.1
@@ -21,16 +21,19 @@ import torch.nn.functional as F
 from src.models import dropout as keyed
 
 
-def timed(fn) -> float:
+def timed(fn, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - t0) * 1e3
 
 
-def op_ways(rows: int, seq: int, width: int) -> dict:
-    x = torch.randn(rows, seq, width, requires_grad=True)
+def op_ways(rows: int, seq: int, width: int, device: torch.device) -> dict:
+    x = torch.randn(rows, seq, width, requires_grad=True, device=device)
     module = keyed.KeyedDropout(0.1, "bench")
-    keys = keyed.row_keys(torch.arange(rows), rows, step=0, seed=0)
+    keys = keyed.row_keys(torch.arange(rows, device=device), rows, step=0, seed=0)
 
     def torch_way():
         F.dropout(x, 0.1, training=True).sum().backward()
@@ -42,21 +45,21 @@ def op_ways(rows: int, seq: int, width: int) -> dict:
     return {"torch": torch_way, "keyed": keyed_way}
 
 
-def step_ways(rows: int, seq: int, width: int, layers: int) -> dict:
+def step_ways(rows: int, seq: int, width: int, layers: int, device: torch.device) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     def model(p: float, key: bool):
         torch.manual_seed(0)
         config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=seq, vocab_size=8192,
                             resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
-        m = GPT2LMHeadModel(config).train()
+        m = GPT2LMHeadModel(config).to(device).train()
         if key:
             keyed.key_attention(m, "sdpa")
             keyed.key_dropouts(m)
         return m
 
-    ids = torch.randint(0, 8192, (rows, seq), generator=torch.Generator().manual_seed(0))
-    keys = keyed.row_keys(torch.arange(rows), rows, step=0, seed=0)
+    ids = torch.randint(0, 8192, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    keys = keyed.row_keys(torch.arange(rows, device=device), rows, step=0, seed=0)
 
     def way(m):
         def run():
@@ -75,15 +78,17 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
+    device = torch.device(args.device)
     for name, ways in (
-        ("op", op_ways(args.rows, args.seq, args.width)),
-        ("step", step_ways(args.rows, args.seq, args.width, args.layers)),
+        ("op", op_ways(args.rows, args.seq, args.width, device)),
+        ("step", step_ways(args.rows, args.seq, args.width, args.layers, device)),
     ):
         times: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way, fn in ways.items():
-                times[way].append(timed(fn))
+                times[way].append(timed(fn, device))
         median = {way: statistics.median(t[1:]) for way, t in times.items()}
         shown = ", ".join(f"{way} {ms:.1f} ms ({ms / median['torch']:.2f}x torch)" for way, ms in median.items())
         print(f"{name} ({args.rows} x {args.seq} x {args.width}): {shown}")

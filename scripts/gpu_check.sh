@@ -2,7 +2,7 @@
 # The prepared command for a GPU machine (a session has 15 minutes of device time, 10 a command). Here
 # first, once: `bash scripts/gpu_wheels.sh NANOGPT_CHECKOUT` (fills the ignored .wheels/: the packages the machine's
 # image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
-#   bash scripts/gpu_check.sh [bench] [profile] [lane]      # default: all three, in that order; results in $OUT
+#   bash scripts/gpu_check.sh [bench] [profile] [lane] [dropout]  # default: all four, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py: eager (the
 #            template), compiled blocks and head (blocks: model.compile=blocks), the whole compiled model (compile:
 #            model.compile=true), each with its loss compiled, against nanoGPT's own train.py compiled (as it comes,
@@ -12,6 +12,8 @@
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
 #            picks some
+#   dropout  dropout.txt: keyed dropout against torch's on the GPU (bench.dropout, GPT-2 124M's width, context 1024
+#            and 2048; ~1 min)
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
 # Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/, docs/results/gpu_*.jsonl; docs/performance.md).
@@ -19,7 +21,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}
 W=.wheels
-STAGES=${*:-bench profile lane}
+STAGES=${*:-bench profile lane dropout}
 LANE_ARGS=${LANE_ARGS:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -75,7 +77,15 @@ for stage in $STAGES; do
       SHARED_DATA=$PWD/$W/shared-data GPU_LANE_ON_CPU=${DRY_RUN:+1} timeout 480 "$PYTHON" -m pytest -m gpu \
         -p no:cacheprovider -n 4 -rs --durations=10 tests/test_gpu.py $LANE_ARGS > "$OUT/test_gpu.txt" 2>&1
       echo "the lane: exit $?" >> "$OUT/test_gpu.txt" ;;
-    *) echo "unknown stage $stage (bench, profile, lane, llama)"; exit 2 ;;
+    dropout)
+      DEVICE=cuda WIDTH=768; [ -n "${DRY_RUN:-}" ] && DEVICE=cpu WIDTH=64
+      for seq in 1024 2048; do
+        [ -n "${DRY_RUN:-}" ] && seq=32
+        timeout 120 "$PYTHON" -m bench.dropout --device $DEVICE --width $WIDTH --seq $seq --rows 8 --layers 2 \
+          --rounds 7 >> "$OUT/dropout.txt" 2>&1
+        echo "exit $?" >> "$OUT/dropout.txt"
+      done ;;
+    *) echo "unknown stage $stage (bench, profile, lane, dropout, llama)"; exit 2 ;;
   esac
   echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL_MATRIX_ONLY, path_overrides, shared
+from conftest import path_overrides, shared
 
 from tests.helpers.architectures import ARCHITECTURES, SAMPLE, eager_experts, tiny_config, too_large
 from tests.helpers.margins import within
@@ -61,6 +61,33 @@ def test_each_element_is_kept_with_probability_one_minus_p():
         # neighbouring positions and features are not correlated either
         within(abs((m[:, 1:] == m[:, :-1]).float().mean().item() - q), 6 * math.sqrt(q * (1 - q) / n), "positions")
         within(abs((m[..., 1:] == m[..., :-1]).float().mean().item() - q), 6 * math.sqrt(q * (1 - q) / n), "features")
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels
+def test_a_compiled_keyed_dropout_draws_the_eager_masks_and_compiles_once():
+    """torch.compile of a keyed dropout: the eager function's output, forward and backward, in float64; new keys each
+    step (another step, other samples) are graph inputs, not guards: one graph, no break, no recompile. The whole
+    compiled GPT-2 with dropout: test_compile.py, full matrix."""
+    from torch._dynamo.utils import counters
+
+    from src.models import dropout
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = dropout.KeyedDropout(0.3, "layers.0.mlp.dropout")
+
+    def f(x):
+        return module(x) * x  # elementwise: the compiled values are the eager ones, bit for bit
+
+    compiled = torch.compile(f)
+    for step in range(3):
+        x = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
+        dropout.set_keys(dropout.row_keys(torch.arange(4) + 10 * step, 4, step, 7))
+        got, want = compiled(x), f(x)
+        assert torch.equal(got, want) and (got == 0).any()
+        ones = torch.ones_like(x)
+        assert torch.equal(*(torch.autograd.grad(y, x, ones)[0] for y in (got, want)))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
 
 
 def gpt2(**options):
@@ -243,20 +270,20 @@ def train(tmp: Path, name: str, args: list[str], model: list[str] | None = None)
     from test_parity import GPT2, train
 
     base = GPT2 + RUN if model is None else [a for a in GPT2 if not a.startswith("model.")] + model
-    if "trainer=fsdp" not in args:
+    if not {"trainer=fsdp", "trainer=deepspeed"} & set(args):  # a checkpoint file, not a sharded dir
         return train(tmp, name, base + args)
     return {**train_sharded(tmp, name, base + args), "params": params_of(last_ckpt(tmp, name))}
 
 
 @pytest.mark.slow
-def test_dropout_trains_the_same_model_on_any_layout(tmp_path):
+def test_dropout_trains_the_same_model_on_any_layout(tmp_path, reference):
     """GPT-2 with dropout 0.1 everywhere (attention included) and LoRA's 0.05: 1 x 8 = 2 ranks x 2 x accumulation 2 =
     FSDP2's 2 x 4, step by step, to fp32 rounding. Seed-OSS, whose forward draws its residual dropout itself
-    (functional, keyed through its modules' hooks), at 0.1: 1 process = FSDP2 on 2 ranks. ZeRO-2: the full matrix."""
+    (functional, keyed through its modules' hooks), at 0.1: 1 process = FSDP2 on 2 ranks. ZeRO-2: below."""
     from test_architecture_matrix import overrides
-    from test_parity import assert_same_series, max_param_diff
+    from test_parity import GPT2, assert_same_series, max_param_diff
 
-    one = train(tmp_path, "1x8", [])
+    one = reference(GPT2 + RUN)  # shared with the ZeRO-2 case below
     accumulate = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]  # micro-batches
     ddp = train(tmp_path, "2x2x2", ["trainer=ddp", "trainer.devices=2", *accumulate])
     fsdp = train(tmp_path, "fsdp", ["trainer=fsdp", "trainer.devices=2"])
@@ -270,15 +297,18 @@ def test_dropout_trains_the_same_model_on_any_layout(tmp_path):
 
 
 @pytest.mark.slow
-@FULL_MATRIX_ONLY  # suite time: DDP and FSDP2 above go through the same keys
-def test_dropout_under_zero2_trains_like_one_process(tmp_path):
-    from test_deepspeed import CPU_DS, needs_deepspeed  # noqa: F401
-    from test_parity import assert_same_series
+def test_dropout_under_zero2_trains_like_one_process(tmp_path, reference):
+    """The same GPT-2 with dropout and LoRA under ZeRO-2 on 2 ranks (DeepSpeed's CPU-capable subclass): 1 process's
+    model. (LoRA trains matrices only: the optimizer gets no empty parameter group, which ZeRO would drop under the
+    LR schedule's feet.)"""
+    from test_deepspeed import CPU_DS
+    from test_parity import GPT2, assert_same_series, max_param_diff
 
     pytest.importorskip("deepspeed")
-    one = train(tmp_path, "1x8", [])
+    one = reference(GPT2 + RUN)
     zero = train(tmp_path, "zero2", CPU_DS + ["trainer.strategy.stage=2"])
     assert_same_series(one, zero, "train/loss", 1e-5)
+    within(max_param_diff(one["params"], zero["params"]), 1e-5, "params")
 
 
 @pytest.mark.slow

@@ -219,6 +219,9 @@ class LitModule(L.LightningModule):
             {"params": [p for p in params if id(p) in matrix], "weight_decay": self.weight_decay, "name": "decay"},
             {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0, "name": "no_decay"},
         ]
+        # an empty group (LoRA trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
+        # schedule, made on the groups given here, would then step one group more than the optimizer has
+        groups = [group for group in groups if group["params"]]
         base_lr = self.optimizer_fn.keywords["lr"]
         global_batch = self.trainer.datamodule.global_batch_size
         lr = scaled_lr(base_lr, self.lr_scaling, global_batch, self.base_batch_size)

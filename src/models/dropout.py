@@ -73,27 +73,12 @@ def set_keys(keys: Optional[torch.Tensor]) -> None:
 
 
 def keyed_mask(shape: torch.Size, keys: torch.Tensor, salt: int, p: float) -> torch.Tensor:
-    """Keep (True) or drop for each element of a tensor of `shape` whose dim 0 holds the keyed rows. An element's
-    position within its row is its index along each dimension at a fixed power-of-two stride (62 bits shared by the
-    dimensions after the first), so a row padded to another width keeps its mask; one linear counter, hashed twice,
-    costs inductor ~4x less compile time than hashing dimension by dimension."""
-    n = len(shape) - 1
-    bits = 62 // max(n, 1)
-    h = _mix(keys.view(-1, *([1] * n)) ^ salt)
-    if any(size > 1 << bits for size in shape[1:]):  # a dimension past its stride: hash dimension by dimension
-        for dim in range(1, len(shape)):
-            h = _mix(h ^ _index(shape, dim, keys.device))
-        return h >= int(p * 2**32)
-    position = torch.zeros((), dtype=torch.int64, device=keys.device)
+    """Keep (True) or drop for each element of a tensor of `shape` whose dim 0 holds the keyed rows."""
+    h = _mix(keys.view(-1, *([1] * (len(shape) - 1))) ^ salt)
     for dim in range(1, len(shape)):
-        position = (position << bits) + _index(shape, dim, keys.device)
-    h = _mix(h ^ (position & _M32))
-    return _mix(h ^ (position >> 32)) >= int(p * 2**32)
-
-
-def _index(shape: torch.Size, dim: int, device: torch.device) -> torch.Tensor:
-    """arange(shape[dim]) shaped to broadcast along `dim` of `shape`."""
-    return torch.arange(shape[dim], device=device).view(*([1] * dim), -1, *([1] * (len(shape) - dim - 1)))
+        index = torch.arange(shape[dim], device=keys.device).view(*([1] * dim), -1, *([1] * (len(shape) - dim - 1)))
+        h = _mix(h ^ index)
+    return h >= int(p * 2**32)
 
 
 class KeyedDropout(nn.Module):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import path_overrides, shared
+from conftest import FULL_MATRIX_ONLY, path_overrides, shared
 
 from tests.helpers.architectures import ARCHITECTURES, SAMPLE, eager_experts, tiny_config, too_large
 from tests.helpers.margins import within
@@ -327,8 +327,12 @@ def test_dropout_under_zero2_trains_like_one_process(tmp_path, reference):
             ["model.dropout=0.1", "trainer=tp", "trainer.devices=2"],
             ["which TensorParallelStrategy would draw per rank", "set model.dropout=0."],
         ),
+        (
+            ["model.dropout=0.1", "trainer=pipeline", "trainer.devices=2"],
+            ["which PipelineStrategy would draw per rank", "set model.dropout=0."],
+        ),
     ],
-    ids=["jitter", "tp"],
+    ids=["jitter", "tp", "pipeline"],
 )
 def test_a_forward_with_randomness_no_key_reaches_is_refused_before_step_1(tmp_path, args, sentence):
     from test_errors import assert_one_clear_line, run_as_user
@@ -337,3 +341,20 @@ def test_a_forward_with_randomness_no_key_reaches_is_refused_before_step_1(tmp_p
     dirs = {"log_dir": tmp_path / "run", "cache_dir": tmp_path / "cache"}
     data = [arg for arg in GPT2 if not arg.startswith("model.")] if "model=causal_lm" in args else GPT2
     assert_one_clear_line(*run_as_user(["train.py", *QUIET, *path_overrides(dirs), *data, *args])[:2], *sentence)
+
+
+@pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: ZeRO-2 above keys the same way; this adds ZeRO-3's rebuilt policy and reference
+def test_dpo_with_dropout_under_zero3_trains_like_one_process(tmp_path):
+    """DPO with its dropout kept (disable_dropout=false) at 0.1: ZeRO-3 builds the policy and the reference again inside
+    zero.Init, each with the keyed attention's functions; 1 process = 2 ranks, every step."""
+    from test_dpo import CPU_DS, GPT2_SHAPE, dpo_run_args
+    from test_fsdp import train_sharded
+    from test_parity import assert_same_series
+    from test_parity import train as train_file
+
+    pytest.importorskip("deepspeed")
+    args = dpo_run_args(GPT2_SHAPE) + ["model.dropout=0.1", "model.objective.disable_dropout=false"]
+    one = train_file(tmp_path, "one", args)
+    zero3 = train_sharded(tmp_path, "zero3", args + CPU_DS + ["trainer.strategy.stage=3"])
+    assert_same_series(one, zero3, "train/loss", 1e-5)

@@ -321,6 +321,8 @@ class CausalLMLitModule(LitModule):
                 model.tie_weights()
                 if name == "model":  # what the objective adds is filled below
                     self.dropouts = self._key_dropout(self._prepare(self._set_dropout(model)))
+                elif any(keyed.config_fields(model.config).values()):  # built with the keyed attention, as the model
+                    keyed.key_attention(model, self.attn_implementation)
                 init.materialize_zero3(model, self.fill(model), self.base_seed)
                 setattr(self, name, model if name == "model" else init.frozen(model))
         else:

@@ -192,7 +192,8 @@ def keyed_attention(module: nn.Module, query, key, value, attention_mask, dropou
             "set model.dropout=0."
         )
     mask = _additive(attention_mask, query, key)
-    with _KeyedFunctionalDropout(module.keyed_salt, module.keyed_name):
+    # salted apart from the module's own forward's calls (Seed-OSS's attention also drops its output itself)
+    with _KeyedFunctionalDropout(module.keyed_salt ^ 0x5A175A17, f"{module.keyed_name} attention"):
         return module.keyed_eager_attention(module, query, key, value, mask, dropout=dropout, **kwargs)
 
 

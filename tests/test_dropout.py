@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import FULL_MATRIX_ONLY, path_overrides, shared
 
-from tests.helpers.architectures import ARCHITECTURES, SAMPLE, eager_experts, tiny_config, too_large
+from tests.helpers.architectures import ARCHITECTURES, SAMPLE, eager_experts, tiny_or_skip
 from tests.helpers.margins import within
 
 KEYS = dict(step=3, seed=1234)
@@ -202,7 +202,7 @@ def test_each_architectures_dropout_is_keyed(arch):
     from src.models import dropout
     from src.models.causal_lm import CausalLMLitModule
 
-    config, fields = config_of(arch)
+    config, fields = tiny_or_skip(arch)
     modules = []
     for p in (0.2, 0.0):
         torch.manual_seed(0)
@@ -236,22 +236,6 @@ def test_each_architectures_dropout_is_keyed(arch):
     assert torch.equal(train[0], train[1])
     if not torch.equal(*drawn):  # transformers' model draws dropout: the template's drops, keyed
         assert module.dropouts and (train[0] - evaluation).abs().max() > 1e-3 * evaluation.abs().max(), arch
-
-
-def config_of(arch: str):
-    from transformers import AutoConfig
-
-    try:
-        config = tiny_config(arch, layers=2)
-        reason = too_large(config)
-    except Exception as error:  # noqa: BLE001 - the reason is the skip's
-        reason = f"its config does not build at a tiny size: {error}"
-    if reason:
-        pytest.skip(reason + " (the architecture matrix skips it too)")
-    defaults = AutoConfig.for_model(arch).to_dict()
-    return config, {
-        k: v for k, v in config.to_dict().items() if k in defaults and v != defaults[k] and k != "vocab_size"
-    }
 
 
 # ---- through train.py (slow) ----

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ALL
 
-from tests.helpers.architectures import tiny_config, too_large, with_both_plans
+from tests.helpers.architectures import tiny_or_skip, with_both_plans
 
 DEFAULT = ["llama", "gemma2", "qwen3_next", "falcon_h1"]
 ARCHITECTURES = sorted(set(with_both_plans()) | set(DEFAULT)) if ALL else DEFAULT
@@ -49,19 +49,11 @@ def differences(ours: torch.nn.Module, theirs: torch.nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_from_scratch_every_parameter_starts_as_transformers_starts_it(arch):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from src.models.causal_lm import CausalLMLitModule
 
-    try:
-        config = tiny_config(arch, layers=2)
-        reason = too_large(config)
-    except Exception as error:  # noqa: BLE001 - the reason is the skip's
-        reason = f"its config does not build at a tiny size: {error}"
-    if reason:
-        pytest.skip(reason + " (the architecture matrix skips it too)")
-    defaults = AutoConfig.for_model(arch).to_dict()
-    fields = {k: v for k, v in config.to_dict().items() if k in defaults and v != defaults[k] and k != "vocab_size"}
+    config, fields = tiny_or_skip(arch)
     torch.manual_seed(0)
     try:
         ours = CausalLMLitModule(vocab_size=config.vocab_size, seq_len=32, model_type=arch, config=fields).model
@@ -90,17 +82,14 @@ def test_gpt2_keeps_its_adapters_rule_which_is_gpt2s():
 def test_the_check_sees_the_generic_rule_on_gemma2_and_a_mamba_hybrid(monkeypatch):
     """The comparison fails for the rule the template used before (N(0, std) weights, unit norm gains, zero
     biases for every architecture): Gemma 2's gains of 1 + w start at 2, Falcon-H1's A_log, D and dt_bias are off."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from src.models import hf
     from src.models.causal_lm import CausalLMLitModule
 
     monkeypatch.setattr(hf, "architecture_fill", lambda model, fallback: fallback)
     for arch, words in (("gemma2", "input_layernorm.weight"), ("falcon_h1", "mamba.A_log")):
-        config = tiny_config(arch, layers=2)
-        defaults = AutoConfig.for_model(arch).to_dict()
-        fields = {k: v for k, v in config.to_dict().items() if k in defaults and v != defaults[k]}
-        fields.pop("vocab_size")
+        config, fields = tiny_or_skip(arch)
         ours = CausalLMLitModule(vocab_size=config.vocab_size, seq_len=32, model_type=arch, config=fields).model
         bad = differences(ours, AutoModelForCausalLM.from_config(ours.config))
         assert any(words in line for line in bad), bad

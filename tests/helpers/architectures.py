@@ -119,6 +119,25 @@ def tiny_config(model_type: str, layers: int = 2, **fields):
     return AutoConfig.for_model(model_type, **{**sizes, **spread, **quiet, **own, **fields})
 
 
+def tiny_or_skip(arch: str):
+    """(`arch`'s tiny config, the fields it changes from the architecture's defaults, as model.config passes them), or
+    the test skipped saying why: a config that does not build at that size, or keeps too many parameters there."""
+    import pytest
+    from transformers import AutoConfig
+
+    try:
+        config = tiny_config(arch, layers=2)
+        reason = too_large(config)
+    except Exception as error:  # noqa: BLE001 - the reason is the skip's
+        reason = f"its config does not build at a tiny size: {error}"
+    if reason:
+        pytest.skip(reason + " (the architecture matrix skips it too)")
+    defaults = AutoConfig.for_model(arch).to_dict()
+    return config, {
+        k: v for k, v in config.to_dict().items() if k in defaults and v != defaults[k] and k != "vocab_size"
+    }
+
+
 def too_large(config, limit: int = 20_000_000) -> str | None:
     """Why `config` is no CPU size (built on the meta device, nothing allocated), or None: an architecture whose
     config names its sizes otherwise than TINY keeps its defaults' hundreds of millions of parameters."""

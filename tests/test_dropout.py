@@ -151,8 +151,9 @@ def test_a_rows_training_logits_are_the_same_alone_or_in_any_batch():
     module.model.double()
     ids = torch.randint(0, 64, (4, 12))
     batch = logits(module, ids, [10, 11, 12, 13], True)
-    assert torch.equal(logits(module, ids[2:3], [12], True)[0], batch[2])
-    assert torch.equal(logits(module, ids[[3, 0]], [13, 10], True)[1], batch[0])
+    # float64: another batch shape may take another matmul blocking (last bits); another mask moves them by ~1e-2
+    within((logits(module, ids[2:3], [12], True)[0] - batch[2]).abs().max().item(), 1e-12, "alone")
+    within((logits(module, ids[[3, 0]], [13, 10], True)[1] - batch[0]).abs().max().item(), 1e-12, "reordered")
     padded = torch.cat([ids, torch.zeros(4, 4, dtype=ids.dtype)], 1)
     within((logits(module, padded, [10, 11, 12, 13], True)[:, :12] - batch).abs().max().item(), 1e-12, "padded")
 

@@ -343,3 +343,16 @@ def test_dpo_with_dropout_under_zero3_trains_like_one_process(tmp_path):
     one = train_file(tmp_path, "one", args)
     zero3 = train_sharded(tmp_path, "zero3", args + CPU_DS + ["trainer.strategy.stage=3"])
     assert_same_series(one, zero3, "train/loss", 1e-5)
+
+
+@pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: the masks' keys (step, sample) are what the resume tests already restore
+def test_dropout_through_a_change_of_devices_mid_run_ends_like_the_straight_run(tmp_path):
+    """Dropout 0.1: a 2-rank DDP run's step-4 checkpoint resumed on 1 process x accumulation 2 ends as the straight
+    1-process run (tests/test_resume_anywhere.py's 8 steps, global batch 12)."""
+    import test_resume_anywhere as resume
+
+    straight = resume.run(tmp_path, "one", ["model.dropout=0.1"])
+    source = resume.run(tmp_path, "ddp2", ["model.dropout=0.1", "trainer=ddp", "trainer.devices=2"])
+    moved = ["model.dropout=0.1", "trainer.accumulate_grad_batches=2", f"ckpt_path={source['mid']}"]
+    resume.assert_like_straight(resume.run(tmp_path, "resumed", moved), straight)

@@ -129,17 +129,19 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     assert not re.search(r"^overhead\s+bad", out.stdout, re.M)  # no row, no ratio for it
 
 
+def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m bench.<name> args` from the repository root, which must exit 0; its output."""
+    out = subprocess.run(
+        [python(), "-m", f"bench.{name}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
     """bench.token_loss runs the eager, compiled, matmul-only and torch linear_cross_entropy heads and prints each
     way's time and the eager/compiled ratio (after checking the compiled loss against the eager one)."""
-    out = subprocess.run(
-        [python(), "-m", "bench.token_loss", "--tokens", "64", "--width", "16", "--vocab", "500", "--rounds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_bench("token_loss", "--tokens", "64", "--width", "16", "--vocab", "500", "--rounds", "2")
     for way in ("eager", "compiled", "matmul", "lce"):
         assert re.search(rf"^{way}\s+\d+\.\d ms$", out.stdout, re.M), out.stdout
     assert re.search(r"^eager/compiled = \d+\.\d{3}$", out.stdout, re.M), out.stdout
@@ -147,28 +149,7 @@ def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
 
 def test_dropout_bench_times_keyed_against_torchs_dropout():
     """bench.dropout prints one dropout's and a GPT-2 step's time, keyed and torch's, with their ratio."""
-    out = subprocess.run(
-        [
-            python(),
-            "-m",
-            "bench.dropout",
-            "--rows",
-            "2",
-            "--seq",
-            "8",
-            "--width",
-            "64",
-            "--layers",
-            "1",
-            "--rounds",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_bench("dropout", "--rows", "2", "--seq", "8", "--width", "64", "--layers", "1", "--rounds", "2")
     assert re.search(r"^op \(2 x 8 x 64\): torch [\d.]+ ms \(1\.00x torch\), keyed [\d.]+ ms", out.stdout, re.M), (
         out.stdout
     )
@@ -180,30 +161,12 @@ def test_dropout_bench_times_keyed_against_torchs_dropout():
 def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""
-    out = subprocess.run(
-        [
-            python(),
-            "-m",
-            "bench.pipeline_bubble",
-            "--k",
-            "2",
-            "--m",
-            "1",
-            "2",
-            "8",
-            "--modes",
-            "sleep",
-            "--sleep-ms",
-            "50",  # 20 ms: a loaded 2-core machine's per-action overhead once took M=8's bubble to 0.41 (formula 0.11)
-            "--steps",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_bench(
+        "pipeline_bubble",
+        *("--k", "2", "--m", "1", "2", "8", "--modes", "sleep", "--steps", "2"),
+        # 20 ms: a loaded 2-core machine's per-action overhead once took M=8's bubble to 0.41 (formula 0.11)
+        *("--sleep-ms", "50"),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     rows = {
         (int(m), name): (float(measured), float(expected))
         for m, name, measured, expected in re.findall(

@@ -158,10 +158,10 @@ class CausalLMLitModule(LitModule):
         """Every dropout of `model` keyed per sample (src/models/dropout.py): its dropout modules, and where its config
         holds a dropout probability, its attention's; the number of dropouts with p > 0 (modules or attention)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if not any(keyed.config_fields(base.config).values()):
-            return keyed.key_dropouts(model)
-        attention = keyed.key_attention(base, self.attn_implementation)
-        return keyed.key_dropouts(model) + attention + keyed.key_functional_dropouts(base)
+        functional = 0
+        if any(keyed.config_fields(base.config).values()):  # the forward may draw dropout itself
+            functional = keyed.key_attention(base, self.attn_implementation) + keyed.key_functional_dropouts(base)
+        return keyed.key_dropouts(model) + functional
 
     def _set_dropout(self, built: Any) -> Any:
         """model.dropout (when set) in a config, before its model is built, or in a built model's dropout modules:

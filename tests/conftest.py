@@ -123,8 +123,9 @@ def free_port() -> int:
     import socket
 
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    base = int(os.environ.get("TEST_PORT_BASE", "25000"))  # another base keeps two pytest sessions apart
     for offset in itertools.islice(_ports, 500):
-        port = 25000 + 500 * worker + offset  # above 15000 + a SLURM job id (hydra_ddp.py)
+        port = base + 500 * worker + offset  # above 15000 + a SLURM job id (hydra_ddp.py)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -142,13 +142,15 @@ MATRIX = (
     + [("qwen2", s) for s in STRATEGIES]
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
-    + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3", "tp", "tp_data")]
+    + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3", "tp", "tp_data", "pipeline")]
+    + [("mixtral", "pipeline_tp")]
     + [(moe, s) for moe in ("qwen3_moe", "olmoe") for s in ("ddp", "fsdp", "zero2", "zero3", "tp")]
+    + [("qwen3_moe", "pipeline")]  # OLMoE has no pipeline plan
     + [("qwen3", "tp"), ("qwen3", "tp_data"), ("qwen3", "pipeline_tp"), ("phi3", "tp"), ("gemma3", "tp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
-# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (51 cases).
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (54 cases).
 CORE = [
     ("llama", "ddp"),
     ("llama", "fsdp"),
@@ -160,6 +162,7 @@ CORE = [
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
     ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included
+    ("mixtral", "pipeline"),  # the aux loss's routing totals carried through the stages (pipeline_stages.Routing)
 ]
 
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts models: the router's load-balancing loss is in the trained loss as transformers defines it
 (its own `load_balancing_loss_func`, on each sequence: src/objectives/moe.py), logged, and refused where a strategy or
-objective cannot carry it. That 2 ranks, FSDP2 and accumulation train what 1 process trains, aux loss included, is
-tests/test_architectures_parity.py's (mixtral cases)."""
+objective cannot carry it. That 2 ranks, FSDP2, pipeline stages and accumulation train what 1 process trains, aux
+loss included, is tests/test_architectures_parity.py's (mixtral cases)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,56 @@ def test_packing_with_a_router_loss_is_one_sentence():
         ConfigError, match=r"data.packing=true and a mixture-of-experts router loss.*router_aux_loss=fal"
     ):
         module("mixtral").check_packing()
+
+
+@pytest.mark.parametrize("split", [(3,), (1, 2), (2, 1), (1, 1, 1)], ids=lambda s: "+".join(map(str, s)))
+def test_routing_totals_carried_through_stages_give_each_sequences_transformers_loss(split):
+    """Pipeline stages (src/parallel/pipeline.py) hold a share of the layers each: each adds its layers' routing to
+    the totals it received (`stage_statistics`), and the last takes the loss from them (`statistics_balance`). For
+    every split of 3 MoE layers into stages, each sequence's value and its gradient are Mixtral's own
+    load_balancing_loss_func on that sequence alone, a right-padded row included. Tolerance: both sides add the same
+    n = T x L float32 terms (possibly in another order), so each total is within n U32 relatively, the product of two
+    within 2n U32; 4n U32 leaves room for the final sums."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from src.objectives.moe import each_sequence
+    from src.parallel.pipeline_stages import stage_statistics, statistics_balance
+
+    batch, t, experts, k, n_layers = 3, 12, 4, 2, 3
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(batch * t, experts, generator=g, requires_grad=True) for _ in range(n_layers)]
+    mask = torch.ones(batch, t, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, 4:] = 0
+    totals = (torch.zeros(batch, experts), torch.zeros(batch, experts))
+    first = 0
+    for size in split:  # stage by stage, in order
+        totals = stage_statistics(logits[first : first + size], mask, *totals, k)
+        first += size
+    carried = statistics_balance(*totals, mask, n_layers)
+    own = each_sequence(load_balancing_loss_func, tuple(logits), mask, batch, experts, k)
+    tol = 4 * t * n_layers * U32
+    within(((carried - own).abs() / own.abs()).max().item(), tol, "per-sequence router loss, relative")
+    weights = torch.randn(batch, generator=g)  # any combination of the sequences' losses: their gradients too
+    got = torch.autograd.grad((carried * weights).sum(), logits)
+    want = torch.autograd.grad((own * weights).sum(), logits)
+    scale = max(w.abs().max().item() for w in want)
+    within(max((a - b).abs().max().item() for a, b in zip(got, want)) / scale, tol, "its gradient, relative")
+
+
+def test_pipeline_stages_are_refused_where_the_carried_router_loss_is_not_the_models_own():
+    """The probe before step 1 (pipeline_stages.check_stages) compares the router loss carried through the stages
+    with the model's own function on each sequence of a probe batch: a model whose routers are found and counted as
+    transformers records them passes; the same with one MoE layer miscounted is refused in one sentence."""
+    from src.parallel.pipeline_stages import DecoderStage, Routing, check_stages
+    from src.utils.config import ArchitectureRefused
+
+    lit = module("mixtral")
+    hf = lit.hf_model
+    routing = Routing(hf, lit.router_balance)
+    assert (routing.n_layers, len(routing.routers)) == (2, 2)  # one router per layer, not its MoE block as well
+    check_stages(hf, hf.model.layers, 2, DecoderStage, eager=False, routing=routing)
+    routing.n_layers = 3
+    with pytest.raises(ArchitectureRefused, match=r"router load-balancing loss differently from one process.*"
+                       r"model\.router_aux_loss=false"):  # fmt: skip
+        check_stages(hf, hf.model.layers, 2, DecoderStage, eager=False, routing=routing)

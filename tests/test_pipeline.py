@@ -298,11 +298,6 @@ def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, o
             ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2", "trainer.strategy.n_microbatches=8"],
             r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x n_microbatches=8 = 16",
         ),
-        (  # the router's loss sums over every layer's routing: no stage sees them all
-            ["model=causal_lm", "model.model_type=mixtral", "+model.config.num_hidden_layers=2"],
-            r"trainer=pipeline does not carry mixtral's router load-balancing loss between stages: set "
-            r"model.router_aux_loss=false",
-        ),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -8,6 +8,9 @@ each sequence alone (its own tokens, padding masked as transformers masks it) an
 sequences, as DeepSeek-V3's sequence-wise balance loss is: for a micro-batch of one sequence it is transformers'
 value, and 1 x 8 = 2 x 4 = 1 x 4 x 2 exactly. What this adds to the library: that per-sequence reduction, and the
 per-expert token counts the run logs.
+
+Pipeline stages hold a share of the layers each: they carry the loss's per-expert totals from stage to stage
+instead (src/parallel/pipeline_stages.py, `Routing`).
 """
 
 from __future__ import annotations
@@ -52,12 +55,7 @@ def sequence_balance(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the sum over the batch's sequences of `fn` on each sequence alone, the tokens routed to each expert over all
     layers and real tokens). `router_logits`: one [batch x seq, experts] tensor per MoE layer."""
-    rows = router_logits[0].shape[0] // batch
-    losses = []
-    for b in range(batch):
-        mine = tuple(layer[b * rows : (b + 1) * rows] for layer in router_logits)
-        mask = attention_mask[b : b + 1] if attention_mask is not None else None
-        losses.append(fn(mine, num_experts, top_k, mask))
+    losses = each_sequence(fn, router_logits, attention_mask, batch, num_experts, top_k)
     with torch.no_grad():  # scatter_add, weighted by the mask: no host sync (as transformers counts)
         device = router_logits[0].device
         weight = attention_mask.reshape(-1).float() if attention_mask is not None else None
@@ -66,4 +64,22 @@ def sequence_balance(
             picked = torch.topk(layer.float(), top_k, dim=-1).indices  # softmax keeps the order: same experts
             w = weight.repeat_interleave(top_k) if weight is not None else torch.ones(picked.numel(), device=device)
             counts.scatter_add_(0, picked.reshape(-1), w)
-    return torch.stack(losses).sum(), counts
+    return losses.sum(), counts
+
+
+def each_sequence(
+    fn: Callable,
+    router_logits: tuple[torch.Tensor, ...],
+    attention_mask: Optional[torch.Tensor],
+    batch: int,
+    num_experts: int,
+    top_k: int,
+) -> torch.Tensor:
+    """`fn` on each sequence of the batch alone, its padding masked: [batch]."""
+    rows = router_logits[0].shape[0] // batch
+    losses = []
+    for b in range(batch):
+        mine = tuple(layer[b * rows : (b + 1) * rows] for layer in router_logits)
+        mask = attention_mask[b : b + 1] if attention_mask is not None else None
+        losses.append(fn(mine, num_experts, top_k, mask))
+    return torch.stack(losses)

@@ -12,6 +12,9 @@ Exactness (each checked against one process in tests/test_pipeline.py):
 * loss: every micro-batch's loss is its *summed* token cross-entropy times 1/N, N = the target tokens of
   the whole global batch, with scale_grads=False: the gradients are those of the global token mean,
   also with -100 labels (a per-micro-batch mean would weight micro-batches wrongly);
+* an MoE model's router loss: each micro-batch's adds router_aux_loss_coef x the sum of its sequences'
+  load-balancing losses (each from the routing totals its stages carried: pipeline_stages.Routing) x 1/S, S = the
+  sequences of the global batch, as one process averages it over the step's sequences;
 * tied weights (GPT-2, Qwen2's small sizes: lm_head is the token embedding): the first and last stages each
   hold a copy, so their gradients are summed over those two ranks (else each copy would learn half and they
   drift apart); untied models (Llama) sum nothing;
@@ -46,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from src.architectures.config import architecture
 from src.parallel.mesh import mesh_sizes
 from src.parallel.parallelize import parallelize as compose
-from src.parallel.pipeline_stages import check_stages, prune, stage_class, stage_ranges
+from src.parallel.pipeline_stages import Routing, check_stages, prune, stage_class, stage_ranges
 from src.parallel.tensor_parallel import check_divisible, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
 
@@ -84,11 +87,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             "data.packing=true with trainer=pipeline: the stages do not carry the position ids that keep packed "
             "conversations apart; set data.packing=false, or use trainer=fsdp, trainer=tp or trainer=ddp."
-        )
-    if getattr(config, "router_aux_loss_coef", None) and cfg.model.get("router_aux_loss", False):
-        raise ConfigError(
-            f"trainer=pipeline does not carry {config.model_type}'s router load-balancing loss between stages: "
-            "set model.router_aux_loss=false to train the token loss alone, or use trainer=fsdp or trainer=ddp."
         )
     n_layer = config.num_hidden_layers
     if n_layer % (pp * v):
@@ -143,8 +141,11 @@ class Pipeline:
         n_microbatches: int,
         device: torch.device,
         token_loss,
+        routing: Optional[Routing] = None,
+        aux_coef: float = 0.0,
     ) -> None:
         self.token_loss = token_loss  # (logits, labels) -> (sum of token losses, targets): the module's own
+        self.routing, self.aux_coef = routing, aux_coef  # an MoE model's router loss, carried through the stages
         self.modules, self.indices, self.n_stages = stages, indices, n_stages
         self.group = mesh["pipeline_parallel"].get_group()
         self.data_group = mesh["data_parallel"].get_group()
@@ -153,6 +154,9 @@ class Pipeline:
         # the last stage's tensor-parallel ranks all compute the loss: one of them reports it (sums count it once)
         self.reports_loss = self.has_last and mesh["tensor_parallel"].get_local_rank() == 0
         self.scale = 1.0  # 1 / target tokens of the global batch while training; 1 in evaluation
+        self.sequence_scale = 1.0  # 1 / sequences of the global batch (the router loss's mean)
+        self.token_losses: list[torch.Tensor] = []  # this run's micro-batches' token losses (x scale), last stage
+        self.routing_sums: list[torch.Tensor] = []  # and their [router loss sum, tokens per expert..., sequences]
         self._schedules: dict[tuple, object] = {}
         self.tie_group = self._tie_group(mesh)
         self.tied = bool(getattr(stages[0], "tied", False))
@@ -171,8 +175,18 @@ class Pipeline:
                 mine = group
         return mine
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.token_loss(logits, labels)[0] * self.scale
+    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage: its summed token losses x scale (+ the router loss's share)."""
+        logits = output[0] if self.routing is not None else output
+        token = self.token_loss(logits, labels)[0] * self.scale
+        self.token_losses.append(token.detach().float())
+        if self.routing is None:
+            return token
+        mask, hits, probs = output[1:]
+        balance = self.routing.balance(mask, hits, probs)
+        count = balance.new_tensor([mask.shape[0]])
+        self.routing_sums.append(torch.cat([balance.detach().sum()[None], hits.detach().sum(0), count]))
+        return token + self.aux_coef * balance.sum() * self.sequence_scale
 
     def _schedule(self, training: bool, batch_shape: tuple[int, ...]):
         """One schedule per (mode, batch shape): stages size their send/receive buffers on the first step."""
@@ -195,21 +209,44 @@ class Pipeline:
             )
         return self._schedules[key]
 
-    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, training: bool, scale: float = 1.0) -> torch.Tensor:
-        """Runs the batch through the pipeline (each micro-batch's loss: its summed token losses x `scale`);
-        returns the sum of the micro-batch losses on the rank that reports the loss, 0 elsewhere."""
-        self.scale = scale
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        training: bool,
+        scale: float = 1.0,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Runs the batch through the pipeline (each micro-batch's token loss: its summed token losses x `scale`);
+        returns the sum of those on the rank that reports the loss, 0 elsewhere (`stat_sums`: the router's)."""
+        self.scale, self.token_losses, self.routing_sums = scale, [], []
+        self.sequence_scale = 1.0 / (input_ids.shape[0] * dist.get_world_size(self.data_group))
         schedule = self._schedule(training, tuple(input_ids.shape))
-        losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
+        if self.has_first and self.routing is not None:  # the router loss's real tokens (right padding: the
+            args += (torch.ones_like(input_ids) if attention_mask is None else attention_mask,)  # stages need no mask)
         target = labels if self.has_last else None
+        losses: list[torch.Tensor] = []
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
             schedule.eval(*args, target=target, losses=losses)
+        # a schedule's first step also calls the loss on empty tensors (torch infers its shapes so): the micro-batches'
+        # calls are the last len(losses)
+        self.token_losses = self.token_losses[len(self.token_losses) - len(losses) :]
+        self.routing_sums = self.routing_sums[len(self.routing_sums) - len(losses) :]
         if not losses or not self.reports_loss:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return torch.stack(self.token_losses).sum()
+
+    def stat_sums(self) -> Optional[torch.Tensor]:
+        """An MoE model's [router loss sum, tokens per expert..., sequences] over this run's micro-batches, on the
+        rank that reports the loss (zeros elsewhere: a sum over all ranks gives the global batch's); None for others."""
+        if self.routing is None:
+            return None
+        if not self.routing_sums or not self.reports_loss:
+            return torch.zeros(self.routing.num_experts + 2, device=self.device)
+        return torch.stack(self.routing_sums).sum(0)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """This rank's copy of the tied input/output embedding (first or last stage), if the model ties them."""
@@ -272,7 +309,9 @@ def parallelize(
         )
     make = stage_class(hf.config)
     eager = module.attn_implementation == "eager"  # the model's model.attn_implementation
-    check_stages(hf, layers, n_stages, make, eager)  # the stages chained = the model's own forward, or one sentence
+    routing = Routing(hf, module.router_balance) if module.router_balance is not None else None  # MoE: its aux loss
+    build = {"routing": routing} if routing is not None else {}
+    check_stages(hf, layers, n_stages, make, eager, routing)  # = the model's own forward, or one sentence
     rank = pp.get_local_rank()
     indices = [rank + k * pp.size() for k in range(stages_per_rank)]
     ranges = stage_ranges(n_layer, n_stages)
@@ -286,11 +325,12 @@ def parallelize(
         whole_model=False,  # a stage is part of a network
         **module.wrappers(),
     )
-    stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1, eager=eager) for i in indices]
+    stages = [make(hf, *ranges[i], first=i == 0, last=i == n_stages - 1, eager=eager, **build) for i in indices]
     for stage in stages:
         stage.tied = bool(getattr(hf.config, "tie_word_embeddings", False))  # the first and last stage hold copies
     log.info(
         f"Pipeline: {n_stages} stages of {n_layer // n_stages} block(s) over {pp.size()} rank(s), schedule={schedule}, "
         f"{n_microbatches} micro-batches; this rank holds stages {indices}"
     )
-    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.token_loss)
+    coef = float(getattr(hf, "router_aux_loss_coef", 0.0)) if routing is not None else 0.0
+    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.token_loss, routing, coef)

@@ -8,7 +8,8 @@ training_step is not used; its metrics, optimizer and LR schedule are.
 
 Logging: the loss exists on the last stage only. Its ranks hold their data-parallel shard's share of
 the global token mean; one all-reduce (sum) over all ranks, others adding 0, gives every rank the
-global batch's loss, so rank 0 logs the real value. Evaluation metrics are sums and counts
+global batch's loss, so rank 0 logs the real value (an MoE model's router statistics ride in the same
+all-reduce). Evaluation metrics are sums and counts
 (TokenMeanLoss): ranks without the last stage add (0, 0), so torchmetrics' sync over all ranks is exact.
 """
 
@@ -101,21 +102,26 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
             n_targets = int(counted)
         optimizer.zero_grad()
         with self.precision_plugin.train_step_context():
-            loss = pipe.run(batch["input_ids"], batch["labels"], training=True, scale=1.0 / max(n_targets, 1))
+            loss = pipe.run(
+                batch["input_ids"], batch["labels"], True, 1.0 / max(n_targets, 1), batch.get("attention_mask")
+            )
+        sums = pipe.stat_sums()  # an MoE model's router statistics (None for others): summed over ranks alike
+        values = loss[None] if sums is None else torch.cat([loss[None], sums.to(loss.dtype)])
         with record_function(TRAIN_LOSS_REDUCE):
-            dist.all_reduce(loss)  # last-stage ranks hold their shard's share; all others 0
+            dist.all_reduce(values)  # last-stage ranks hold their shard's share; all others 0
+        loss, sums = values[0], (None if sums is None else values[1:])
         pipe.sync_grads(params)
         pipe.clip_grads(params, self.gradient_clip_val)
         optimizer.step()
         scheduler = module.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        module.log_train_loss(loss, batch_idx)
+        module.log_train_loss(loss, batch_idx, sums)
         return loss
 
     def _evaluate(self, batch: dict[str, torch.Tensor], metrics) -> None:
         with torch.no_grad(), self.precision_plugin.val_step_context():
-            loss = self.pipeline.run(batch["input_ids"], batch["labels"], training=False)
+            loss = self.pipeline.run(batch["input_ids"], batch["labels"], False, 1.0, batch.get("attention_mask"))
         count = (batch["labels"] != -100).sum() if self.pipeline.reports_loss else torch.zeros((), dtype=torch.int64)
         metrics["loss"].update(loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
 

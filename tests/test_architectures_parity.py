@@ -122,6 +122,11 @@ PIPELINE = [
 ]
 STRATEGIES["pipeline"] = PIPELINE + ["trainer.devices=2"]
 STRATEGIES["pipeline_tp"] = PIPELINE + ["trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+# expert parallelism: each expert on 1 of 2 ranks (2 ranks: one copy of each; 4 ranks: 2 copies, FSDP2 over them),
+# or on 1 of 4
+STRATEGIES["ep2"] = STRATEGIES["fsdp"] + ["trainer.strategy.expert_parallel_size=2"]
+STRATEGIES["ep2_data"] = ["trainer=fsdp", "trainer.devices=4", "trainer.strategy.expert_parallel_size=2"]
+STRATEGIES["ep4"] = ["trainer=fsdp", "trainer.devices=4", "trainer.strategy.expert_parallel_size=4"]
 # ZeRO-3 through the tests' CPU DeepSpeed strategy (tests/helpers/deepspeed_cpu.py)
 STRATEGIES["zero3"] = [
     "trainer=deepspeed",
@@ -137,20 +142,22 @@ LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0"]
 STRATEGIES["fsdp_lora"] = ["trainer=fsdp", "trainer.devices=2"]
 # 1 process x 4 samples x accumulation 2 (val_check_interval counts micro-batches: 12 are the 6 steps)
 STRATEGIES["accumulate"] = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]
+DENSE = [s for s in STRATEGIES if not s.startswith("ep")]  # expert parallelism: MoE models only
 MATRIX = (
-    [("llama", s) for s in STRATEGIES]
-    + [("qwen2", s) for s in STRATEGIES]
+    [("llama", s) for s in DENSE]
+    + [("qwen2", s) for s in DENSE]
     + [("mistral", "ddp"), ("mistral", "pipeline"), ("mistral", "tp")]
     + [("granite", "pipeline"), ("granite", "fsdp"), ("gemma3", "pipeline"), ("gemma3", "fsdp")]
     + [("mixtral", s) for s in ("ddp", "fsdp", "accumulate", "zero2", "zero3", "tp", "tp_data", "pipeline")]
-    + [("mixtral", "pipeline_tp")]
+    + [("mixtral", "pipeline_tp"), ("mixtral", "ep2"), ("mixtral", "ep2_data"), ("mixtral", "ep4")]
+    + [("qwen3_moe", "ep2"), ("olmoe", "ep4")]
     + [(moe, s) for moe in ("qwen3_moe", "olmoe") for s in ("ddp", "fsdp", "zero2", "zero3", "tp")]
     + [("qwen3_moe", "pipeline")]  # OLMoE has no pipeline plan
     + [("qwen3", "tp"), ("qwen3", "tp_data"), ("qwen3", "pipeline_tp"), ("phi3", "tp"), ("gemma3", "tp")]
 )
 # The suite runs one case of each thing that differs between the architectures (GQA + untied head under every
 # kind of split; tied embeddings across pipeline stages and under accumulation; q/k/v biases under ZeRO-3 and LoRA;
-# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (54 cases).
+# a sliding window under DDP and in a stage); TEST_ALL_ARCHITECTURES=1 runs the whole matrix (59 cases).
 CORE = [
     ("llama", "ddp"),
     ("llama", "fsdp"),
@@ -163,6 +170,10 @@ CORE = [
     ("granite", "pipeline"),
     ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included
     ("mixtral", "pipeline"),  # the aux loss's routing totals carried through the stages (pipeline_stages.Routing)
+    (
+        "mixtral",
+        "ep2_data",
+    ),  # experts split over 2 of 4 ranks, 2 copies of each sharded (src/parallel/expert_parallel.py)
 ]
 
 

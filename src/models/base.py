@@ -200,6 +200,11 @@ class LitModule(L.LightningModule):
         bf16 has no scaler, so clipping is exact as is; under fp16 we unscale first, and
         GradScaler.step then sees that the gradients are unscaled and does not unscale them again.
         """
+        if gradient_clip_val and capabilities.of(self.trainer.strategy).grads_on_several_meshes:
+            from src.parallel.expert_parallel import clip_grad_norm  # torch's cannot stack norms of several meshes
+
+            clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val)
+            return
         plugin = self.trainer.precision_plugin
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if not (gradient_clip_val and fused and isinstance(plugin, MixedPrecision)):

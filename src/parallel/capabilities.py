@@ -39,6 +39,11 @@ class Capabilities:
     (src/models/dropout.py) are those one process draws. False (tensor parallel splits a row's heads and widths, the
     pipeline's schedule its micro-batches over stages): a model with dropout is refused."""
 
+    grads_on_several_meshes: bool = False
+    """Gradients are DTensors on more than one device mesh (expert parallelism: the experts' own mesh beside the
+    data-parallel one), which torch's clip_grad_norm_ cannot stack: LitModule clips with
+    src/parallel/expert_parallel.py's `clip_grad_norm`, one norm per mesh."""
+
     optimizer_class: Optional[type] = None
     """The optimizer class the model's optimizer must be instead of its configured one (DeepSpeed's CPU Adam
     under optimizer offload), or None."""

@@ -1,25 +1,45 @@
 """trainer=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) over every rank, applied from outside the model by
 src/parallel/parallelize.py. Lightning's `ModelParallelStrategy` runs it: it works on GPUs (NCCL) and on
-CPU (gloo), where Lightning's FSDP1 `FSDPStrategy` refuses to start.
+CPU (gloo), where Lightning's FSDP1 `FSDPStrategy` refuses to start. With `expert_parallel_size` k > 1, a
+mixture-of-experts model's experts are split over groups of k ranks (src/parallel/expert_parallel.py).
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from omegaconf import OmegaConf
 
+from src.architectures.config import architecture
 from src.checkpoint import resharding
 from src.checkpoint.files import save_sharded
+from src.parallel import expert_parallel
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh
 from src.parallel.parallelize import parallelize, parallelized
 from src.parallel.sync_batchnorm import apply_layer_sync
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def check_config(cfg: Any) -> None:
+    """trainer=fsdp's checks on the composed config, before any rank starts: expert parallelism's (one sentence)."""
+    size = OmegaConf.select(cfg, "trainer.strategy.expert_parallel_size", default=1)
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    world = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else None
+    config = architecture(cfg.model) if size != 1 else None
+    expert_parallel.check_config(config, size, world)
+    if size != 1 and cfg.trainer.get("gradient_clip_algorithm") not in (None, "norm"):
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={cfg.trainer.gradient_clip_algorithm} with "
+            f"trainer.strategy.expert_parallel_size={size}: clip by norm (the default), which expert parallelism "
+            "computes over all its meshes."
+        )
 
 
 class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
@@ -32,6 +52,7 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     materializes_shards = True  # the model's configure_model leaves a meta model to us
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
+    check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(
         self,
@@ -42,9 +63,11 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
         save_distributed_checkpoint: bool = True,
         timeout: timedelta = default_pg_timeout,  # collective timeout (conf/trainer/fsdp.yaml)
         meta_init: bool = True,
+        expert_parallel_size: int = 1,
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout=timeout)
         self.meta_init = meta_init  # read by train.py
+        self.expert_parallel_size = expert_parallel_size
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.options = dict(
             reshard_after_forward=reshard_after_forward,
@@ -53,11 +76,25 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
             cpu_offload=cpu_offload,
         )
 
+    @property
+    def grads_on_several_meshes(self) -> bool:  # the experts' mesh beside the data-parallel one
+        return self.expert_parallel_size > 1
+
     def setup(self, trainer) -> None:
         if not parallelized(self.lightning_module):  # setup runs again for test after fit
             apply_layer_sync(self, self.lightning_module)  # trainer.plugins' SyncBatchNorm; Lightning skips FSDP2
             module = self.lightning_module
-            parallelize(module, data_parallel=self.device_mesh["data_parallel"], fsdp=self.options, **module.wrappers())
+            experts = None
+            if self.expert_parallel_size > 1:  # (efsdp, ep) over all ranks; each rank its own batch
+                mesh = expert_parallel.expert_mesh(self.world_size, self.expert_parallel_size, self.root_device.type)
+                experts = (mesh, self.device_mesh["tensor_parallel"])
+            parallelize(
+                module,
+                data_parallel=self.device_mesh["data_parallel"],
+                experts=experts,
+                fsdp=self.options,
+                **module.wrappers(),
+            )
             self.lightning_module.materialize(self.root_device, sharded=True)  # a meta-device model's shards
         super().setup(trainer)
 

@@ -1,11 +1,13 @@
 """The one place that applies parallelism and its companions to a model, from outside it (torchtitan's
 `parallelize`), in this order:
 
+    0. expert parallel    split an MoE model's experts over groups of data-parallel ranks (src/parallel/expert_parallel.py)
     1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor_parallel.py)
     2. activation ckpt    recompute each block's activations in backward instead of storing them
     3. compile            torch.compile, in place: each whole network (with no mesh: DDP, one device, ZeRO-1/2),
                           else each block (and, with no mesh, the output projection)
-    4. FSDP2              shard each block, then the rest as one root unit, over the `data_parallel` ranks
+    4. FSDP2              shard each experts module over its copies (expert parallel), each block, then the rest as
+                          one root unit, over the `data_parallel` ranks
 
 Why this order: compile must see the final (tensor-parallel, checkpointed) block to trace it; FSDP2's
 hooks must sit outside the compiled block, where they gather its parameters before it runs.
@@ -28,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from src.parallel import expert_parallel
 from src.parallel.tensor_parallel import split_blocks
 from src.utils.config import ConfigError
 
@@ -42,6 +45,7 @@ def parallelize(
     *,
     tensor_parallel: Optional[DeviceMesh] = None,
     data_parallel: Optional[DeviceMesh] = None,
+    experts: Optional[tuple[DeviceMesh, DeviceMesh]] = None,
     blocks: Optional[list[Block]] = None,
     activation_checkpointing: bool = False,
     compile: Union[bool, str] = False,
@@ -50,6 +54,7 @@ def parallelize(
 ) -> Any:
     """Apply steps 1-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
 
+    `experts`: (the (efsdp, ep) mesh, a 1-rank mesh) to split an MoE model's experts over (FSDP2 only).
     `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.
     `compile`: false, true (the largest correct region: `compile_region`) or "blocks".
     `whole_model`: the caller allows compiling whole networks (see `compile_region`).
@@ -59,6 +64,10 @@ def parallelize(
     # a frozen parameter (DPO's reference, an adapter's base) stays frozen: tensor parallel's DTensors are new
     # Parameters that require a gradient (an optimizer state then expected for each, and a resume failing on it)
     frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+    split = []
+    if experts is not None:
+        expert_parallel.check_dispatch(module.network())  # the dispatch computes the model's own experts, or refused
+        split = expert_parallel.split_experts(module.network(), *experts)
     if tensor_parallel is not None:
         split_blocks(module, tensor_parallel, [block for _, _, block in blocks])
     if activation_checkpointing:
@@ -72,13 +81,15 @@ def parallelize(
     for head in heads:  # Module.compile would trace nothing: dynamo skips a frame of torch.nn's own code
         head.forward = torch.compile(head.forward)
     if data_parallel is not None:
-        shard(module, data_parallel, blocks, **(fsdp or {}))
+        efsdp = (experts[0]["efsdp"], data_parallel.size()) if experts is not None else None
+        shard(module, data_parallel, blocks, split, efsdp, **(fsdp or {}))
     for name, param in module.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
     module._parallelized = True  # `parallelized`: a strategy's setup runs again for test after fit
     log.info(
-        f"parallelize: {len(blocks)} blocks; tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
+        f"parallelize: {len(blocks)} blocks; expert parallel {experts[0]['ep'].size() if experts else 1} "
+        f"({len(split)} experts modules), tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
         f"activation checkpointing {activation_checkpointing}, compile {region or 'off'}, "
         f"FSDP2 over {data_parallel.size() if data_parallel is not None else 0} rank(s)"
     )
@@ -140,6 +151,8 @@ def shard(
     module: Any,
     mesh: DeviceMesh,
     blocks: list[Block],
+    experts: list[nn.Module],
+    efsdp: Optional[tuple[DeviceMesh, int]],
     reshard_after_forward: bool = True,
     param_dtype: Optional[str] = None,
     reduce_dtype: Optional[str] = None,
@@ -147,7 +160,10 @@ def shard(
 ) -> None:
     """FSDP2: shard each block, then every network (embeddings, head, tied weights) as one root unit.
 
-    Each of `module.networks()` must be a root, or its parameters would never be gathered.
+    Each of `module.networks()` must be a root, or its parameters would never be gathered. `experts` (expert
+    parallel's split experts modules) are sharded first, over `efsdp` = (their copies' mesh, the data-parallel size):
+    their gradients, which already hold their expert group's tokens, are summed over the copies and divided by the
+    data-parallel size, as transformers' own expert parallelism does.
     reshard_after_forward=True frees gathered parameters after each block's forward (ZeRO-3-like, least
     memory); False keeps them until backward (ZeRO-2-like, one all-gather less per block).
     """
@@ -162,6 +178,11 @@ def shard(
         "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    for experts_module in experts:
+        fully_shard(experts_module, **{**policy, "mesh": efsdp[0]})
+        experts_module.set_gradient_divide_factor(float(efsdp[1]))
+        if efsdp[0].size() > 1:  # a divide factor other than the group size is a pre-multiplied sum, which gloo
+            experts_module.set_force_sum_reduction_for_comms(True)  # lacks: sum on the wire, divide after
     for _, _, block in blocks:
         fully_shard(block, **policy)
     for network in module.networks():  # the trained network; frozen ones (DPO's reference) are roots of their own

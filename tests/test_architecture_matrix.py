@@ -1,5 +1,5 @@
-"""Every causal LM transformers ships with both plans, under trainer=fsdp, trainer=tp and trainer=pipeline on 2 ranks,
-against 1 process, through train.py: built at a CPU size from its own config defaults (tests/helpers/
+"""Every causal LM transformers ships with both plans, under trainer=fsdp, trainer=tp and trainer=pipeline on 2 ranks
+(and each MoE model's experts split over the 2, expert_parallel_size=2), against 1 process, through train.py: built at a CPU size from its own config defaults (tests/helpers/
 architectures.py), 2 steps, fp32. Each case ends equal (every step's loss and the final parameters within 1e-5) or
 refused in one sentence before step 1 (exit 2); a crash or a different model fails the test. An architecture that
 does not build or train in one process at that size is skipped with the reason.
@@ -21,7 +21,7 @@ from test_fsdp import last_ckpt
 from test_parity import QUIET, max_param_diff
 
 from src.checkpoint.convert import load_checkpoint
-from tests.helpers.architectures import SAMPLE, tiny_config, too_large, with_both_plans
+from tests.helpers.architectures import SAMPLE, tiny_config, too_large, with_both_plans, with_ep_plan
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,8 @@ STRATEGIES = {
     "tp": ["trainer=tp", "trainer.devices=2", "trainer.strategy.tensor_parallel_size=2"],
     # 2 stages of 1 layer; the pipeline clips in its own step, by the same norm as one process
     "pipeline": ["trainer=pipeline", "trainer.devices=2", "trainer.gradient_clip_val=null"],
+    # MoE models (an expert-parallel plan): each expert on 1 of the 2 ranks, tokens sent to it and back
+    "experts": ["trainer=fsdp", "trainer.devices=2", "trainer.strategy.expert_parallel_size=2"],
 }
 # The default suite's sample (the suite's time budget): families whose forward differs from Llama's in what each
 # strategy must keep (see tests/helpers/architectures.py). Qwen3 (per-head norms), Phi-3 (fused projections) and
@@ -54,7 +56,7 @@ MATRIX_SAMPLE = {"qwen3": ["tp"], "phi3": ["tp"], "gemma3_text": ["fsdp", "pipel
 MATRIX_SAMPLE |= {"gemma2": ["pipeline"], "cohere": ["pipeline"], "gpt_neox": ["pipeline"]}
 ALL = os.environ.get("TEST_ALL_ARCHITECTURES") == "1"
 CASES = (
-    [(a, s) for a in with_both_plans() for s in STRATEGIES]
+    [(a, s) for a in with_both_plans() for s in STRATEGIES if s != "experts"] + [(a, "experts") for a in with_ep_plan()]
     if ALL
     else [(a, s) for a, strategies in MATRIX_SAMPLE.items() for s in strategies]
 )

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from src.parallel import expert_parallel
 from src.utils.config import check_number
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
@@ -259,6 +260,8 @@ class CommVolume(L.Callback):
         """One JSON line per profiled step, with what bench/comm.py's formulas need about the model."""
         config = getattr(pl_module, "config", None)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters() if p.requires_grad)
+        network = pl_module.network() if hasattr(pl_module, "network") else None
+        experts = expert_parallel.experts_modules(network) if expert_parallel.ep_plan(config) and network else []
         line = {
             "rank": trainer.global_rank,
             "world": trainer.world_size,
@@ -266,6 +269,10 @@ class CommVolume(L.Callback):
             "params": params,
             "hidden_size": getattr(config, "hidden_size", None),
             "layers": getattr(config, "num_hidden_layers", None),
+            # a mixture-of-experts model's experts (what expert parallelism splits): their modules and parameters
+            "moe_layers": len(experts),
+            "expert_params": sum(p.numel() for m in experts for p in m.parameters() if p.requires_grad),
+            "top_k": getattr(config, "num_experts_per_tok", None),
             "collectives": found,
         }
         path = Path(self.save_dir) / f"rank{trainer.global_rank}.jsonl"

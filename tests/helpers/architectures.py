@@ -83,6 +83,17 @@ FIELDS = {
 SAMPLE = ["llama", "gemma", "gemma2", "gemma3_text", "qwen3", "granite", "cohere", "phi3", "gpt_neox", "mixtral"]
 
 
+def with_ep_plan() -> list[str]:
+    """Those of `with_both_plans` whose config ships an expert-parallel plan (its experts modules: MoE models)."""
+    from transformers import AutoConfig
+
+    return [
+        t
+        for t in with_both_plans()
+        if "ep_dispatch_experts" in (AutoConfig.for_model(t).base_model_ep_plan or {}).values()
+    ]
+
+
 def with_both_plans() -> list[str]:
     """The causal-LM architectures of the installed transformers whose config ships a tp and a pp plan."""
     from transformers import AutoConfig

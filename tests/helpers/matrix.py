@@ -10,7 +10,8 @@ import json
 import re
 import sys
 
-STRATEGIES = ("fsdp", "tp", "pipeline")
+STRATEGIES = ("fsdp", "tp", "pipeline", "experts")
+HEADERS = {"experts": "expert_parallel_size=2"}  # trainer=fsdp with each MoE model's experts split over the 2 ranks
 
 
 def cell(row: dict) -> str:
@@ -19,7 +20,7 @@ def cell(row: dict) -> str:
     if row["outcome"] != "refused":
         return row["outcome"]
     sentence = re.sub(r"^(Error|ConfigError)[:\s]*", "", row["detail"])
-    sentence = re.sub(r"[:;,] (train it|set model\.router_aux_loss).*$", "", sentence)  # the advice, said below
+    sentence = re.sub(r"[:;,] (train it|set model\.router_aux_loss|set trainer\.strategy\.expert).*$", "", sentence)
     sentence = re.sub(r" \(colwise, rowwise[^)]*\)", "", sentence)  # the styles trainer=tp implements, said below
     return "refused: " + sentence.replace("|", "\\|")
 
@@ -33,10 +34,10 @@ def table(rows: list[dict]) -> str:
     lines = [
         f"transformers {', '.join(versions)}: {len(built)} of {len(by_arch)} architectures built and trained.",
         "Each refusal is one sentence before step 1, shortened here: the whole one ends with what to use instead",
-        "(trainer=fsdp or trainer=ddp; for the router's loss, model.router_aux_loss=false), and trainer=tp's names",
-        "the styles it implements.",
+        "(trainer=fsdp or trainer=ddp; for the router's loss, model.router_aux_loss=false; expert_parallel_size=1), and",
+        "trainer=tp's names the styles it implements.",
         "",
-        "| architecture | " + " | ".join(f"trainer={s}" for s in STRATEGIES) + " |",
+        "| architecture | " + " | ".join(HEADERS.get(s, f"trainer={s}") for s in STRATEGIES) + " |",
         "| --- | " + " | ".join("---" for _ in STRATEGIES) + " |",
     ]
     for arch, cells in sorted(built.items()):

@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric
 
 from src.utils.config import ConfigError
@@ -27,6 +28,37 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
         at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss, (labels != IGNORE_INDEX).sum()
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    chunk: int,
+    loss: Callable = summed_token_loss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """summed_token_loss(head(hidden), labels) without the logits of every token at once (model.loss_chunk): the
+    LM head `head` ([tokens, width] -> [tokens, vocabulary]) and `loss` (summed_token_loss, compiled or not) on
+    `chunk` tokens at a time, each chunk's logits dropped after its sum and recomputed in backward (non-reentrant
+    torch.utils.checkpoint, which keeps the autocast state; the head's weight gets one gradient, summed over the
+    chunks), so at most one chunk's logits exist at a time. `hidden` [batch, seq(+virtual), width] is what the head
+    receives; its last labels.shape[1] positions are the targets' (prompt tuning prepends virtual tokens).
+
+    The same sums as summed_token_loss, added chunk by chunk instead of in one reduction (fp32 rounding apart:
+    tests/test_chunked_loss.py derives the bound), and the same count of targets."""
+    h = hidden[:, -labels.shape[1] :].flatten(0, 1)
+    total = None
+    for h_chunk, y_chunk in zip(h.split(chunk), labels.flatten().split(chunk)):
+        if torch.is_grad_enabled():
+            part = checkpoint(_chunk_loss, head, loss, h_chunk, y_chunk, use_reentrant=False)
+        else:  # evaluation: nothing to recompute
+            part = _chunk_loss(head, loss, h_chunk, y_chunk)
+        total = part if total is None else total + part
+    return total, (labels != IGNORE_INDEX).sum()
+
+
+def _chunk_loss(head: Callable, loss: Callable, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return loss(head(hidden)[None], labels[None])[0]
 
 
 def token_loss_function(

@@ -7,14 +7,15 @@ LM head) computes, for that one call, the sum of the token losses over its input
 the model from outside its forward, the loss is computed inside that forward: under FSDP2 the head's weight is the
 one the root unit all-gathered for the forward, and the loss, the forward's output, carries its backward hooks.
 
-That is the model's own function only where its logits are its head's output and the head maps each token alone.
-`check_head` proves both for the model at hand, before step 1, on every rank alike: on a probe batch, the logits the
-model returns equal its head's output value for value (so nothing after the head changes them: Granite's
-logits_scaling, Cohere's logit_scale and Gemma2's final_logit_softcapping do, unless they are 1, 1 and off), the
-head N' tokens at a time equals the head on all of them in float64, and the model hands the chunked sum on
-unchanged; else one sentence. It runs where the ranks hold the model (FSDP2's shards too), in the model's own
-dtype for what is compared exactly and in float64 only for the head, which no strategy here leaves sharded inside
-the forward.
+That is the model's own function, its gradients included, only where its logits are its head's output, the head
+maps each token alone and reads no trained tensor but its own parameters (chunked_token_loss computes their
+gradients and its input's itself). `check_head` proves it for the model at hand, before step 1, on every rank alike,
+on a probe batch: (1) the logits the model returns equal its head's output value for value, so nothing after the
+head changes them (Granite's logits_scaling, Cohere's logit_scale and Gemma2's final_logit_softcapping do, unless 1,
+1 and off); (2) the head a few tokens at a time equals the head on the whole batch in float64; (3) its output's
+autograd graph reaches no trained tensor outside it; (4) the model hands the chunked sum on unchanged; and the head
+holds no dropout. Else one sentence. It runs where the ranks hold the model (FSDP2's shards too): (1) and (4) exact in
+the model's own dtype, (2) in float64 for the head alone, whose weight every strategy here holds whole in the forward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from src.models import dropout as keyed
 from src.objectives.loss import chunked_token_loss
 from src.utils.config import ArchitectureRefused
 from src.utils.labels import IGNORE_INDEX
@@ -69,8 +71,16 @@ def whole(logits: torch.Tensor) -> torch.Tensor:
 
 def head_computes_loss(head: nn.Module, labels: torch.Tensor, chunk: int, loss: Callable) -> Any:
     """Inside, `head` returns the sum of the token losses of `labels` over its input, `chunk` tokens at a time
-    (chunked_token_loss with `loss`, summed_token_loss compiled or not), instead of the logits."""
-    return replaced_forward(head, lambda hidden, own: chunked_token_loss(hidden, labels, own, chunk, loss)[0])
+    (chunked_token_loss with `loss`, summed_token_loss compiled or not), instead of the logits. Its parameters are
+    read at the call: the ones a strategy put there for the forward (FSDP2's all-gathered weight)."""
+    return replaced_forward(
+        head, lambda hidden, own: chunked_token_loss(hidden, labels, own, trained(head), chunk, loss)[0]
+    )
+
+
+def trained(head: nn.Module) -> list[torch.Tensor]:
+    """The head's parameters that train (a LoRA head's adapter; a frozen base weight gets no gradient)."""
+    return [p for p in head.parameters() if p.requires_grad]
 
 
 @torch.no_grad()
@@ -81,6 +91,12 @@ def check_head(
     2 x 16 tokens; `run(batch)` is the module's forward (eval mode, eager). One sentence otherwise (module docstring)."""
     kind = type(hf_model).__name__
     head = output_head(hf_model, chunk)
+    if keyed.has_dropout(head):
+        raise ArchitectureRefused(
+            f"model.loss_chunk={chunk}: {kind}'s LM head holds dropout, whose masks its chunks would not draw as the "
+            "whole head does; set model.lora.dropout=0 (or leave the head out of model.lora.target_modules), or "
+            "model.loss_chunk=null."
+        )
     ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     labels = ids.roll(-1, 1)
     labels[:, -1], labels[0, :3] = IGNORE_INDEX, IGNORE_INDEX
@@ -89,14 +105,18 @@ def check_head(
 
     def spy(hidden: torch.Tensor, own: Callable) -> torch.Tensor:
         seen["logits"] = own(hidden)
-        tokens = hidden[:, -labels.shape[1] :].flatten(0, 1)
-        with in_float64(head):
-            seen["whole"] = own(tokens.double())
-            seen["chunks"] = torch.cat([own(part) for part in tokens.double().split(probe_chunk)])
+        rows = hidden[:, -labels.shape[1] :].double()
+        with in_float64(head):  # the head as the model calls it, on [batch, seq, width], and as the chunks do
+            seen["whole"] = own(rows).flatten(0, 1)
+            seen["chunks"] = torch.cat([own(part) for part in rows.flatten(0, 1).split(probe_chunk)])
+        with torch.enable_grad():  # what its output's gradient would reach
+            part = hidden.flatten(0, 1)[:probe_chunk].detach().requires_grad_()
+            reached = trained_leaves(own(part))
+        seen["outside"] = len(reached - {id(part)} - {id(p) for p in trained(head)})
         return seen["logits"]
 
     def summed(hidden: torch.Tensor, own: Callable) -> torch.Tensor:
-        seen["sum"] = chunked_token_loss(hidden, labels, own, chunk, loss)[0]
+        seen["sum"] = chunked_token_loss(hidden, labels, own, trained(head), chunk, loss)[0]
         return seen["sum"]
 
     try:
@@ -126,11 +146,30 @@ def check_head(
             f"model.loss_chunk={chunk}: {kind}'s LM head gives other logits {probe_chunk} tokens at a time than on "
             f"all of them ({gap:.3g} apart in float64 on a probe batch); set model.loss_chunk=null."
         )
+    if seen["outside"]:
+        raise ArchitectureRefused(
+            f"model.loss_chunk={chunk}: {kind}'s LM head reads {seen['outside']} trained tensor(s) that are not its "
+            "parameters, whose gradients the chunks would not compute; set model.loss_chunk=null."
+        )
     if handed.shape != () or not torch.equal(handed, seen["sum"]):
         raise ArchitectureRefused(
             f"model.loss_chunk={chunk}: {kind}'s forward does not hand its head's output on unchanged (the chunked "
             f"loss {seen['sum'].item():.6g} came back as a {tuple(handed.shape)} tensor); set model.loss_chunk=null."
         )
+
+
+def trained_leaves(output: torch.Tensor) -> set[int]:
+    """The ids of the tensors requiring a gradient that `output`'s autograd graph reaches (its AccumulateGrad nodes)."""
+    found, todo, visited = set(), [output.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if hasattr(node, "variable"):
+            found.add(id(node.variable))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def after_head_fields(config: Any) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def check_head(
         seen["logits"] = own(hidden)
         rows = hidden[:, -labels.shape[1] :].double()
         with in_float64(head):  # the head as the model calls it, on [batch, seq, width], and as the chunks do
-            seen["whole"] = own(rows).flatten(0, 1)
+            seen["full"] = own(rows).flatten(0, 1)
             seen["chunks"] = torch.cat([own(part) for part in rows.flatten(0, 1).split(probe_chunk)])
         with torch.enable_grad():  # what its output's gradient would reach
             part = hidden.flatten(0, 1)[:probe_chunk].detach().requires_grad_()
@@ -139,9 +139,9 @@ def check_head(
             f"({'its config sets ' + fields + '; ' if fields else ''}{gap if isinstance(gap, str) else f'{gap:.3g}'}"
             " apart on a probe batch), so the head alone would train another function; set model.loss_chunk=null."
         )
-    whole, chunks = seen["whole"], seen["chunks"]
-    gap = (chunks - whole).abs().max().item() if chunks.shape == whole.shape else float("inf")
-    if not gap <= FLOAT64_TOL * max(1.0, whole.abs().max().item()):
+    full, chunks = seen["full"], seen["chunks"]
+    gap = (chunks - full).abs().max().item() if chunks.shape == full.shape else float("inf")
+    if not gap <= FLOAT64_TOL * max(1.0, full.abs().max().item()):
         raise ArchitectureRefused(
             f"model.loss_chunk={chunk}: {kind}'s LM head gives other logits {probe_chunk} tokens at a time than on "
             f"all of them ({gap:.3g} apart in float64 on a probe batch); set model.loss_chunk=null."

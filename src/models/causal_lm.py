@@ -72,8 +72,8 @@ def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional
     if compile is True:
         raise ConfigError(
             f"model.loss_chunk={chunk} with model.compile=true: a network compiled whole would trace its head's "
-            "chunks and their recomputation; set model.compile=blocks (each chunk's loss is compiled by "
-            "model.compile_loss) or model.loss_chunk=null."
+            "chunks and the backward each takes inside the forward; set model.compile=blocks (each chunk's loss is "
+            "compiled by model.compile_loss) or model.loss_chunk=null."
         )
     return chunk
 

@@ -190,8 +190,8 @@ def _check_loss_chunk(cfg: DictConfig) -> None:
     if "DeepSpeed" in name and strategy.get("stage") == 3:
         raise ConfigError(
             f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
-            "ZeRO-3 release the head's weight before backward recomputes the chunks): use trainer=fsdp, or "
-            "trainer.strategy.stage=2, or model.loss_chunk=null."
+            "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "
+            "backward that hands it on): use trainer=fsdp, or trainer.strategy.stage=2, or model.loss_chunk=null."
         )
 
 

@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from src.models import chunked_loss, hf, init
 from src.models import dropout as keyed
-from src.models import hf, init
 from src.models.base import LitModule
 from src.models.flops import FlopCount, count_flops
 from src.objectives import moe
@@ -29,6 +29,7 @@ from src.objectives.sft import SFT
 from src.parallel import capabilities
 from src.parallel.parallelize import compile_region, parallelize, parallelized
 from src.utils.config import ArchitectureRefused, ConfigError, check_number
+from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,27 @@ def check_choices(
             "model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
             "or load one with model.pretrained=DIR_OR_HUB_NAME."
         )
+
+
+def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional[int]:
+    """model.loss_chunk: null, or a number of tokens for an objective that trains on the token loss, the network not
+    compiled whole."""
+    if chunk is None:
+        return None
+    check_number("model.loss_chunk", chunk, lambda v: v >= 1, "a number of tokens >= 1, or null for the plain loss",
+                 integer=True)  # fmt: skip
+    if not objective.trains_token_loss:
+        raise ConfigError(
+            f"model.loss_chunk={chunk}: model/objective={objective.name} reads the model's logits itself, not the "
+            "token loss; set model.loss_chunk=null."
+        )
+    if compile is True:
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with model.compile=true: a network compiled whole would trace its head's "
+            "chunks and the backward each takes inside the forward; set model.compile=blocks (each chunk's loss is "
+            "compiled by model.compile_loss) or model.loss_chunk=null."
+        )
+    return chunk
 
 
 def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
@@ -91,6 +113,7 @@ class CausalLMLitModule(LitModule):
         fastest_attention: str = "sdpa",
         router_aux_loss: bool = True,
         dropout: Optional[float] = None,
+        loss_chunk: Optional[int] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -111,6 +134,8 @@ class CausalLMLitModule(LitModule):
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         compile_region(compile, whole_model=True)  # likewise model.compile, not once the ranks have started
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
+        self._loss_chunk = check_loss_chunk(loss_chunk, objective, compile)
+        self._head_checked = False  # model.loss_chunk's probe (chunked_loss.check_head), once, before the first step
         if dropout is not None:
             check_number("model.dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1), or null")
         self._dropout = dropout
@@ -370,14 +395,51 @@ class CausalLMLitModule(LitModule):
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """summed_token_loss, compiled or not as model.compile_loss says (src/objectives/loss.py); also what the
         pipeline schedule computes on its last stage."""
-        if self._token_loss is None:  # the device and the run's length are known from the first step on
+        return self._loss_function()(logits, labels)
+
+    def _loss_function(self) -> Callable:
+        """summed_token_loss, or its compiled form: chosen at the first call (model.compile_loss), when the device
+        and the run's length are known; under model.loss_chunk, what each chunk's logits go through."""
+        if self._token_loss is None:
             in_run = run_logits(self._trainer_or_none(), self.seq_len, self.config.vocab_size)
             self._token_loss = token_loss_function(self._compile_loss, in_run, self.device, bool(self._compile))
+            chunks = f", {self._loss_chunk} tokens at a time (model.loss_chunk)" if self._loss_chunk else ""
             log.info(
                 f"Token loss: {'compiled' if self._token_loss is not summed_token_loss else 'eager'} "
-                f"(model.compile_loss={str(self._compile_loss).lower()})"
+                f"(model.compile_loss={str(self._compile_loss).lower()}){chunks}"
             )
-        return self._token_loss(logits, labels)
+        return self._token_loss
+
+    def forward_loss(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """(the model's output, sum of the batch's token losses, number of targets): lm_forward and token_loss, or
+        under model.loss_chunk=N the same sums from the head's input, N tokens at a time, the logits of every token
+        never made (src/models/chunked_loss.py; the output's `logits` then None)."""
+        if self._loss_chunk is None:
+            out = self.lm_forward(batch, **kwargs)
+            return out, *self.token_loss(out.logits, batch["labels"])
+        self.check_head()  # a module used on its own (not by a Trainer) has had no on_fit_start
+        labels, head = batch["labels"], chunked_loss.output_head(self.hf_model, self._loss_chunk)
+        with chunked_loss.head_computes_loss(head, labels, self._loss_chunk, self._loss_function()):
+            out = self.lm_forward(batch, **kwargs)
+        loss_sum, out.logits = out.logits, None
+        return out, loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def check_head(self) -> None:
+        """model.loss_chunk: once, before the first step, on every rank alike, the probe that the model's logits are
+        its head's output and its head maps each token alone (chunked_loss.check_head), or one sentence."""
+        if self._loss_chunk is None or self._head_checked:
+            return
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.compiler.set_stance("force_eager"):  # model.compile's graphs are for the run's shapes
+                chunked_loss.check_head(
+                    self.hf_model, self.lm_forward, self._loss_chunk, self._loss_function(), self._vocab_size,
+                    self.device,
+                )  # fmt: skip
+        finally:
+            self.train(was_training)
+        self._head_checked = True
 
     def _trainer_or_none(self) -> Optional[Any]:
         try:
@@ -507,7 +569,7 @@ class CausalLMLitModule(LitModule):
 
     def loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's token losses, number of targets)."""
-        return self.token_loss(self.lm_forward(batch).logits, batch["labels"])
+        return self.forward_loss(batch)[1:]
 
     # ---- the objective's (src/objectives/base.py) ----
 
@@ -539,9 +601,16 @@ class CausalLMLitModule(LitModule):
 
     def on_fit_start(self) -> None:
         self.check_dropout()
+        self.check_head()
         if getattr(self.trainer.datamodule, "packing", False):
             self.check_packing()
         self.objective.on_fit_start(self)
+
+    def on_validation_start(self) -> None:
+        self.check_head()  # eval.py: no on_fit_start
+
+    def on_test_start(self) -> None:
+        self.check_head()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.objective.on_save_checkpoint(checkpoint)

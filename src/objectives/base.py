@@ -38,6 +38,8 @@ class TrainedModule(Protocol):
 
     def loss_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def forward_loss(self, batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[Any, torch.Tensor, torch.Tensor]: ...
+
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor: ...
@@ -70,6 +72,9 @@ class Objective(nn.Module):
     # whether its loss adds a mixture-of-experts model's router load-balancing loss (model.router_aux_loss); an
     # objective that does not is refused such a model unless model.router_aux_loss=false (CausalLMLitModule)
     adds_router_loss = False
+    # whether its loss is the token loss of the data's targets (module.forward_loss), which model.loss_chunk computes
+    # from the head's input N tokens at a time; an objective that reads the logits itself is refused that option
+    trains_token_loss = False
 
     def __init__(self) -> None:
         super().__init__()

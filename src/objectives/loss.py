@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,6 +27,65 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
         at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss, (labels != IGNORE_INDEX).sum()
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.Tensor],
+    chunk: int,
+    loss: Callable = summed_token_loss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """summed_token_loss(head(hidden), labels) without the logits of every token at once (model.loss_chunk): the
+    LM head `head` ([tokens, width] -> [tokens, vocabulary]; `params`, the trainable tensors it reads) and `loss`
+    (summed_token_loss, compiled or not) `chunk` tokens at a time. `hidden` [batch, seq(+virtual), width] is what the
+    head receives; its last labels.shape[1] positions are the targets' (prompt tuning prepends virtual tokens).
+
+    With gradients on, each chunk's forward is followed at once by its backward (Liger's fused linear cross-entropy,
+    through the head's own autograd): the chunk's logits are dropped, and what is kept for the loss's backward is
+    the gradient of the hidden states and of the head's parameters, summed over the chunks (ChunkedLoss). So at most
+    one chunk's logits exist at a time, and the head's matrix products are the plain loss's three, not four as a
+    recomputation in backward would take. The same sums as summed_token_loss, added chunk by chunk instead of in one
+    reduction (fp32 rounding apart: tests/test_chunked_loss.py derives the bound), and the same count of targets."""
+    h, y = hidden[:, -labels.shape[1] :].flatten(0, 1), labels.flatten()
+    if torch.is_grad_enabled():
+        total = ChunkedLoss.apply(h, y, head, chunk, loss, *params)
+    else:  # evaluation: the sums alone
+        total = sum(loss(head(h_part)[None], y_part[None])[0] for h_part, y_part in zip(h.split(chunk), y.split(chunk)))
+    return total, (labels != IGNORE_INDEX).sum()
+
+
+class ChunkedLoss(torch.autograd.Function):
+    """forward(hidden [tokens, width], labels [tokens], head, chunk, loss, *params) -> the summed token loss; its
+    gradients w.r.t. `hidden` and `params` computed in forward, chunk by chunk (chunked_token_loss), and scaled by the
+    incoming gradient in backward: the loss is a sum, so d total / d x is the sum of the chunks' d part / d x."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, head, chunk, loss, *params):
+        wanted = ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]
+        total, d_hidden, d_params = None, [], [None] * len(params)
+        for h_part, y_part in zip(hidden.split(chunk), labels.split(chunk)):
+            with torch.enable_grad():
+                h_part = h_part.detach().requires_grad_(wanted[0])
+                part = loss(head(h_part)[None], y_part[None])[0]
+                inputs = [x for x, want in zip((h_part, *params), wanted) if want]
+                grads = list(torch.autograd.grad(part, inputs)) if inputs else []
+            if wanted[0]:
+                d_hidden.append(grads.pop(0))
+            for i, want in enumerate(wanted[1:]):
+                if want:
+                    grad = grads.pop(0)
+                    d_params[i] = grad if d_params[i] is None else d_params[i].add_(grad)
+            total = part.detach() if total is None else total + part.detach()
+        ctx.save_for_backward(torch.cat(d_hidden) if d_hidden else None, *d_params)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_hidden, *d_params = ctx.saved_tensors
+        scaled = [None if d is None else d * grad for d in (d_hidden, *d_params)]
+        return scaled[0], None, None, None, None, *scaled[1:]
 
 
 def token_loss_function(

@@ -18,6 +18,7 @@ class SFT(Objective):
     name = "sft"
     refused_strategies: dict[str, str] = {}
     adds_router_loss = True
+    trains_token_loss = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,8 +36,8 @@ class SFT(Objective):
         """An MoE model's step: the token loss plus router_aux_loss_coef x the mean over the step's sequences of
         each one's load-balancing loss (src/objectives/moe.py); logged: train/aux_loss (that mean) and
         train/expert_load_max (the busiest expert's routed tokens over the experts' mean: 1 is even)."""
-        out = module.lm_forward(batch, output_router_logits=True)
-        loss = module.token_mean_loss(*module.token_loss(out.logits, batch["labels"]), batch_idx)
+        out, loss_sum, n_targets = module.forward_loss(batch, output_router_logits=True)
+        loss = module.token_mean_loss(loss_sum, n_targets, batch_idx)
         hf_model, n = module.hf_model, batch["input_ids"].shape[0]
         balance, counts = moe.sequence_balance(
             module.router_balance, out.router_logits, batch.get("attention_mask"), n, hf_model.num_experts,

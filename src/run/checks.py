@@ -111,6 +111,7 @@ def check_values(cfg: DictConfig) -> None:
                 "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N."
             )
     _check_objective(cfg)
+    _check_loss_chunk(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None:
         check_number("model.optimizer.lr", lr, lambda v: v > 0, "a positive learning rate, e.g. 3e-4")
@@ -170,6 +171,27 @@ def _check_objective(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model/objective={name} does not run under {objective.refused_strategies[strategy]}; use "
             "trainer=ddp, fsdp or deepspeed."
+        )
+
+
+def _check_loss_chunk(cfg: DictConfig) -> None:
+    """model.loss_chunk (src/models/chunked_loss.py) under a strategy that computes the loss elsewhere, or where its
+    equality with one process is not proven."""
+    chunk = OmegaConf.select(cfg, "model.loss_chunk", default=None)
+    strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
+    if chunk is None or not isinstance(strategy, DictConfig) or "_target_" not in strategy:
+        return
+    name = str(strategy._target_).rsplit(".", 1)[-1]
+    if name == "PipelineStrategy":
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with trainer=pipeline: its schedule computes the loss from the last stage's "
+            "logits of every token; set model.loss_chunk=null, or train with trainer=fsdp."
+        )
+    if "DeepSpeed" in name and strategy.get("stage") == 3:
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
+            "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "
+            "backward that hands it on): use trainer=fsdp, or trainer.strategy.stage=2, or model.loss_chunk=null."
         )
 
 

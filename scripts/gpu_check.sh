@@ -8,11 +8,11 @@
 #            model.compile=true), each with its loss compiled, against nanoGPT's own train.py compiled (as it comes,
 #            and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (~4 min;
 #            with two more variants it took 5.3 min on an H200, 2026-11-27)
-#   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile_step.py),
+#   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
 #            picks some
-#   dropout  dropout.txt: keyed dropout against torch's on the GPU (bench.dropout, GPT-2 124M's width, context 1024
+#   dropout  dropout.txt: keyed dropout against torch's on the GPU (bench.profile.dropout, GPT-2 124M's width, context 1024
 #            and 2048; ~1 min)
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
@@ -50,7 +50,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     bench)
-      timeout 480 "$PYTHON" -m bench.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
+      timeout 480 "$PYTHON" -m bench.compare.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
         --variants blocks=model.compile=blocks compile=model.compile=true --nanogpt-repo "$W/nanoGPT" \
         --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
@@ -60,14 +60,14 @@ for stage in $STAGES; do
       rm -rf /tmp/profile_run
       timeout 240 "$PYTHON" train.py "${GPT2_124M[@]}" model.compile=$COMPILE trainer.max_steps=60 \
         trainer.val_check_interval=1000 test=false logger=csv callbacks.generate_text=null \
-        +callbacks.profile._target_=bench.profile_step.StepProfiler "+callbacks.profile.out=$OUT/profile.txt" \
+        +callbacks.profile._target_=bench.profile.profile_step.StepProfiler "+callbacks.profile.out=$OUT/profile.txt" \
         +callbacks.profile.start=30 +callbacks.profile.steps=5 paths.log_dir=/tmp/profile_run > "$OUT/profile_run.txt" 2>&1
       echo "exit $?" >> "$OUT/profile_run.txt"
       cp /tmp/profile_run/train/runs/*/csv/metrics.csv "$OUT/metrics.csv" 2>/dev/null ;;
     llama)
       LSTEPS=(--steps 30 --warmup 10)
       [ -n "${DRY_RUN:-}" ] && LSTEPS=(--steps 4 --warmup 1)
-      timeout 540 "$PYTHON" -m bench.throughput --model llama --shapes "$([ -n "${DRY_RUN:-}" ] && echo overhead || echo llama3_1b)" \
+      timeout 540 "$PYTHON" -m bench.compare.throughput --model llama --shapes "$([ -n "${DRY_RUN:-}" ] && echo overhead || echo llama3_1b)" \
         --tokenizer "$W/gpt2-tokenizer" --ways template,hf_compile --variants compile=model.compile=true --rounds 1 \
         "${LSTEPS[@]}" --cache-dir /tmp/bench > "$OUT/llama.txt" 2>&1
       echo "exit $?" >> "$OUT/llama.txt" ;;
@@ -81,7 +81,7 @@ for stage in $STAGES; do
       DEVICE=cuda WIDTH=768; [ -n "${DRY_RUN:-}" ] && DEVICE=cpu WIDTH=64
       for seq in 1024 2048; do
         [ -n "${DRY_RUN:-}" ] && seq=32
-        timeout 120 "$PYTHON" -m bench.dropout --device $DEVICE --width $WIDTH --seq $seq --rows 8 --layers 2 \
+        timeout 120 "$PYTHON" -m bench.profile.dropout --device $DEVICE --width $WIDTH --seq $seq --rows 8 --layers 2 \
           --rounds 7 >> "$OUT/dropout.txt" 2>&1
         echo "exit $?" >> "$OUT/dropout.txt"
       done ;;

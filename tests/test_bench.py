@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import FULL_MATRIX_ONLY, python, shared
 
-from bench.throughput import paired_ratio
+from bench.compare.throughput import paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def test_paired_ratio_pairs_runs_of_the_same_round():
 def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
     """The way nanogpt_bias compares the template with nanoGPT at GPT-2's own architecture: the same parameter
     shapes as the template's GPT-2 (nanoGPT's default, bias=False, has none of the Linear and LayerNorm biases)."""
-    from bench.nanogpt import GPT
+    from bench.compare.nanogpt import GPT
     from src.models.gpt2 import GPT2LitModule
 
     def shapes(model):  # dims sorted: transformers' Conv1D stores a projection as (in, out), nn.Linear as (out, in)
@@ -38,10 +38,10 @@ def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
 
 
 def test_outside_bench_gives_nanogpt_as_many_eval_forwards_as_the_template_validates(tmp_path):
-    """bench.outside's nanogpt_val way runs as many evaluation batches in nanoGPT as the template's validation:
+    """bench.compare.outside's nanogpt_val way runs as many evaluation batches in nanoGPT as the template's validation:
     nanoGPT evaluates `eval_iters` batches of each of its two splits, the template its whole val split, whose
     length the bench derives from the corpus size: it must be the template's own val dataloader length."""
-    from bench.outside import BATCH, CTX, nanogpt_eval_iters, template_val_batches
+    from bench.compare.outside import BATCH, CTX, nanogpt_eval_iters, template_val_batches
     from src.datamodules.text import TextDataModule
 
     corpus = shared("tinyshakespeare", "input.txt")
@@ -59,7 +59,7 @@ def test_nanogpts_own_train_py_runs_as_a_way_with_its_vocabulary_and_biases(tmp_
     """--nanogpt-repo: nanoGPT's train.py itself on the same GPT-2 tokens: as it comes (no biases, its vocabulary
     rounded up to 50304) and as GPT-2 (biases, 50257), each with a row and a ratio against the template."""
     out = subprocess.run(
-        [python(), "-m", "bench.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6", "--warmup", "2",
+        [python(), "-m", "bench.compare.throughput", "--shapes", "overhead", "--rounds", "1", "--steps", "6", "--warmup", "2",
          "--cache-dir", str(tmp_path), "--tokenizer", str(shared("gpt2-tokenizer")), "--ways", "template",
          "--nanogpt-repo", NANOGPT_REPO],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -84,7 +84,7 @@ def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
         [
             python(),
             "-m",
-            "bench.throughput",
+            "bench.compare.throughput",
             "--shapes",
             "overhead",
             "--rounds",
@@ -139,17 +139,17 @@ def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
-    """bench.token_loss runs the eager, compiled, matmul-only and torch linear_cross_entropy heads and prints each
+    """bench.profile.token_loss runs the eager, compiled, matmul-only and torch linear_cross_entropy heads and prints each
     way's time and the eager/compiled ratio (after checking the compiled loss against the eager one)."""
-    out = run_bench("token_loss", "--tokens", "64", "--width", "16", "--vocab", "500", "--rounds", "2")
+    out = run_bench("profile.token_loss", "--tokens", "64", "--width", "16", "--vocab", "500", "--rounds", "2")
     for way in ("eager", "compiled", "matmul", "lce"):
         assert re.search(rf"^{way}\s+\d+\.\d ms$", out.stdout, re.M), out.stdout
     assert re.search(r"^eager/compiled = \d+\.\d{3}$", out.stdout, re.M), out.stdout
 
 
 def test_dropout_bench_times_keyed_against_torchs_dropout():
-    """bench.dropout prints one dropout's and a GPT-2 step's time, keyed and torch's, with their ratio."""
-    out = run_bench("dropout", "--rows", "2", "--seq", "8", "--width", "64", "--layers", "1", "--rounds", "2")
+    """bench.profile.dropout prints one dropout's and a GPT-2 step's time, keyed and torch's, with their ratio."""
+    out = run_bench("profile.dropout", "--rows", "2", "--seq", "8", "--width", "64", "--layers", "1", "--rounds", "2")
     assert re.search(r"^op \(2 x 8 x 64\): torch [\d.]+ ms \(1\.00x torch\), keyed [\d.]+ ms", out.stdout, re.M), (
         out.stdout
     )
@@ -162,7 +162,7 @@ def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""
     out = run_bench(
-        "pipeline_bubble",
+        "scale.pipeline_bubble",
         *("--k", "2", "--m", "1", "2", "8", "--modes", "sleep", "--steps", "2"),
         # 20 ms: a loaded 2-core machine's per-action overhead once took M=8's bubble to 0.41 (formula 0.11)
         *("--sleep-ms", "50"),
@@ -184,13 +184,13 @@ def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
 
 
 def test_the_step_profiler_reports_a_real_runs_steps_by_kind(tmp_path):
-    """bench/profile_step.py in a real train.py run: steps 3-4 profiled, their self time split into kinds whose shares
+    """bench/profile/profile_step.py in a real train.py run: steps 3-4 profiled, their self time split into kinds whose shares
     add up to the whole, matrix products among them, and the ops listed with the calls of 2 steps."""
     from conftest import path_overrides, run_script
     from test_parity import GPT2, QUIET
 
     out = tmp_path / "profile.txt"
-    profiler = ["+callbacks.profile._target_=bench.profile_step.StepProfiler", f"+callbacks.profile.out={out}",
+    profiler = ["+callbacks.profile._target_=bench.profile.profile_step.StepProfiler", f"+callbacks.profile.out={out}",
                 "+callbacks.profile.start=2", "+callbacks.profile.steps=2"]  # fmt: skip
     dirs = {"log_dir": tmp_path / "logs", "cache_dir": tmp_path / "cache"}
     run_script("train.py", QUIET + path_overrides(dirs) + GPT2 + profiler)

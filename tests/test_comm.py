@@ -1,7 +1,7 @@
-"""Communication volume (src/callbacks/comm.py, bench/comm.py): what gloo ranks send per step against the formulas.
+"""Communication volume (src/callbacks/comm.py, bench/scale/comm.py): what gloo ranks send per step against the formulas.
 
 The fast test checks how a real torch.profiler trace of real gloo collectives is read (it fails by name if torch
-renames the events it reads). The slow ones run train.py through bench.comm on 2 and 3 ranks and hold DDP, FSDP2
+renames the events it reads). The slow ones run train.py through bench.scale.comm on 2 and 3 ranks and hold DDP, FSDP2
 full shard and FSDP2 reshard_after_forward=false to 2(N-1)/N·Ψ, 3(N-1)/N·Ψ and 2(N-1)/N·Ψ per rank and step.
 """
 
@@ -70,15 +70,15 @@ def test_collectives_read_from_a_real_profile_with_phases_sizes_and_ring_bytes()
 
 
 def bench_comm(*args: str, interpreter: str = sys.executable) -> subprocess.CompletedProcess:
-    """`python -m bench.comm args`: a fresh interpreter by default (a refusal before any import of torch costs
+    """`python -m bench.scale.comm args`: a fresh interpreter by default (a refusal before any import of torch costs
     nothing); python(), the tests' forking stand-in, for a run that gets as far as train.py."""
-    return subprocess.run([interpreter, "-m", "bench.comm", *args], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run([interpreter, "-m", "bench.scale.comm", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["trainer=ddpp"], "trainer=ddpp is not a strategy bench.comm can measure: use one of ddp, deepspeed"),
+        (["trainer=ddpp"], "trainer=ddpp is not a strategy bench.scale.comm can measure: use one of ddp, deepspeed"),
         (["trainer=cpu"], "trainer=cpu is not a strategy"),
         (["trainer=ddp", "--ranks", "100000"], r"--ranks 100000 needs about 60000 GiB .* use --ranks \d+ or fewer"),
         (["trainer=ddp", "--ranks", "1"], "--ranks takes numbers of processes >= 2"),
@@ -97,7 +97,7 @@ def test_a_config_that_does_not_build_is_train_pys_sentence():
     proc = bench_comm("--ranks", "3", *TINY, "data.global_batch_size=8", interpreter=python())
     assert proc.returncode == 2
     (line,) = proc.stderr.splitlines()
-    assert line.startswith("bench.comm: train.py refused trainer=ddp ")
+    assert line.startswith("bench.scale.comm: train.py refused trainer=ddp ")
     assert "data.global_batch_size=8 does not divide into 3" in line
 
 

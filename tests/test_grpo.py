@@ -319,11 +319,11 @@ def test_n_ranks_match_one_process(tmp_path, reference, prompts_file, case):
 @pytest.mark.slow
 @FULL_MATRIX_ONLY  # 70 s: docs/performance.md records its run; the parity tests above stay in the suite
 def test_grpo_raises_the_reward_of_a_short_sft_on_sums(tmp_path):
-    """python -m bench.grpo_learning as docs/performance.md runs it: SFT 150 steps, then experiment=gpt2_grpo for
+    """python -m bench.learn.grpo_learning as docs/performance.md runs it: SFT 150 steps, then experiment=gpt2_grpo for
     400 steps; the training reward's last tenth is above its first, and the held-out reward rises."""
     from conftest import run_script
 
-    proc = run_script("-m", ["bench.grpo_learning", "--work", str(tmp_path)])
+    proc = run_script("-m", ["bench.learn.grpo_learning", "--work", str(tmp_path)])
     tenths = [float(x) for x in proc.stdout.split("by tenths of")[1].split(":")[1].split("\n")[0].split()]
     held_out = [float(x.split()[-1]) for x in proc.stdout.split("sums):")[1].split("\n")[0].split("step")[1:]]
     assert tenths[-1] > tenths[0] + 0.2 and held_out[-1] > held_out[0] + 0.1, proc.stdout

@@ -2,7 +2,7 @@
 
 Off by default (`every_n_steps: 0`); `python train.py trainer=fsdp callbacks.comm.every_n_steps=100` profiles
 steps 100, 200, ... (never step 0: DDP rebuilds its buckets and FSDP2 initialises lazily there) and logs rank 0's
-`train/comm_mib_per_step/<collective>` and `.../total` to TensorBoard. `python -m bench.comm` runs a config on N gloo
+`train/comm_mib_per_step/<collective>` and `.../total` to TensorBoard. `python -m bench.scale.comm` runs a config on N gloo
 ranks with this callback on every step and prints the collectives against the ZeRO paper's and Megatron's formulas.
 
 What is read: each `c10d::` op the step issues (the collective as the caller asked for it: DDP's bucket
@@ -198,7 +198,7 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
 class CommVolume(L.Callback):
     """Profile one optimizer step every `every_n_steps` (0: off) and log the MiB each collective sent.
 
-    `save_dir`: also write each rank's collectives as JSON lines to `<save_dir>/rank<r>.jsonl` (bench/comm.py).
+    `save_dir`: also write each rank's collectives as JSON lines to `<save_dir>/rank<r>.jsonl` (bench/scale/comm.py).
     """
 
     def __init__(self, every_n_steps: int = 0, save_dir: Optional[str] = None) -> None:
@@ -257,7 +257,7 @@ class CommVolume(L.Callback):
             self._save(trainer, pl_module, step, found)
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, found: list[dict]) -> None:
-        """One JSON line per profiled step, with what bench/comm.py's formulas need about the model."""
+        """One JSON line per profiled step, with what bench/scale/comm.py's formulas need about the model."""
         config = getattr(pl_module, "config", None)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters() if p.requires_grad)
         network = pl_module.network() if hasattr(pl_module, "network") else None

@@ -146,7 +146,7 @@ class GRPO(Objective):
         self.val_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
         self.test_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
         self.samples: list[tuple[str, str, float]] = []  # the last group scored: prompt, completions, rewards
-        self.sampling_seconds = 0.0  # wall time spent sampling since the module was built (read by bench/grpo.py)
+        self.sampling_seconds = 0.0  # wall time sampling since the module was built (read by bench/compare/grpo.py)
 
     # ---- the model ----
 

@@ -98,7 +98,7 @@ def token_loss_function(
 
     Eagerly, the fp32 upcast, the log-softmax and the pick of each target are separate passes over a (tokens x
     vocabulary) tensor, forward and backward; compiled, inductor fuses them into one pass each way, and no fp32
-    copy of the logits is kept. On a 2-core Xeon (`python -m bench.token_loss`: 4096 tokens, a 384-wide head, a
+    copy of the logits is kept. On a 2-core Xeon (`python -m bench.profile.token_loss`: 4096 tokens, a 384-wide head, a
     32000-token vocabulary), the head's forward and backward take 1480 ms eagerly and 700 compiled in bf16 (737 for
     its matrix products alone), 2208 and 1753 ms in fp32: 4-6 ns saved per logit in bf16, 1-3.5 ns in fp32 over two
     runs (docs/performance.md). Compiling costs about 3 s of each process (9 s the first time on a machine, until

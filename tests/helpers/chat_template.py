@@ -1,6 +1,6 @@
 """ChatML as src/datamodules/chat.py renders it, with transformers' {% generation %} markers around what the
 assistant says: what transformers' return_assistant_tokens_mask reads (an independent account of the assistant's
-tokens, tests/test_chat.py) and what TRL's SFTTrainer needs for assistant_only_loss (bench/sft.py)."""
+tokens, tests/test_chat.py) and what TRL's SFTTrainer needs for assistant_only_loss (bench/compare/sft.py)."""
 
 from src.datamodules.chat import CHATML
 

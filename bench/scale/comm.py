@@ -1,11 +1,11 @@
 """Communication per step, measured: a config's collectives on N gloo ranks beside the ZeRO paper's and Megatron's counts.
 
-    python -m bench.comm trainer=ddp                                     # 2 ranks, the tiny GPT-2
-    python -m bench.comm trainer=fsdp --ranks 2 3 4 model.n_layer=6 model.n_embd=384 model.n_head=6
-    python -m bench.comm trainer=fsdp trainer.strategy.reshard_after_forward=false --each
-    python -m bench.comm trainer=deepspeed_stage_1 \
+    python -m bench.scale.comm trainer=ddp                                     # 2 ranks, the tiny GPT-2
+    python -m bench.scale.comm trainer=fsdp --ranks 2 3 4 model.n_layer=6 model.n_embd=384 model.n_head=6
+    python -m bench.scale.comm trainer=fsdp trainer.strategy.reshard_after_forward=false --each
+    python -m bench.scale.comm trainer=deepspeed_stage_1 \
         'trainer.strategy.config={zero_optimization: {use_multi_rank_bucket_allreduce: false}}'
-    python -m bench.comm trainer=tp --ranks 2              # or trainer=pipeline; any train.py override goes through
+    python -m bench.scale.comm trainer=tp --ranks 2              # or trainer=pipeline; any train.py override goes through
 
 Each N runs train.py itself (the config as given, on CPU, N gloo processes, no validation, test or checkpoint) for
 1 + --steps optimizer steps with callbacks.comm profiling every step after the first (src/callbacks/comm.py says
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RANK_GIB = 0.6  # resident memory of one CPU rank of a small config (torch, Lightning, the data): measured 0.46-0.5
 PHASES = ("forward", "backward", "optimizer", "logging", "other")
 SIZES = {"fp64": 8, "int64": 8, "fp32": 4, "int32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "bool": 1}  # bytes an element
@@ -63,7 +63,9 @@ def check_request(overrides: list[str], ranks: list[int]) -> str:
     trainer = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer=")), "ddp")
     known = multi_process_trainers()
     if trainer not in known:
-        raise Refused(f"trainer={trainer} is not a strategy bench.comm can measure: use one of {', '.join(known)}.")
+        raise Refused(
+            f"trainer={trainer} is not a strategy bench.scale.comm can measure: use one of {', '.join(known)}."
+        )
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         free = int(re.search(r"MemAvailable:\s+(\d+)", meminfo.read_text()).group(1)) / 2**20
@@ -124,7 +126,7 @@ def overhead(overrides: list[str], n: int, rounds: int, python: str = sys.execut
 
     extra = CPU_DEEPSPEED if trainer.startswith("deepspeed") and not torch.cuda.is_available() else []
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp:
-        timer = f"++callbacks.timer={{_target_:bench.throughput.StepTimer,warmup:1,out:{tmp}/times.json}}"
+        timer = f"++callbacks.timer={{_target_:bench.compare.throughput.StepTimer,warmup:1,out:{tmp}/times.json}}"
         train(
             overrides + extra,
             n,
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if unknown:
             raise Refused(
-                f"unknown argument {unknown[0]}: bench.comm takes --ranks, --steps, --each, --overhead "
+                f"unknown argument {unknown[0]}: bench.scale.comm takes --ranks, --steps, --each, --overhead "
                 "and train.py's key=value overrides."
             )
         trainer = check_request(overrides, args.ranks)
@@ -383,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 report(run(overrides, n, args.steps), args.each)
     except Refused as e:
-        print(f"bench.comm: {e}", file=sys.stderr)
+        print(f"bench.scale.comm: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -1,6 +1,6 @@
 """Wall time of the tests' train.py runs: fresh interpreters against the tests' forking stand-in `python`.
 
-    python -m bench.test_runs [--rounds 3]
+    python -m bench.suite.test_runs [--rounds 3]
 
 Runs test_parity.GPT2 (6 steps of a 2-layer GPT-2 on tests/data) as 1 process, 2-rank DDP and 2-rank DeepSpeed
 ZeRO-2 (the tests' CPU strategy), once with `sys.executable` (every rank a fresh interpreter, as with
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tests.helpers import forkrun  # noqa: E402

@@ -4,15 +4,15 @@
 (e) `hf_compile`: (c) with TrainingArguments(torch_compile=True). On a GPU (`--device`, default: one if torch sees
 it) every way trains there and a step is timed after torch.cuda.synchronize().
 
-    python -m bench.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
-    python -m bench.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
-    python -m bench.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
-    python -m bench.throughput --model llama --ways template,raw,hf      # Llama (qwen2, mistral) of each shape
-    python -m bench.throughput --model llama --tokenizer ../shared/data/gpt2-tokenizer  # a real 50257-token vocabulary
-    python -m bench.throughput --shapes gpu --ways template,raw,hf,hf_compile --variants compile=model.compile=true
-    python -m bench.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
+    python -m bench.compare.throughput [--steps 30 --warmup 5 --rounds 3 --shapes small,medium --precision auto]
+    python -m bench.compare.throughput --variants "foreach=model.optimizer.fused=false" "compile=model.compile=true"
+    python -m bench.compare.throughput --shapes overhead --steps 300 --warmup 50   # the loops' own cost per step
+    python -m bench.compare.throughput --model llama --ways template,raw,hf      # Llama (qwen2, mistral) of each shape
+    python -m bench.compare.throughput --model llama --tokenizer ../shared/data/gpt2-tokenizer  # a real 50257-token vocabulary
+    python -m bench.compare.throughput --shapes gpu --ways template,raw,hf,hf_compile --variants compile=model.compile=true
+    python -m bench.compare.throughput --shapes small --nanogpt --ways template,raw,hf   # also against nanoGPT (fp32),
                                                       # as it comes (no biases) and with GPT-2's biases
-    python -m bench.throughput --shapes gpu --tokenizer ../shared/data/gpt2-tokenizer --ways template \
+    python -m bench.compare.throughput --shapes gpu --tokenizer ../shared/data/gpt2-tokenizer --ways template \
         --variants compile=model.compile=true --nanogpt-repo DIR   # nanoGPT's own train.py, compiled on a GPU
 
 Each run is a fresh process; all ways are interleaved round by round, so a noisy machine hits
@@ -64,7 +64,7 @@ TRAINING_ONLY = [
     "callbacks=none",
     "extras.print_config=false",
 ]
-NANOGPT_REPO = ("nanogpt_repo", "nanogpt_repo_gpt2")  # --nanogpt-repo's ways (bench/nanogpt_repo.py)
+NANOGPT_REPO = ("nanogpt_repo", "nanogpt_repo_gpt2")  # --nanogpt-repo's ways (bench/compare/nanogpt_repo.py)
 MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2 as conf/model/<name>.yaml builds them
 
 
@@ -226,7 +226,7 @@ def raw_loop(
     tokenizer: str = "bytes",
 ) -> list[list[float]]:
     """The minimal PyTorch loop; per step, the times at which it has its batch, ends forward, ends
-    backward and ends the optimizer step, after a start time (bench.step_breakdown reads the phases)."""
+    backward and ends the optimizer step, after a start time (bench.profile.step_breakdown reads the phases)."""
     import torch
 
     dm, model = data_and_model(shape, cache_dir, attn, precision, model_type=model_type, tokenizer=tokenizer)
@@ -263,9 +263,9 @@ def run_raw(args) -> None:
 
 
 def run_nanogpt(args, bias: bool = False) -> None:
-    """bench/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU).
+    """bench/compare/nanogpt.py: a nanoGPT-style GPT and loop on the same tokens, always fp32 (nanoGPT on a CPU).
     bias=False is nanoGPT's default; bias=True (the way nanogpt_bias) is GPT-2's architecture, the template's."""
-    from bench import nanogpt
+    from bench.compare import nanogpt
 
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true")
     tokens = dm.splits["train"].tokens
@@ -275,8 +275,8 @@ def run_nanogpt(args, bias: bool = False) -> None:
 
 
 def run_nanogpt_repo(args, as_it_comes: bool) -> None:
-    """nanoGPT's own train.py from the checkout --nanogpt-repo (bench/nanogpt_repo.py says how it is run)."""
-    from bench import nanogpt_repo
+    """nanoGPT's own train.py from the checkout --nanogpt-repo (bench/compare/nanogpt_repo.py says how it is run)."""
+    from bench.compare import nanogpt_repo
 
     dm, _ = data_and_model(args.shape, args.cache_dir, "sdpa", "32-true", tokenizer=args.tokenizer)
     compile = {"auto": device() == "cuda", "true": True, "false": False}[args.nanogpt_compile]
@@ -350,7 +350,7 @@ def template_cmd(args, out: str, extra: list[str] = ()) -> list[str]:
         "model.scheduler=null",
         f"paths.cache_dir={os.path.dirname(args.cache_dir)}",
         f"paths.log_dir={args.cache_dir}/logs",
-        "+callbacks.timer._target_=bench.throughput.StepTimer",
+        "+callbacks.timer._target_=bench.compare.throughput.StepTimer",
         f"+callbacks.timer.warmup={args.warmup}",
         f"+callbacks.timer.out={out}",
         *extra,
@@ -374,13 +374,13 @@ def main() -> None:
     ap.add_argument(
         "--nanogpt",
         action="store_true",
-        help="add the ways nanogpt (bench/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
+        help="add the ways nanogpt (bench/compare/nanogpt.py, fp32, nanoGPT's default bias=False) and nanogpt_bias "
         "(the same with bias=True: GPT-2's architecture, biases in every Linear and LayerNorm)",
     )
     ap.add_argument(
         "--nanogpt-repo",
         help="a checkout of karpathy/nanoGPT: add the ways nanogpt_repo (its train.py as it comes) and "
-        "nanogpt_repo_gpt2 (the same with GPT-2's biases and exact vocabulary); bench/nanogpt_repo.py",
+        "nanogpt_repo_gpt2 (the same with GPT-2's biases and exact vocabulary); bench/compare/nanogpt_repo.py",
     )
     ap.add_argument(
         "--nanogpt-compile",
@@ -465,7 +465,7 @@ def main() -> None:
                     cmd = [
                         sys.executable,
                         "-m",
-                        "bench.throughput",
+                        "bench.compare.throughput",
                         "--child",
                         way,
                         "--shape",

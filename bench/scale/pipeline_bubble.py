@@ -1,6 +1,6 @@
 """Pipeline bubble, measured: GPipe, 1F1B and interleaved 1F1B on K gloo processes, M micro-batches.
 
-    python -m bench.pipeline_bubble [--k 2 4] [--m 1 2 4 8 16] [--modes sleep compute]
+    python -m bench.scale.pipeline_bubble [--k 2 4] [--m 1 2 4 8 16] [--modes sleep compute]
 
 Each rank holds one stage (two for interleaved: stages r and r+K, each half the work), and the model's
 work is the same for every schedule. bubble = 1 - ideal / measured, where measured is the median wall

@@ -1,7 +1,7 @@
 """Peak host memory (RSS) per rank while trainer=fsdp sets up a GPT-2, built the old way (every rank
 builds the whole model, then shards it) and on the meta device (each rank makes only its shards).
 
-    python -m bench.init_memory [--size medium] [--devices 2]
+    python -m bench.profile.init_memory [--size medium] [--devices 2]
 
 Each way is one real `train.py` run on gloo that stops when fit starts, i.e. once the model is sharded
 and the optimizer made (no step). Every rank prints its peak RSS so far (ru_maxrss) and the parameter
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import lightning as L
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"  # GPT-2's 50257-token BPE, when present
 
 
@@ -54,7 +54,7 @@ def run(size: str, devices: int, meta_init: bool) -> list[dict]:
             "trainer.precision=32-true",
             "callbacks=none",
             "logger=none",
-            "+callbacks.mem._target_=bench.init_memory.PeakRSSAtFitStart",
+            "+callbacks.mem._target_=bench.profile.init_memory.PeakRSSAtFitStart",
             "extras.print_config=false",
             "trainer.enable_progress_bar=false",
             "trainer.num_sanity_val_steps=0",

@@ -1,6 +1,6 @@
-"""nanoGPT's own train.py (github karpathy/nanoGPT), run as a way of bench.throughput (`--nanogpt-repo DIR`).
+"""nanoGPT's own train.py (github karpathy/nanoGPT), run as a way of bench.compare.throughput (`--nanogpt-repo DIR`).
 
-bench/nanogpt.py re-implements nanoGPT's model and loop for a CPU, where nanoGPT runs fp32 and uncompiled. On a GPU
+bench/compare/nanogpt.py re-implements nanoGPT's model and loop for a CPU, where nanoGPT runs fp32 and uncompiled. On a GPU
 the comparison to win is against nanoGPT itself: its train.py with its torch.compile, bf16 autocast, fused AdamW and
 TF32, nothing re-typed. DIR is a checkout of karpathy/nanoGPT (model.py, train.py, configurator.py; the device
 machine reaches no network, so it travels with the working tree: scripts/gpu_check.sh says how).
@@ -100,7 +100,7 @@ def iteration_times(stdout: str) -> list[float]:
 
 def run(repo: str, tokens, vocab_size: int, shape: tuple, steps: int, warmup: int, optimizer: dict, device: str,
         precision: str, compile: bool, as_it_comes: bool, work: str, out: str) -> None:  # fmt: skip
-    """One run of nanoGPT's train.py; writes bench.throughput's result JSON to `out`."""
+    """One run of nanoGPT's train.py; writes bench.compare.throughput's result JSON to `out`."""
     repo_dir, work_dir = Path(repo).resolve(), Path(work)
     if not (repo_dir / "train.py").is_file() or not (repo_dir / "configurator.py").is_file():
         raise SystemExit(f"--nanogpt-repo {repo}: not a checkout of karpathy/nanoGPT (no train.py/configurator.py)")

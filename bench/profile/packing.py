@@ -1,7 +1,7 @@
 """Packing against padding: tokens of real text trained per second, and the share of each batch that
 is padding, on the shared chat demo (data=chat) and the Alpaca demo (data=instruct), GPT-2's tokenizer.
 
-    python -m bench.packing [--rounds 3 --steps 3 --batch 4 --seq-len 1024 --shape 2,2,64]
+    python -m bench.profile.packing [--rounds 3 --steps 3 --batch 4 --seq-len 1024 --shape 2,2,64]
 
 Each way trains a fresh GPT-2 of `--shape` (layers, heads, width; fp32, AdamW) for `--steps` batches of `--batch`
 rows in the order training reads them (epoch 0's shuffle, seed 42): padded rows hold one record each (padded to the batch's longest, attention mask), packed rows
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = SHARED / "gpt2-tokenizer"
 DATA = {

@@ -1,9 +1,9 @@
 """GRPO throughput: the template (train.py, model/objective=grpo) against TRL's GRPOTrainer on the same prompts,
 model, G and completion length, each phase apart.
 
-    python -m bench.grpo [--rounds 3 --steps 8 --warmup 2 --prompts 8 --generations 8 --new-tokens 16 --shape 2,2,64]
+    python -m bench.compare.grpo [--rounds 3 --steps 8 --warmup 2 --prompts 8 --generations 8 --new-tokens 16 --shape 2,2,64]
 
-The prompts: the 100 single-digit sums "a+b=" (bench/grpo_learning.py's task) with GPT-2's tokenizer; a fresh GPT-2
+The prompts: the 100 single-digit sums "a+b=" (bench/learn/grpo_learning.py's task) with GPT-2's tokenizer; a fresh GPT-2
 of `--shape` (seed 0, no dropout, SDPA) on both sides; `--prompts` prompts a step, each sampled `--generations`
 times to `--new-tokens` tokens at temperature 1 (TRL stops a completion at its EOS, the template samples every token
 and masks after it: an untrained model rarely writes an EOS that early, and the lengths are reported); an
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import lightning as L
 
-from bench.grpo_learning import write_task
-from bench.throughput import CLIP, LR, TRAINING_ONLY, interleaved, paired_ratio, trl_child
+from bench.compare.throughput import CLIP, LR, TRAINING_ONLY, interleaved, paired_ratio, trl_child
+from bench.learn.grpo_learning import write_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl")
 
@@ -100,7 +100,7 @@ def template_cmd(args, prompts: Path, out: str) -> list[str]:
         *TRAINING_ONLY,
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
-        "+callbacks.timer._target_=bench.grpo.PhaseTimer",
+        "+callbacks.timer._target_=bench.compare.grpo.PhaseTimer",
         f"+callbacks.timer.warmup={args.warmup}",
         f"+callbacks.timer.out={out}",
     ]
@@ -112,7 +112,7 @@ def run_trl(args) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench.dpo import trl_parts
+    from bench.compare.dpo import trl_parts
 
     args.batch = args.prompts * args.generations  # TRL counts completions per device batch
     tokenizer, model, _, _, common = trl_parts(args, n_positions=64)
@@ -192,7 +192,7 @@ def main() -> None:
         out = os.path.join(args.work, f"{way}_{r}.json")
         keys = ("steps", "warmup", "prompts", "generations", "new_tokens", "shape", "work")
         if way == "trl":
-            cmd = trl_child("bench.grpo", args, keys, prompts_file=prompts, out=out)
+            cmd = trl_child("bench.compare.grpo", args, keys, prompts_file=prompts, out=out)
         else:
             cmd = template_cmd(args, prompts, out)
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

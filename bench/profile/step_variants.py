@@ -1,10 +1,10 @@
-"""One training step (forward, loss, backward, clip, AdamW) of GPT-2 variants and of bench/nanogpt.py's GPT,
+"""One training step (forward, loss, backward, clip, AdamW) of GPT-2 variants and of bench/compare/nanogpt.py's GPT,
 all in one process, interleaved in blocks, timed in thread CPU seconds on 1 thread: what each model-side
 change is worth, measurable even on a busy shared machine (no process start-up, no loop of ours).
 
-    python -m bench.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
-    python -m bench.step_variants --wall   # all cores, wall clock: what a training run sees on a quiet machine
-    python -m bench.step_variants --gelu-kernels   # exact against tanh GELU alone, 1 and 2 threads
+    python -m bench.profile.step_variants [--precision 32-true|bf16-mixed --rounds 5 --block 4 --shape small]
+    python -m bench.profile.step_variants --wall   # all cores, wall clock: what a training run sees on a quiet machine
+    python -m bench.profile.step_variants --gelu-kernels   # exact against tanh GELU alone, 1 and 2 threads
 
 Variants: attention sdpa/eager x GELU gelu_new (GPT2Config's default: 8 ops) / gelu_pytorch_tanh (the same
 tanh approximation in one kernel) / gelu (exact GELU, one kernel: the template's default and nanoGPT's) x
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from bench import nanogpt
-from bench.throughput import BETAS, CLIP, LR, SHAPES, data_and_model, param_groups
+from bench.compare import nanogpt
+from bench.compare.throughput import BETAS, CLIP, LR, SHAPES, data_and_model, param_groups
 
 
 def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None, fused=True):
@@ -45,7 +45,7 @@ def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None
 
 
 def nanogpt_own_model(nanogpt_dir: Path, shape: str, vocab_size: int) -> torch.nn.Module:
-    """nanoGPT's own model.py from a checkout (bias=False, its default), to check bench/nanogpt.py's GPT against it."""
+    """nanoGPT's own model.py from a checkout (bias=False, its default), to check bench/compare/nanogpt.py's GPT against it."""
     spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt_dir / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument(
         "--nanogpt-dir",
         type=Path,
-        help="a checkout of github.com/karpathy/nanoGPT: also time its own model.py, against bench/nanogpt.py's GPT",
+        help="a checkout of github.com/karpathy/nanoGPT: also time its own model.py, against bench/compare/nanogpt.py's GPT",
     )
     ap.add_argument(
         "--wall",

@@ -1,7 +1,7 @@
 """Chat SFT with packing: the template (train.py, data=chat, data.packing=true) against TRL's SFTTrainer (packing on,
 assistant_only_loss) on the same model, conversations, template, rows per step and seq_len.
 
-    python -m bench.sft [--rounds 3 --steps 12 --warmup 3 --seq-len 1024 --batch 4 --shape 2,2,64]
+    python -m bench.compare.sft [--rounds 3 --steps 12 --warmup 3 --seq-len 1024 --batch 4 --shape 2,2,64]
 
 The data: the shared English tool-call demo's conversations that fit `--seq-len` whole with GPT-2's tokenizer,
 written once in OpenAI's messages layout (tools and call arguments as JSON text, so Arrow keeps them as they are),
@@ -24,9 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child
+from bench.compare.throughput import LR, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl")
@@ -84,7 +84,7 @@ def template_cmd(args, out: str) -> list[str]:
         "train=true",
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
-        "+callbacks.timer._target_=bench.sft.RowTimer",
+        "+callbacks.timer._target_=bench.compare.sft.RowTimer",
         f"+callbacks.timer.warmup={args.warmup}",
         f"+callbacks.timer.out={out}",
     ]
@@ -113,7 +113,7 @@ def run_trl(args) -> None:
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from bench.dpo import trl_parts
+    from bench.compare.dpo import trl_parts
     from tests.helpers.chat_template import MARKED
 
     tokenizer, model, times, timer, common = trl_parts(args, n_positions=args.seq_len + 1)
@@ -155,7 +155,11 @@ def main() -> None:
     def run(way: str, r: int) -> dict:
         out = os.path.join(args.work, f"{way}_{r}.json")
         keys = ("steps", "warmup", "seq_len", "batch", "shape", "work")
-        cmd = trl_child("bench.sft", args, keys, chats=chats, out=out) if way == "trl" else template_cmd(args, out)
+        cmd = (
+            trl_child("bench.compare.sft", args, keys, chats=chats, out=out)
+            if way == "trl"
+            else template_cmd(args, out)
+        )
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if done.returncode:
             raise SystemExit(f"{way} failed:\n{done.stderr[-3000:]}")

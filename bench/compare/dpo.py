@@ -3,7 +3,7 @@ model, the same token ids, global batch, optimizer (fused AdamW), clipping and p
 reference policies: a frozen copy (`template`), the model without its LoRA adapter (`template_lora`), a precomputed
 table (`template_precompute`).
 
-    python -m bench.dpo [--rounds 3 --steps 30 --warmup 5 --seq-len 128 --batch 8 --shape 4,4,128]
+    python -m bench.compare.dpo [--rounds 3 --steps 30 --warmup 5 --seq-len 128 --batch 8 --shape 4,4,128]
 
 Every pair is cut to fill the window exactly (prompt + answer = seq_len tokens, GPT-2's tokenizer), so every
 way's step holds the same 2 x batch x seq_len tokens whatever order it reads them in. Each run is a fresh process;
@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.throughput import LR, TRAINING_ONLY, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
+from bench.compare.throughput import LR, TRAINING_ONLY, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIRS = ROOT.parent / "shared" / "data" / "preference" / "dpo_en_demo.json"
 TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl", "template_lora", "template_precompute")
@@ -92,7 +92,7 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
         "train=true",
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
-        "+callbacks.timer._target_=bench.throughput.StepTimer",
+        "+callbacks.timer._target_=bench.compare.throughput.StepTimer",
         f"+callbacks.timer.warmup={args.warmup}",
         f"+callbacks.timer.out={out}",
         *extra,
@@ -100,7 +100,7 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
 
 
 def trl_parts(args, n_positions: int) -> tuple:
-    """What the benches' TRL runs share (bench/sft.py too): GPT-2's tokenizer with its EOS declared, a fresh GPT-2 of
+    """What the benches' TRL runs share (bench/compare/sft.py too): GPT-2's tokenizer with its EOS declared, a fresh GPT-2 of
     `args.shape` without dropout (seed 0, SDPA), a step timer and the times it records, and the trainer arguments
     both trainers take alike: fused AdamW, clipping 1.0, a constant LR, no weight decay, CPU, no saving."""
     import torch
@@ -207,7 +207,7 @@ def main() -> None:
         out = os.path.join(args.work, f"{way}_{r}.json")
         keys = ("steps", "warmup", "seq_len", "batch", "shape", "precision", "work")
         if way == "trl":
-            cmd = trl_child("bench.dpo", args, keys, pairs=args.pairs, out=out)
+            cmd = trl_child("bench.compare.dpo", args, keys, pairs=args.pairs, out=out)
         else:
             cmd = template_cmd(args, out, extra[way])
         subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)

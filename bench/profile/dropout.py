@@ -1,6 +1,6 @@
 """What keyed dropout (src/models/dropout.py) costs against torch's: one dropout, and a GPT-2 training step.
 
-    python -m bench.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7 --device cpu]
+    python -m bench.profile.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7 --device cpu]
 
 `op`: forward + backward of one dropout (p = 0.1) on a rows x seq x width fp32 tensor, torch's `F.dropout` against
 KeyedDropout. `step`: forward + backward of a GPT-2 (the width, `--layers` blocks of 64-wide heads) with dropout 0.1

@@ -3,7 +3,7 @@
 loss through torch.compile, as model.compile_loss=true), `matmul` (the head's matrix products alone: what no loss
 can go below) and `lce` (torch's own F.linear_cross_entropy, chunked: LinearCrossEntropyOptions()).
 
-    python -m bench.token_loss [--tokens 4096 --width 384 --vocab 32000 --precision bf16-mixed --rounds 5]
+    python -m bench.profile.token_loss [--tokens 4096 --width 384 --vocab 32000 --precision bf16-mixed --rounds 5]
 
 Ways are interleaved round by round; each figure is the median over the rounds after the first (which compiles).
 The compiled way's sums and gradients are checked against the eager way's before any timing.

@@ -1,8 +1,8 @@
 """Issue 18's measurement, from outside: whole `python train.py` runs against whole nanoGPT runs, timed on the
 wall clock, with everything the template does by default (validation every 100 steps on the whole val split,
-checkpoints, sample text, TensorBoard), not only the training step that `bench.throughput` times.
+checkpoints, sample text, TensorBoard), not only the training step that `bench.compare.throughput` times.
 
-    python -m bench.outside [--rounds 2 --short 40 --long 340] [--nanogpt-dir ~/nanoGPT] [--variants NAME=OVERRIDES]
+    python -m bench.compare.outside [--rounds 2 --short 40 --long 340] [--nanogpt-dir ~/nanoGPT] [--variants NAME=OVERRIDES]
 
 Each way runs `--short` and `--long` optimizer steps; its time per step is the difference of the two runs' wall
 times over the difference of their steps, so start-up, the first evaluation and the final test cancel out. Same
@@ -13,7 +13,7 @@ vocabulary 257). The ways run interleaved round by round (who goes first rotates
 - `template_fp32`: the same with `trainer.precision=32-true` (nanoGPT's only CPU mode).
 - `nanogpt`: nanoGPT's own train.py (`--nanogpt-dir`, a checkout of github.com/karpathy/nanoGPT) with
   `--device=cpu --compile=False` and the same shape, optimizer and clipping; without `--nanogpt-dir`,
-  `bench/nanogpt.py`'s loop in a process of its own (`nanogpt_style`). nanoGPT's default evaluates at step 0
+  `bench/compare/nanogpt.py`'s loop in a process of its own (`nanogpt_style`). nanoGPT's default evaluates at step 0
   only (every 2000 steps), so in the difference of the two runs it does no evaluation at all.
 - `nanogpt_val`: nanoGPT's own train.py evaluating as often as the template does (`--eval_interval=100`, the
   template's `trainer.val_check_interval`) and as much: nanoGPT estimates the loss of both splits, `--eval_iters`
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 LAYERS, HEADS, WIDTH, CTX, BATCH = 4, 4, 128, 128, 16  # the issue's shape (nanoGPT's shakespeare_char, smaller)
 SHAPE = [
@@ -86,7 +86,7 @@ def nanogpt_cmd(
 ) -> tuple[list[str], Path]:
     """eval_every 0: nanoGPT's default eval_interval (2000: only at step 0 here)."""
     if nanogpt_dir is None:
-        return [sys.executable, "-m", "bench.outside", "--child-nanogpt", str(steps), "--work", str(work)], ROOT
+        return [sys.executable, "-m", "bench.compare.outside", "--child-nanogpt", str(steps), "--work", str(work)], ROOT
     # nanoGPT reads configurator.py and data/<dataset>/ from its working directory, so it runs from `work`.
     for f in ("train.py", "model.py", "configurator.py"):
         shutil.copy(nanogpt_dir / f, work / f)
@@ -131,10 +131,10 @@ def byte_data(work: Path, corpus: Path) -> None:
 
 
 def child_nanogpt(steps: int, work: Path) -> None:
-    """bench/nanogpt.py's model and loop as its own process, on nanoGPT's train.bin."""
+    """bench/compare/nanogpt.py's model and loop as its own process, on nanoGPT's train.bin."""
     import torch
 
-    from bench import nanogpt
+    from bench.compare import nanogpt
 
     torch.manual_seed(1337)
     tokens = np.memmap(work / "data" / "bytes" / "train.bin", dtype=np.uint16, mode="r")
@@ -158,13 +158,13 @@ def main() -> None:
     if args.child_nanogpt:
         return child_nanogpt(args.child_nanogpt, args.work)
     if not args.corpus.is_file():
-        sys.exit(f"bench.outside: corpus {args.corpus} not found; give one with --corpus PATH")
+        sys.exit(f"bench.compare.outside: corpus {args.corpus} not found; give one with --corpus PATH")
     args.work.mkdir(parents=True, exist_ok=True)
     byte_data(args.work, args.corpus)
     variants = {v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variants}
     ways = [*args.ways.split(","), *variants]
     if "nanogpt_val" in ways and args.nanogpt_dir is None:
-        sys.exit("bench.outside: the way nanogpt_val runs nanoGPT's own train.py: give --nanogpt-dir")
+        sys.exit("bench.compare.outside: the way nanogpt_val runs nanoGPT's own train.py: give --nanogpt-dir")
     eval_iters = nanogpt_eval_iters(args.corpus)
     walls: dict[str, dict[int, list[float]]] = {w: {args.short: [], args.long: []} for w in ways}
     for r in range(args.rounds):

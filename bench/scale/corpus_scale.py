@@ -1,7 +1,7 @@
 """Corpus scale: cold build, warm start and tokenizer throughput on a generated corpus (docs/data.md).
 
-    nice -n 10 python -m bench.corpus_scale --size-mb 300      # while developing on a shared machine
-    python -m bench.corpus_scale                               # the issue's 2 GB figure, on a quiet machine
+    nice -n 10 python -m bench.scale.corpus_scale --size-mb 300      # while developing on a shared machine
+    python -m bench.scale.corpus_scale                               # the issue's 2 GB figure, on a quiet machine
 
 Generates a JSONL corpus of --size-mb (tinyshakespeare cut into ~3 KB documents, each with its own counter,
 as in the issue) in a temp dir that is deleted at exit, then measures, each in a fresh process:
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 TINY_MODEL = [
     "model.n_layer=1",
@@ -44,7 +44,7 @@ TINY_MODEL = [
     "logger=none",
     "callbacks=none",
     "trainer.precision=32-true",
-    "+callbacks.first._target_=bench.startup.FirstStep",
+    "+callbacks.first._target_=bench.profile.startup.FirstStep",
 ]
 
 

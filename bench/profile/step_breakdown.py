@@ -1,9 +1,9 @@
 """Where one training step's time goes, in a raw loop: data, forward, backward, clip + optimizer.
 
-    python -m bench.step_breakdown [--shapes small,medium --precision auto --attn sdpa,eager]
+    python -m bench.profile.step_breakdown [--shapes small,medium --precision auto --attn sdpa,eager]
 
 Whatever a training loop adds or saves (the template's, transformers.Trainer's) can only come out of
-the time outside forward and backward, which all three ways of bench.throughput spend in the same
+the time outside forward and backward, which all three ways of bench.compare.throughput spend in the same
 Hugging Face GPT-2 modules. This bounds how far apart their tokens/s can be.
 """
 
@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from bench.throughput import raw_loop, resolve_precision
+from bench.compare.throughput import raw_loop, resolve_precision
 
 PHASES = ("data", "forward", "backward", "clip+optimizer")
 

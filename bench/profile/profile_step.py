@@ -1,6 +1,6 @@
 """Where train.py's training step spends its device time: torch.profiler over a few steps of a real run.
 
-    python train.py <overrides> +callbacks.profile._target_=bench.profile_step.StepProfiler \
+    python train.py <overrides> +callbacks.profile._target_=bench.profile.profile_step.StepProfiler \
         +callbacks.profile.out=profile.txt [+callbacks.profile.start=20 +callbacks.profile.steps=5]
 
 After `start` optimizer steps (torch.compile and the allocator warmed up), it profiles the next `steps` and writes

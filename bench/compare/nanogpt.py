@@ -7,7 +7,7 @@ exact GELU, attention through torch's `scaled_dot_product_attention(is_causal=Tr
 tied embeddings, its weight init, AdamW with decay on >= 2-D weights and torch's default
 implementation (nanoGPT asks for fused only on CUDA), its warm-up + cosine LR set by hand each step,
 gradient clipping at 1.0, `zero_grad(set_to_none=True)`, and batches drawn at random offsets of the
-memory-mapped token file. Used by `python -m bench.throughput` as the way `nanogpt`.
+memory-mapped token file. Used by `python -m bench.compare.throughput` as the way `nanogpt`.
 """
 
 from __future__ import annotations

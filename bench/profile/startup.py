@@ -1,6 +1,6 @@
 """Seconds from `python train.py` starting to its first optimizer step, with a warm token cache.
 
-    python -m bench.startup [--repeats 3]
+    python -m bench.profile.startup [--repeats 3]
 
 Also times the bare imports, for reference. Each measurement is a fresh process.
 """
@@ -41,7 +41,7 @@ def main() -> None:
             sys.executable,
             "train.py",
             f"paths.log_dir={logs}",
-            "+callbacks.first._target_=bench.startup.FirstStep",
+            "+callbacks.first._target_=bench.profile.startup.FirstStep",
             "test=false",
             "optimized_metric=null",
             "trainer.num_sanity_val_steps=0",

@@ -1,6 +1,6 @@
 """GRPO learns a verifiable task on a CPU: single-digit sums ("3+4=" -> "7"), rewarded by exact match.
 
-    python -m bench.grpo_learning [--sft-steps 150 --grpo-steps 400 --work logs/grpo_learning]
+    python -m bench.learn.grpo_learning [--sft-steps 150 --grpo-steps 400 --work logs/grpo_learning]
 
 1. Writes the task: the 100 prompts a+b= (a, b in 0..9) with their answers, as the SFT records (`data=instruct`,
    prompt template `{instruction}`) and as GRPO's prompts (`data=prompts`), under --work/data.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["model=gpt2", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.dropout=0.0"]
 
 

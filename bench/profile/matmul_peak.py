@@ -1,6 +1,6 @@
 """This machine's matmul peak, the denominator for MFU on a CPU (callbacks.throughput.peak_flops).
 
-python -m bench.matmul_peak [--size 2048 --repeats 10]
+python -m bench.profile.matmul_peak [--size 2048 --repeats 10]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Peak memory and step time of one GPT-2 training step with and without gradient checkpointing.
 
-    python -m bench.gradient_checkpointing [--layers 6 --width 384 --heads 6 --seq 512 --batch 8 --vocab 50257]
+    python -m bench.profile.gradient_checkpointing [--layers 6 --width 384 --heads 6 --seq 512 --batch 8 --vocab 50257]
 
 Each variant runs in a fresh process (peak RSS is per process), interleaved and repeated, and
 reports the peak resident memory above the process's level once the model and optimizer exist:
@@ -63,7 +63,7 @@ def main() -> None:
         print(json.dumps(one_step(args)))
         return
     results = {False: [], True: []}
-    base = [sys.executable, "-m", "bench.gradient_checkpointing", "--child"] + [
+    base = [sys.executable, "-m", "bench.profile.gradient_checkpointing", "--child"] + [
         f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "seq", "batch", "vocab", "threads")
     ]
     for _ in range(args.repeats):

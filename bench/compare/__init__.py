@@ -1,0 +1,1 @@
+"""How does the template compare with another tool? The template against a raw loop, transformers, nanoGPT, TRL."""

@@ -16,7 +16,7 @@ import pytest
 from conftest import FULL_MATRIX_ONLY, ROOT, python, read_events
 from test_distributed import run_ranks
 
-from bench import comm
+from bench.scale import comm
 from src.callbacks.comm import collectives, trace
 from src.utils.logging import TRAIN_LOSS_REDUCE
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import FULL_MATRIX_ONLY, python, shared
 
-from bench.compare.throughput import paired_ratio
+from bench.common import paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 

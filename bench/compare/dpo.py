@@ -21,11 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.compare.throughput import LR, TRAINING_ONLY, StepTimer, clock, interleaved, paired_ratio, report, trl_child  # noqa: F401  (StepTimer: train.py loads it)
+from bench.common import LR, TOKENIZER, TRAINING_ONLY, interleaved, paired_ratio, report, trl_child, trl_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = ROOT.parent / "shared" / "data" / "preference" / "dpo_en_demo.json"
-TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl", "template_lora", "template_precompute")
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_modules=[c_attn,c_proj,c_fc]"]
 
@@ -92,61 +91,11 @@ def template_cmd(args, out: str, extra: list[str]) -> list[str]:
         "train=true",
         f"paths.cache_dir={args.work}/cache",
         f"paths.log_dir={args.work}/logs",
-        "+callbacks.timer._target_=bench.compare.throughput.StepTimer",
+        "+callbacks.timer._target_=bench.common.StepTimer",
         f"+callbacks.timer.warmup={args.warmup}",
         f"+callbacks.timer.out={out}",
         *extra,
     ]
-
-
-def trl_parts(args, n_positions: int) -> tuple:
-    """What the benches' TRL runs share (bench/compare/sft.py too): GPT-2's tokenizer with its EOS declared, a fresh GPT-2 of
-    `args.shape` without dropout (seed 0, SDPA), a step timer and the times it records, and the trainer arguments
-    both trainers take alike: fused AdamW, clipping 1.0, a constant LR, no weight decay, CPU, no saving."""
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainerCallback
-
-    layers, heads, width = map(int, args.shape.split(","))
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=n_positions,
-        n_layer=layers,
-        n_head=heads,
-        n_embd=width,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu",
-        attn_implementation="sdpa",
-    )
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            times.append(clock())
-
-    common = dict(
-        output_dir=f"{args.work}/trl",
-        per_device_train_batch_size=args.batch,
-        max_steps=args.steps,
-        learning_rate=LR,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch_fused",
-        lr_scheduler_type="constant",
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        pad_token="<|endoftext|>",
-        seed=0,
-    )
-    return tokenizer, GPT2LMHeadModel(config), times, Timer(), common
 
 
 def run_trl(args) -> None:

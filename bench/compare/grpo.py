@@ -27,11 +27,10 @@ from pathlib import Path
 
 import lightning as L
 
-from bench.compare.throughput import CLIP, LR, TRAINING_ONLY, interleaved, paired_ratio, trl_child
+from bench.common import CLIP, LR, TOKENIZER, TRAINING_ONLY, interleaved, paired_ratio, trl_child, trl_parts
 from bench.learn.grpo_learning import write_task
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl")
 
 
@@ -111,8 +110,6 @@ def run_trl(args) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from bench.compare.dpo import trl_parts
 
     args.batch = args.prompts * args.generations  # TRL counts completions per device batch
     tokenizer, model, _, _, common = trl_parts(args, n_positions=64)

@@ -24,11 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.compare.throughput import LR, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child
+from bench.common import LR, TOKENIZER, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child, trl_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
-TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
 WAYS = ("template", "trl")
 
 
@@ -113,7 +112,6 @@ def run_trl(args) -> None:
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from bench.compare.dpo import trl_parts
     from tests.helpers.chat_template import MARKED
 
     tokenizer, model, times, timer, common = trl_parts(args, n_positions=args.seq_len + 1)

@@ -14,7 +14,8 @@ import statistics
 
 import torch
 
-from bench.compare.throughput import raw_loop, resolve_precision
+from bench.common import resolve_precision
+from bench.compare.throughput import raw_loop
 
 PHASES = ("data", "forward", "backward", "clip+optimizer")
 

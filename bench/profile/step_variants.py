@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import BETAS, CLIP, LR, SHAPES, data_and_model, param_groups
 from bench.compare import nanogpt
-from bench.compare.throughput import BETAS, CLIP, LR, SHAPES, data_and_model, param_groups
 
 
 def hf_step(shape, cache_dir, precision, batch, attn, activation, use_cache=None, fused=True):

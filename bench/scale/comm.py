@@ -126,7 +126,7 @@ def overhead(overrides: list[str], n: int, rounds: int, python: str = sys.execut
 
     extra = CPU_DEEPSPEED if trainer.startswith("deepspeed") and not torch.cuda.is_available() else []
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp:
-        timer = f"++callbacks.timer={{_target_:bench.compare.throughput.StepTimer,warmup:1,out:{tmp}/times.json}}"
+        timer = f"++callbacks.timer={{_target_:bench.common.StepTimer,warmup:1,out:{tmp}/times.json}}"
         train(
             overrides + extra,
             n,

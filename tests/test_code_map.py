@@ -1,5 +1,5 @@
-"""README's code map names every module of each folder it lists, and every package of src/: it cannot drift from
-the tree again (it had: three checkpoint modules went unlisted for several stops)."""
+"""README's code map names every module of each folder it lists, and every package of src/ and bench/: it cannot
+drift from the tree again (it had: three checkpoint modules went unlisted for several stops)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def code_map(text: str) -> dict[str, str]:
 
 
 def check(entries: dict[str, str]) -> list[str]:
-    """What the map gets wrong: a folder's modules it leaves out or names wrongly, a package of src/ it lacks."""
+    """What the map gets wrong: a folder's modules it leaves out or names wrongly, a package of src/ or bench/ it
+    lacks."""
     wrong = []
     for path, words in entries.items():
         folder = ROOT / path
@@ -33,7 +34,9 @@ def check(entries: dict[str, str]) -> list[str]:
         present = {f.name for f in folder.glob("*.py") if f.name != "__init__.py"}
         if named != present:
             wrong.append(f"{path}: unlisted {sorted(present - named)}, not in the folder {sorted(named - present)}")
-    packages = {f"src/{p.name}/" for p in (ROOT / "src").iterdir() if (p / "__init__.py").is_file()}
+    packages = {
+        f"{top}/{p.name}/" for top in ("src", "bench") for p in (ROOT / top).iterdir() if (p / "__init__.py").is_file()
+    }
     wrong += [f"{p}: no line in the code map" for p in sorted(packages - set(entries))]
     return wrong
 
@@ -46,7 +49,11 @@ def test_the_check_sees_a_module_left_out():
     entries = code_map((ROOT / "README.md").read_text())
     entries["src/parallel/"] = entries["src/parallel/"].replace("experts.py", "")
     del entries["src/launch/"]
+    entries["bench/scale/"] = entries["bench/scale/"].replace("comm.py", "")
+    del entries["bench/suite/"]
     assert check(entries) == [
         "src/parallel/: unlisted ['experts.py'], not in the folder []",
+        "bench/scale/: unlisted ['comm.py'], not in the folder []",
+        "bench/suite/: no line in the code map",
         "src/launch/: no line in the code map",
     ]

@@ -5,7 +5,8 @@ ours) < architectures (what is known of a model before it is built, GPT-2's adap
 < checkpoint (saving, reading, resuming anywhere) < parallel (what makes N ranks
 train as 1) < objectives (what a step optimises, and the contract a module offers it) < models, datamodules (which
 know nothing of each other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and
-bench/ sit on top.
+bench/ sit on top: nothing in src/ imports bench/, bench/common.py (what the benches share) imports no bench, and the
+benches import each other in no circle.
 Function-level imports count too: they are how a circle hides.
 
 UPWARD lists the imports that still run against the order, each a debt to pay by moving the code that needs it
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 from conftest import ROOT
 
 LAYER = {
@@ -26,23 +28,23 @@ LAYER = {
 UPWARD: set[tuple[str, str]] = set()  # (importing module, imported module): known debts; none left
 
 
-def imports() -> dict[str, set[str]]:
-    """Each src module -> the src modules it imports (anywhere in the file)."""
+def imports(top: str = "src") -> dict[str, set[str]]:
+    """Each module of `top` (src, bench) -> the modules of `top` it imports (anywhere in the file)."""
     files = {
         ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
-        for f in (ROOT / "src").rglob("*.py")
+        for f in (ROOT / top).rglob("*.py")
     }
     graph = {}
     for module, path in files.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("src"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == top:
                 # `from src.launch import launcher_env` names a module; `from src.x import name` the module x
                 found |= {
                     f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
                 }
             elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith("src")}
+                found |= {a.name for a in node.names if a.name.split(".")[0] == top}
         graph[module] = {m for m in found if m in files and m != module}
     return graph
 
@@ -71,8 +73,9 @@ def test_every_package_has_a_layer():
     assert packages == set(LAYER), f"give each package of src/ a layer: {sorted(packages ^ set(LAYER))}"
 
 
-def test_no_import_circle():
-    graph = {a: edges - {b for x, b in UPWARD if x == a} for a, edges in imports().items()}
+@pytest.mark.parametrize("top", ["src", "bench"])
+def test_no_import_circle(top):
+    graph = {a: edges - {b for x, b in UPWARD if x == a} for a, edges in imports(top).items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:
@@ -87,6 +90,26 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def bench_imports(path) -> set[str]:
+    """The bench modules a file imports (anywhere in it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bench":
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "bench"}
+    return found
+
+
+def test_bench_sits_on_top():
+    """src/ imports nothing of bench/ (train.py loads a bench's callback from its name in an override), and
+    bench/common.py imports no bench: the benches import it, src/ and the ways they measure."""
+    from_src = {str(f.relative_to(ROOT)): bench_imports(f) for f in (ROOT / "src").rglob("*.py")}
+    assert {f: found for f, found in from_src.items() if found} == {}
+    assert bench_imports(ROOT / "bench" / "common.py") == set()
+    assert "bench.common" in {m for edges in imports("bench").values() for m in edges}  # the scan sees bench/
 
 
 def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):

@@ -44,8 +44,9 @@ def batches(data: str, packing: bool, batch: int, seq_len: int, steps: int) -> l
     order = train_sampler(rows, seed=42).epoch_order(0)  # the order training reads them (1 process, data.seed)
     for k in range(steps):
         items = [rows[int(i)] for i in order[k * batch : (k + 1) * batch]]
-        records = sum(int((item[2] == 0).sum()) if packing else 1 for item in items)
-        out.append((collate(items), sum(len(item[0]) for item in items), records))
+        records = sum(int((item["position_ids"] == 0).sum()) if packing else 1 for item in items)
+        ids = [item["input_ids"] if packing else item[0] for item in items]  # a packed row is a dict (PackedRows)
+        out.append((collate(items), sum(len(row) for row in ids), records))
     return out
 
 

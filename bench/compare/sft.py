@@ -95,7 +95,7 @@ class RowTimer(StepTimer):
 
     def on_train_end(self, trainer, pl_module) -> None:
         rows = trainer.datamodule.splits["train"]
-        real = statistics.fmean(len(rows[i][0]) for i in range(len(rows)))
+        real = statistics.fmean(len(rows[i]["input_ids"]) for i in range(len(rows)))  # a packed row is a dict
         report(self.times, self.warmup, real * trainer.datamodule.batch_size, self.out, len(rows))
 
 

@@ -1,1 +1,1 @@
-"""What does the test suite spend its time on? The tests' own train.py runs."""
+"""What do the tests' train.py runs cost? Fresh interpreters against the tests' forking stand-in."""

@@ -19,6 +19,11 @@ collective per phase, and the step's bytes beside the formula:
     block, each of b·s·h elements (b the batch of one tensor-parallel group, s the sequence, h the width).
   pipeline, K stages, M micro-batches of b/M: a stage sends its output forward and its input gradient backward,
     one send of (b/M)·s·h per micro-batch and boundary in each direction.
+  expert parallelism (trainer=fsdp expert_parallel_size=k, an MoE model's E experts on 1 rank of each k, c = N/k
+    copies of each): FSDP2 3(N-1)/N over the Ψ_d dense parameters and 3(c-1)/c over a rank's Ψ_e/k expert ones, plus
+    per MoE layer 4 all-to-alls of n·top_k·h elements at (k-1)/k (the rows to the experts' ranks and the outputs
+    back, forward and backward; n a rank's tokens), exact for balanced routing, and the E expert counts. The
+    callback counts an all-to-all at (N-1)/N (it cannot see the group), and so does the printed formula.
 DeepSpeed without CUDA runs through the tests' CPU strategy (tests/helpers/deepspeed_cpu.py), in fp32.
 """
 
@@ -192,6 +197,7 @@ def strategy(cfg: dict) -> dict:
     if name == "zero":
         info["name"] = f"zero{s['stage']}"
     info.update(
+        ep=s.get("expert_parallel_size", 1),
         t=s.get("tensor_parallel_size", 1),
         k=s.get("pipeline_parallel_size", 1),
         m=s.get("n_microbatches", 1),
@@ -213,6 +219,22 @@ DATA_PARALLEL = {
 def expected(info: dict, record: dict, element_bytes: float) -> list[tuple[str, float, int, int]]:
     """(label, bytes, count, elements of each) per formula for one rank's step; count 0 where only bytes are compared."""
     n = record["world"]
+    if info["name"] in ("fsdp", "fsdp_no_reshard") and info.get("ep", 1) > 1:
+        k, passes = info["ep"], 3 if info["name"] == "fsdp" else 2
+        copies, experts = n // k, record["expert_params"]
+        dense = (record["params"] - experts) * passes * (n - 1) / n
+        sharded = experts / k * passes * (copies - 1) / copies
+        rows = info["batch"] // n * info["seq"] * record["top_k"] * record["hidden_size"]
+        # at (N-1)/N, not (k-1)/k: callbacks.comm cannot see an all-to-all's group and counts it over the world
+        exchange = 4 * record["moe_layers"] * (n - 1) / n * rows
+        return [
+            (
+                "FSDP2 3(N-1)/N·Ψ_d + 3(c-1)/c·Ψ_e/k + 4 all-to-alls of n·top_k·h a MoE layer at (N-1)/N",
+                (dense + sharded + exchange) * element_bytes,
+                0,
+                0,
+            )
+        ]
     if info["name"] in DATA_PARALLEL:
         return [
             (label, k * (n - 1) / n * record["params"] * element_bytes, 0, 0)

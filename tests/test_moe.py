@@ -152,3 +152,21 @@ def test_pipeline_stages_are_refused_where_the_carried_router_loss_is_not_the_mo
     with pytest.raises(ArchitectureRefused, match=r"router load-balancing loss differently from one process.*"
                        r"model\.router_aux_loss=false"):  # fmt: skip
         check_stages(hf, hf.model.layers, 2, DecoderStage, eager=False, routing=routing)
+
+
+def test_a_forward_that_gives_no_router_logits_is_refused_in_one_sentence():
+    """flint's own forward fails with output_router_logits=True at a small size (inside transformers' loss): a run that
+    trains its router loss stops before step 1 in one sentence; Mixtral's forward gives them and passes."""
+    from transformers import AutoConfig
+
+    from src.utils.config import ArchitectureRefused
+    from tests.helpers.architectures import tiny_config
+
+    defaults = AutoConfig.for_model("flint").to_dict()
+    fields = {k: v for k, v in tiny_config("flint", layers=2).to_dict().items() if v != defaults.get(k, v)}
+    flint = CausalLMLitModule(vocab_size=V, seq_len=T, model_type="flint", config=fields)
+    flint.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
+    with pytest.raises(ArchitectureRefused, match=r"FlintForCausalLM's forward with output_router_logits=True fails "
+                       r"\(IndexError.*model\.router_aux_loss=false"):  # fmt: skip
+        flint.check_router()
+    module("mixtral").check_router()

@@ -523,6 +523,30 @@ class CausalLMLitModule(LitModule):
                 f"differ with the number of devices: {self._dropout_fix(fields)}."
             )
 
+    @torch.no_grad()
+    def check_router(self) -> None:
+        """Before step 1, where each rank runs the whole model: an MoE model whose load-balancing loss is trained
+        returns its router logits from a forward with output_router_logits=True, or the run stops in one sentence
+        (flint's forward fails so at a small size, inside transformers' own loss)."""
+        if self.router_balance is None or not capabilities.of(self.trainer.strategy).keys_dropout:
+            return
+        ids = torch.zeros(1, 8, dtype=torch.long, device=self.device)
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                logits = self.lm_forward({"input_ids": ids}, output_router_logits=True).router_logits
+            problem = None if logits else "returns no router logits"
+        except Exception as error:  # noqa: BLE001 - any failure of that forward is the refusal, said
+            problem = f"fails ({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]})"
+        finally:
+            self.train(was_training)
+        if problem:
+            raise ArchitectureRefused(
+                f"{type(self.hf_model).__name__}'s forward with output_router_logits=True {problem}, and its router "
+                "load-balancing loss reads them: set model.router_aux_loss=false."
+            )
+
     def _dropout_fix(self, fields: dict[str, float]) -> str:
         """What turns off every random draw named in a refusal: model.dropout, the config's other random fields (router
         jitter: model.config.X), LoRA's dropout."""
@@ -601,6 +625,7 @@ class CausalLMLitModule(LitModule):
 
     def on_fit_start(self) -> None:
         self.check_dropout()
+        self.check_router()
         self.check_head()
         if getattr(self.trainer.datamodule, "packing", False):
             self.check_packing()

@@ -79,6 +79,7 @@ def test_nanogpts_own_train_py_runs_as_a_way_with_its_vocabulary_and_biases(tmp_
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time, 20 s: a benchmark's run; every way it times is the template's own, tested elsewhere
 def test_throughput_bench_runs_all_ways_and_prints_ratios(tmp_path):
     out = subprocess.run(
         [

@@ -374,7 +374,10 @@ def test_the_forward_without_kv_cache_gives_the_cached_loss(prefix):
 
 
 def test_peak_memory_counts_a_new_allocation():
-    """On a CPU it is the process's peak RSS: touching memory beyond the old peak raises it by as much."""
+    """On a CPU it is the process's peak RSS: touching memory beyond the old peak raises it by as much. The block
+    reaches 512 MiB above the old peak and the test asks for 100: the resident set also holds pages of mapped files
+    (torch's libraries), which the kernel may drop while the block is touched when other processes need memory (the
+    likely reason a full suite's run once saw the peak stay where it was with a 128 MiB margin)."""
     import os
 
     from src.callbacks.throughput import peak_memory_mib
@@ -382,7 +385,7 @@ def test_peak_memory_counts_a_new_allocation():
     before = peak_memory_mib(torch.device("cpu"))
     with open("/proc/self/statm") as f:
         resident_mib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    extra = before - resident_mib + 128  # 128 MiB above the old peak
+    extra = before - resident_mib + 512  # 512 MiB above the old peak
     block = torch.ones(int(extra * 2**20) // 4)  # float32; ones() touches every page
     assert peak_memory_mib(torch.device("cpu")) - before >= 100 and block[-1] == 1
 

@@ -89,7 +89,7 @@ def plan_for(network: nn.Module) -> dict[str, str]:
     plan = {}
     for pattern, style in ep_plan(network.config).items():
         for name in names:
-            if fnmatch.fnmatchcase(name, pattern) and name.replace(".", "").count("*") == 0:
+            if fnmatch.fnmatchcase(name, pattern):
                 plan[f"{prefix}.{name}" if prefix else name] = style
     return dict(sorted(plan.items(), key=lambda item: item[1] == DISPATCH))
 

@@ -23,6 +23,7 @@ PYTHON=${PYTHON:-python3}
 W=.wheels
 STAGES=${*:-bench profile lane dropout}
 LANE_ARGS=${LANE_ARGS:-}
+BENCH_VARIANTS=${BENCH_VARIANTS:-blocks=model.compile=blocks compile=model.compile=true}  # the bench stage's train.py variants
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # The device README's way: the wheels into a target dir put on PYTHONPATH (ahead of the image's transformers), no
@@ -51,7 +52,7 @@ for stage in $STAGES; do
   case $stage in
     bench)
       timeout 480 "$PYTHON" -m bench.compare.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
-        --variants blocks=model.compile=blocks compile=model.compile=true --nanogpt-repo "$W/nanoGPT" \
+        --variants $BENCH_VARIANTS --nanogpt-repo "$W/nanoGPT" \
         --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
       echo "exit $?" >> "$OUT/bench.txt"

@@ -19,7 +19,7 @@ from tests.helpers.margins import close64
 pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: 15-40 s an architecture on 2 cores
 
 
-def compiled_module(arch: str, compile=True, **kwargs):
+def compiled_module(arch: str, compile=True, config_overrides=None, **kwargs):
     from src.models.causal_lm import CausalLMLitModule
     from src.models.gpt2 import GPT2LitModule
     from src.parallel.parallelize import parallelize
@@ -34,6 +34,7 @@ def compiled_module(arch: str, compile=True, **kwargs):
         defaults = AutoConfig.for_model(arch).to_dict()  # the fields tiny_config changes, as the matrix passes them
         config = {k: v for k, v in tiny_config(arch).to_dict().items() if k in defaults and v != defaults[k]}
         config.pop("vocab_size", None)
+        config.update(config_overrides or {})
         module = CausalLMLitModule(vocab_size=100, seq_len=32, model_type=arch, config=config, compile=compile,
                                    compile_loss=False, **kwargs)  # fmt: skip
     return parallelize(module, **module.wrappers())  # as configure_model applies it under DDP and one device
@@ -119,12 +120,28 @@ def test_the_compiled_region_compiles_once_and_computes_what_the_eager_model_doe
         assert counters["stats"]["unique_graphs"] == n, counters["stats"]
 
 
-@pytest.mark.parametrize("compile", [True, "blocks"])
-def test_what_the_compiled_attention_is_handed_for_an_unpadded_batch(compile, monkeypatch):
-    """Compiled blocks get SDPA's is_causal and no mask (the masks are made eagerly between them); a whole compiled
-    model gets an explicit causal mask, since transformers cannot tell while tracing that the batch is not packed
-    (a slower kernel: docs/performance.md). The second assertion is transformers' behaviour, checked so that its
-    change is seen: then the whole model may be the faster region again."""
+def sliding_gemma3(**kwargs):
+    """Gemma 3 with a sliding layer (window 8, shorter than the context 32) and a full one."""
+    config = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+    return compiled_module("gemma3_text", True, config_overrides=config, attn_implementation="sdpa", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "arch, compile, inputs, handed",
+    [
+        ("gpt2", True, "plain", [(True, True)] * 2),  # the whole model: SDPA's is_causal, as eagerly
+        ("gpt2", "blocks", "plain", [(True, True)]),  # one graph for both blocks, their masks made eagerly
+        ("gpt2", True, "padded", [(False, False)] * 2),
+        ("gpt2", True, "packed", [(False, False)] * 2),
+        ("gemma3", True, "plain", [(False, False), (True, True)]),  # the sliding layer keeps its window
+    ],
+)
+def test_what_the_compiled_attention_is_handed(arch, compile, inputs, handed, monkeypatch):
+    """(no mask, is_causal) of each SDPA call in the compiled graph: a batch with no padding and no packing gets SDPA's
+    is_causal and no mask in every layer whose eager forward got none (src/parallel/compiled_attention.py: the whole
+    model's trace builds an explicit causal mask, a slower kernel on a GPU); a padded or packed batch, or a layer with a
+    window shorter than the context, keeps its mask. In float64 the compiled graph (run as traced) computes the eager
+    model's loss: a window dropped would move it by far more than FLOAT64_TOL."""
     calls = []
 
     def recorder(graph, example_inputs):
@@ -139,9 +156,19 @@ def test_what_the_compiled_attention_is_handed_for_an_unpadded_batch(compile, mo
     compile_function = torch.compile
     monkeypatch.setattr(torch, "compile", lambda f, **kwargs: compile_function(f, backend=recorder))  # the head
     torch._dynamo.reset()
-    module = compiled_module("gpt2", compile)
-    module.loss_and_count(batch_of())
-    assert calls and set(calls) == ({(True, True)} if compile == "blocks" else {(False, False)}), calls
+    module = (sliding_gemma3() if arch == "gemma3" else compiled_module(arch, compile)).double()
+    batch = batch_of()
+    if inputs == "padded":
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, 24:] = 0
+        batch["labels"][0, 23:] = -100
+    if inputs == "packed":
+        batch["position_ids"] = torch.cat([torch.arange(20), torch.arange(12)]).repeat(2, 1)
+    loss, _ = module.loss_and_count(batch)
+    assert calls == handed, calls
+    with torch.compiler.set_stance("force_eager"):
+        eager, _ = module.loss_and_count(batch)
+    close64(loss, eager, "loss")
 
 
 def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it():

@@ -26,7 +26,7 @@ from src.objectives import moe
 from src.objectives.base import Objective
 from src.objectives.loss import run_logits, summed_token_loss, token_loss_function
 from src.objectives.sft import SFT
-from src.parallel import capabilities
+from src.parallel import capabilities, compiled_attention
 from src.parallel.parallelize import compile_region, parallelize, parallelized
 from src.utils.config import ArchitectureRefused, ConfigError, check_number
 from src.utils.labels import IGNORE_INDEX
@@ -473,7 +473,9 @@ class CausalLMLitModule(LitModule):
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
         if self.dropouts and self.training and (network is None or network is self.model):
             keyed.set_keys(self.row_keys(batch))
-        return (network if network is not None else self.model)(**inputs, use_cache=False, **kwargs)
+        network = network if network is not None else self.model
+        with compiled_attention.plain_causal(network, inputs):  # a whole compiled network's SDPA told is_causal
+            return network(**inputs, use_cache=False, **kwargs)
 
     def row_keys(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The dropout keys of a training batch's rows: the run's seed, the optimizer step and each row's sample."""

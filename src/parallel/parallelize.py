@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from src.parallel import expert_parallel
+from src.parallel import compiled_attention, expert_parallel
 from src.parallel.tensor_parallel import split_blocks
 from src.utils.config import ConfigError
 
@@ -77,6 +77,8 @@ def parallelize(
     # in place (Module.compile): the parameter names, and so checkpoints, stay those of the plain model
     parts, heads = compiled_parts(module, region, blocks, head=whole_model and no_mesh)
     for part in parts:
+        if region == "model" and getattr(module, "seq_len", None):
+            compiled_attention.route(part, module.seq_len)  # SDPA's is_causal for the batches that need no mask
         part.compile()
     for head in heads:  # Module.compile would trace nothing: dynamo skips a frame of torch.nn's own code
         head.forward = torch.compile(head.forward)

@@ -4,10 +4,10 @@
 # image lacks, GPT-2's tokenizer, nanoGPT's three files). There, from the repo root, with carry=[".wheels"]:
 #   bash scripts/gpu_check.sh [bench] [profile] [lane] [dropout]  # default: all four, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py: eager (the
-#            template), compiled blocks and head (blocks: model.compile=blocks), the whole compiled model (compile:
-#            model.compile=true), each with its loss compiled, against nanoGPT's own train.py compiled (as it comes,
-#            and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (~4 min;
-#            with two more variants it took 5.3 min on an H200, 2026-11-27)
+#            template) and BENCH_VARIANTS (name=overrides; default: each block and the head compiled, blocks:
+#            model.compile=blocks; the whole model and its loss, compile: model.compile=true) against nanoGPT's own
+#            train.py compiled (as it comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the
+#            ratios, one round (5.6 min with a third variant on an H200, 2026-11-27)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
@@ -16,7 +16,7 @@
 #            and 2048; ~1 min)
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
-# Run on an H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/, docs/results/gpu_*.jsonl; docs/performance.md).
+# Run on an H200 on 2026-11-27 (docs/results/gpu_*.jsonl, docs/performance.md; the first run's outputs: ../shared/gpu/).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PYTHON=${PYTHON:-python3}

@@ -118,10 +118,8 @@ def compiled_parts(
     allows (no mesh, no ZeRO-3), each network's output projection: eagerly, a vocabulary such as GPT-2's 50257 is a
     matmul of an unaligned width (measured on an H200: docs/performance.md).
 
-    Between compiled blocks the model's own forward runs eagerly, its attention masks too: there transformers can
-    hand SDPA `is_causal` and no mask for an unpadded batch, which it cannot while tracing a whole model (it cannot
-    read the position ids that would say the batch is not packed), so a whole compiled model's attention takes an
-    explicit mask (tests/test_compile.py)."""
+    Between compiled blocks the model's own forward runs eagerly, its attention masks too; a whole compiled model's
+    attention is told which batches need no mask by src/parallel/compiled_attention.py."""
     if region == "model":
         return list(module.networks()), []
     if region != "blocks":

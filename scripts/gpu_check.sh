@@ -5,9 +5,10 @@
 #   bash scripts/gpu_check.sh [bench] [profile] [lane] [dropout]  # default: all four, in that order; results in $OUT
 #   bench    env.txt, bench.txt: GPT-2 124M (context 1024, batch 16, bf16, dropout 0) through train.py: eager (the
 #            template) and BENCH_VARIANTS (name=overrides; default: each block and the head compiled, blocks:
-#            model.compile=blocks; the whole model and its loss, compile: model.compile=true) against nanoGPT's own
-#            train.py compiled (as it comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the
-#            ratios, one round (5.6 min with a third variant on an H200, 2026-11-27)
+#            model.compile=blocks; the whole model and its loss, compile: model.compile=true; each of eager and compile
+#            with the vocabulary padded to 64 rows, pad and compile_pad) against nanoGPT's own train.py compiled (as it
+#            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (5.6 min
+#            with three variants on an H200, 2026-11-27; ~7 with these four)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py),
 #            the throughput callback's MFU beside it (~2 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
@@ -23,7 +24,9 @@ PYTHON=${PYTHON:-python3}
 W=.wheels
 STAGES=${*:-bench profile lane dropout}
 LANE_ARGS=${LANE_ARGS:-}
-BENCH_VARIANTS=${BENCH_VARIANTS:-blocks=model.compile=blocks compile=model.compile=true}  # the bench stage's train.py variants
+# the bench stage's train.py variants: the compiled regions, and the vocabulary padded to 64 rows (its default to choose)
+BENCH_VARIANTS=${BENCH_VARIANTS:-blocks=model.compile=blocks compile=model.compile=true pad=model.pad_vocab_multiple=64 \
+compile_pad=model.compile=true,model.pad_vocab_multiple=64}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # The device README's way: the wheels into a target dir put on PYTHONPATH (ahead of the image's transformers), no

@@ -199,6 +199,9 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
             print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
             return out_dir
         model = model.merge_and_unload()
+    vocab = getattr(module, "unpadded_vocab", None)  # model.pad_vocab_multiple's rows are never exported
+    if vocab is not None and model.config.vocab_size != vocab:
+        model.resize_token_embeddings(vocab)
     if hasattr(module, "objective"):  # a reward model: transformers' sequence-classification model
         model = module.objective.export(model, getattr(datamodule.tokenizer, "eos_id", None))
     model.save_pretrained(out_dir)

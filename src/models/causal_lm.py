@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from src.models import chunked_loss, hf, init
+from src.models import chunked_loss, hf, init, padded_vocab
 from src.models import dropout as keyed
 from src.models.base import LitModule
 from src.models.flops import FlopCount, count_flops
@@ -78,6 +78,25 @@ def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional
     return chunk
 
 
+def check_pad_vocab(multiple: Any, pretrained: Optional[str], loss_chunk: Optional[int]) -> Optional[int]:
+    """model.pad_vocab_multiple: null, or a row multiple for a model built from a config, its loss not chunked."""
+    if multiple is None:
+        return None
+    check_number("model.pad_vocab_multiple", multiple, lambda v: v >= 1, "a number of rows >= 1, or null",
+                 integer=True)  # fmt: skip
+    if pretrained:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with model.pretrained={pretrained}: a pretrained model keeps its "
+            "checkpoint's vocabulary; set model.pad_vocab_multiple=null."
+        )
+    if loss_chunk is not None:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with model.loss_chunk={loss_chunk}: the chunks call the head without "
+            "the padding's mask; set one of them to null."
+        )
+    return multiple
+
+
 def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
     """FLOPs per token, counted before a strategy shards the parameters (a ZeRO-3 parameter has numel 0)."""
     base = model.get_base_model() if peft is not None else model
@@ -114,6 +133,7 @@ class CausalLMLitModule(LitModule):
         router_aux_loss: bool = True,
         dropout: Optional[float] = None,
         loss_chunk: Optional[int] = None,
+        pad_vocab_multiple: Optional[int] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         lora = dict(lora or {})
@@ -139,6 +159,10 @@ class CausalLMLitModule(LitModule):
         if dropout is not None:
             check_number("model.dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1), or null")
         self._dropout = dropout
+        self._pad_vocab = check_pad_vocab(pad_vocab_multiple, pretrained, loss_chunk)
+        # the tokenizer's vocabulary where model.pad_vocab_multiple pads the model's (what export-hf writes), else None
+        self.unpadded_vocab = vocab_size if padded_vocab.padded(vocab_size, self._pad_vocab) != vocab_size else None
+        self._padding_checked = False
         # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
         fields = OmegaConf.to_container(config) if isinstance(config, DictConfig) else dict(config or {})
         model = self._build(seq_len, model_type, fields)
@@ -219,7 +243,7 @@ class CausalLMLitModule(LitModule):
             "bos_token_id": vocab_size - 1,
             "eos_token_id": vocab_size - 1,
             **fields,
-            "vocab_size": vocab_size,
+            "vocab_size": padded_vocab.padded(vocab_size, self._pad_vocab),  # rows never scored: padded_vocab.py
         }
         config = hf.new_config(model_type, attn_implementation, **fields)
         if seq_len > hf.context_length(config):
@@ -267,6 +291,7 @@ class CausalLMLitModule(LitModule):
         """What the objective changes in the model; a parameter it adds gets the value src/models/init.py gives it
         on any layout (on meta or partitioned by ZeRO-3, it is filled with the others when materialised)."""
         model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, minus its warning
+        self._mask_padding(model)
         self._added = self.objective.prepare(model)
         fill = self.fill(model)
         for name in self._added:
@@ -274,6 +299,11 @@ class CausalLMLitModule(LitModule):
             if not param.is_meta and not hasattr(param, "ds_shape"):
                 param.copy_(init.full_value(fill, self.base_seed, name, param.shape))
         return model
+
+    def _mask_padding(self, model: PreTrainedModel) -> None:
+        """model.pad_vocab_multiple: the padded columns of `model`'s head output at the dtype's minimum."""
+        if self.unpadded_vocab is not None:
+            padded_vocab.mask_padding(model.get_output_embeddings(), self.unpadded_vocab)
 
     def _add_adapter(self, model: PreTrainedModel, peft: Any, seq_len: int) -> torch.nn.Module:
         """Only the adapter trains; the base weights are frozen."""
@@ -346,8 +376,10 @@ class CausalLMLitModule(LitModule):
                 model.tie_weights()
                 if name == "model":  # what the objective adds is filled below
                     self.dropouts = self._key_dropout(self._prepare(self._set_dropout(model)))
-                elif any(keyed.config_fields(model.config).values()):  # built with the keyed attention, as the model
-                    keyed.key_attention(model, self.attn_implementation)
+                else:  # built with the keyed attention and the padding's mask, as the model
+                    self._mask_padding(model)
+                    if any(keyed.config_fields(model.config).values()):
+                        keyed.key_attention(model, self.attn_implementation)
                 init.materialize_zero3(model, self.fill(model), self.base_seed)
                 setattr(self, name, model if name == "model" else init.frozen(model))
         else:
@@ -526,6 +558,25 @@ class CausalLMLitModule(LitModule):
             )
 
     @torch.no_grad()
+    def check_padding(self) -> None:
+        """model.pad_vocab_multiple: once, before step 1, on every rank alike, a probe forward's padded columns are at
+        the minimum (the model does not scale or cap its head's output), or one sentence."""
+        if self.unpadded_vocab is None or self._padding_checked:
+            return
+        trainer = self._trainer_or_none()  # the pipeline's stages (no whole forward) are refused by src/run/checks.py
+        if trainer is not None and not capabilities.of(trainer.strategy).can_generate:
+            return
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                ids = torch.zeros(1, 8, dtype=torch.long, device=self.device)
+                logits = self.lm_forward({"input_ids": ids}).logits
+            padded_vocab.check_masked(logits, self.unpadded_vocab, type(self.hf_model).__name__, self._pad_vocab)
+        finally:
+            self.train(was_training)
+        self._padding_checked = True
+
     def check_router(self) -> None:
         """Before step 1, where each rank runs the whole model: an MoE model whose load-balancing loss is trained
         returns its router logits from a forward with output_router_logits=True, or the run stops in one sentence
@@ -628,6 +679,7 @@ class CausalLMLitModule(LitModule):
     def on_fit_start(self) -> None:
         self.check_dropout()
         self.check_router()
+        self.check_padding()
         self.check_head()
         if getattr(self.trainer.datamodule, "packing", False):
             self.check_packing()

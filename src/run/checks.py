@@ -112,6 +112,7 @@ def check_values(cfg: DictConfig) -> None:
             )
     _check_objective(cfg)
     _check_loss_chunk(cfg)
+    _check_pad_vocab(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None:
         check_number("model.optimizer.lr", lr, lambda v: v > 0, "a positive learning rate, e.g. 3e-4")
@@ -192,6 +193,20 @@ def _check_loss_chunk(cfg: DictConfig) -> None:
             f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
             "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "
             "backward that hands it on): use trainer=fsdp, or trainer.strategy.stage=2, or model.loss_chunk=null."
+        )
+
+
+def _check_pad_vocab(cfg: DictConfig) -> None:
+    """model.pad_vocab_multiple (src/models/padded_vocab.py) where no rank runs the whole model: its probe that the
+    padded columns stay masked needs a whole forward (the pipeline's stages)."""
+    multiple = OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None)
+    strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
+    if multiple is None or not isinstance(strategy, DictConfig) or "_target_" not in strategy:
+        return
+    if not capabilities.of(get_object(strategy._target_)).can_generate:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with {str(strategy._target_).rsplit('.', 1)[-1]}: no rank runs the "
+            "whole model, so the padding's mask is not checked there; set model.pad_vocab_multiple=null."
         )
 
 

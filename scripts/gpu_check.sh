@@ -9,8 +9,9 @@
 #            with the vocabulary padded to 64 rows, pad and compile_pad) against nanoGPT's own train.py compiled (as it
 #            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (5.6 min
 #            with three variants on an H200, 2026-11-27; ~7 with these four)
-#   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py),
-#            the throughput callback's MFU beside it (~2 min)
+#   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py:
+#            its kernels by kind, and the GPU's idle time a step with the longest idle stretches), the throughput
+#            callback's MFU beside it (~1.5 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
 #            picks some
 #   dropout  dropout.txt: keyed dropout against torch's on the GPU (bench.profile.dropout, GPT-2 124M's width, context 1024

@@ -201,3 +201,26 @@ def test_the_step_profiler_reports_a_real_runs_steps_by_kind(tmp_path):
     assert "matmul" in shares and abs(sum(float(v) for v in shares.values()) - 100) < 0.5, shares
     mm = re.search(r"^aten::addmm\s+[\d.]+\s+[\d.]+%\s+(\d+)$", text, re.M)
     assert mm and int(mm[1]) % 2 == 0, text  # the same matmuls in each of the 2 steps
+
+
+def test_the_step_profilers_idle_report_finds_where_no_kernel_runs():
+    """profile_step.idle_gaps / idle_report: kernels (overlapping) leave their window's gaps, longest first; a window
+    of 100 µs with kernels over 10-40 and 60-90 is idle 10 + 20 + 10 µs, each stretch with the host ops begun in it."""
+    from types import SimpleNamespace
+
+    from bench.profile.profile_step import idle_gaps, idle_report
+
+    assert idle_gaps([(50, 90), (10, 30), (20, 40)], 0, 100) == [(0, 10), (40, 50), (90, 100)]
+    assert idle_gaps([(0, 100)], 0, 100) == [] and idle_gaps([], 0, 5) == [(0, 5)]
+
+    def event(name, device, a, b):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device),
+                               time_range=SimpleNamespace(start=a, end=b))  # fmt: skip
+
+    events = [event("k1", "CUDA", 10, 40), event("k2", "CUDA", 60, 90), event("aten::copy_", "CPU", 42, 44),
+              event("cudaLaunchKernel", "CPU", 45, 46)]  # fmt: skip
+    text = idle_report(events, 0, 100, steps=1)
+    assert "wall 0.10 ms a step, GPU busy 0.06 ms, idle 0.04 ms (3 stretches)" in text, text
+    lines = text.strip().splitlines()[1:]
+    assert "aten::copy_" in lines[0] and "0.02 ms at +    0.04 ms" in lines[0], text  # 40-60: the longest
+    assert all("(no op: Python)" in line for line in lines[1:]), text  # launches are not host work

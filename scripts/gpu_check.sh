@@ -8,7 +8,8 @@
 #            model.compile=blocks; the whole model and its loss, compile: model.compile=true; each of eager and compile
 #            with the vocabulary padded to 64 rows, pad and compile_pad) against nanoGPT's own train.py compiled (as it
 #            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (5.6 min
-#            with three variants on an H200, 2026-11-27; ~7 with these four)
+#            with three variants on an H200, 2026-11-27; ~7 with these four). TF32's default for fp32 runs:
+#            BENCH_VARIANTS="fp32=trainer.precision=32-true tf32=trainer.precision=32-true,float32_matmul_precision=high"
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py:
 #            its kernels by kind, and the GPU's idle time a step with the longest idle stretches), the throughput
 #            callback's MFU beside it (~1.5 min)

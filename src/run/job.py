@@ -71,9 +71,20 @@ def prepare(cfg: DictConfig) -> None:
         )
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
+    set_matmul_precision(cfg.get("float32_matmul_precision", "highest"))
     save_resolved_config(cfg, Path(cfg.paths.output_dir))
     if cfg.extras.print_config:
         print_config_tree(cfg)
+
+
+def set_matmul_precision(precision: str) -> None:
+    """float32_matmul_precision: torch's precision for fp32 matrix products (TF32 on GPUs that have it, for `high`),
+    set the same on every rank, before any model is built."""
+    import torch
+
+    if precision not in ("highest", "high", "medium"):
+        raise ConfigError(f"float32_matmul_precision={precision!r}: use highest, high or medium.")
+    torch.set_float32_matmul_precision(precision)
 
 
 def weights_from_checkpoint(cfg: DictConfig) -> None:

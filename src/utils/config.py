@@ -53,6 +53,7 @@ class RunConfig:
     task_name: str = MISSING
     tags: list[str] = field(default_factory=list)
     seed: Optional[int] = 42
+    float32_matmul_precision: str = "highest"
     paths: PathsConfig = field(default_factory=PathsConfig)
     extras: ExtrasConfig = field(default_factory=ExtrasConfig)
     data: Any = MISSING

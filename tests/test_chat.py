@@ -210,10 +210,9 @@ def test_packing_is_data_the_same_rows_for_any_rank_count():
     assert (batch["labels"][1, 2:] == IGNORE_INDEX).all() and (batch["input_ids"][1, 2:] == 99).all()
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
-def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
-    """The same conversations padded (one per row, attention mask) and packed (position ids): the summed token
-    loss and every gradient agree in float64 (the real shared chats, GPT-2's tokenizer)."""
+def packed_and_padded(model_type: str, device: str = "cpu", dtype: torch.dtype = torch.float64):
+    """The same six real shared chats (GPT-2's tokenizer) padded (one per row, attention mask) and packed (position
+    ids) through one model on `device` in `dtype`: ((summed token loss, gradients) padded, the same packed)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from src.objectives.loss import summed_token_loss
@@ -244,10 +243,11 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
     }  # fmt: skip
     config = AutoConfig.for_model(model_type, vocab_size=vocab, **sizes)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).double().eval()  # no dropout: the two runs draw alike
+    model = AutoModelForCausalLM.from_config(config).to(device, dtype).eval()  # no dropout: the two draw alike
 
     def loss_and_grads(batch):
         model.zero_grad()
+        batch = {k: v.to(device) for k, v in batch.items()}
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         loss, _ = summed_token_loss(model(**inputs, use_cache=False).logits, batch["labels"])
         loss.backward()
@@ -256,7 +256,14 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
     padded = loss_and_grads(pad_collate(eos)(items))
     rows = PackedRows(items, 700)
     assert len(rows) < len(items)  # packing did pack
-    packed = loss_and_grads(packed_collate(eos)([rows[i] for i in range(len(rows))]))
+    return padded, loss_and_grads(packed_collate(eos)([rows[i] for i in range(len(rows))]))
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
+    """The same conversations padded and packed (`packed_and_padded`): the summed token loss and every gradient agree
+    in float64."""
+    padded, packed = packed_and_padded(model_type)
     assert abs(padded[0] - packed[0]) <= 1e-9 * abs(padded[0])
     assert max((a - b).abs().max().item() for a, b in zip(padded[1], packed[1])) <= 1e-9
 

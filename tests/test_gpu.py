@@ -184,6 +184,19 @@ def test_torch_syncbatchnorm_on_two_gpus_trains_the_one_gpu_model(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses(one), losses(two))) <= TOL
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_packed_rows_through_sdpa_on_the_gpu_give_the_padded_loss_and_gradients(model_type):
+    """Packing without FlashAttention: packed rows (position ids, transformers' block mask) and the same conversations
+    padded (attention mask) through SDPA's GPU kernels in fp32 (tests/test_chat.py's float64 check, on the device):
+    the summed loss and every gradient within TOL, relative (records that saw each other move them by percents)."""
+    from test_chat import packed_and_padded
+
+    padded, packed = packed_and_padded(model_type, "cpu" if REHEARSAL else "cuda", torch.float32)
+    assert abs(padded[0] - packed[0]) <= TOL * abs(padded[0])
+    scale = max(g.abs().max().item() for g in padded[1])
+    assert max((a - b).abs().max().item() for a, b in zip(padded[1], packed[1])) <= TOL * scale
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
 def test_packing_through_flash_attention_varlen_is_the_masked_path(tmp_path):
     """data.packing=true with model.attn_implementation=flash_attention_2 (FlashAttention's variable-length path)

@@ -170,10 +170,7 @@ CORE = [
     ("granite", "pipeline"),
     ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included
     ("mixtral", "pipeline"),  # the aux loss's routing totals carried through the stages (pipeline_stages.Routing)
-    (
-        "mixtral",
-        "ep2_data",
-    ),  # experts split over 2 of 4 ranks, 2 copies of each sharded (src/parallel/expert_parallel.py)
+    # expert parallelism: tests/test_expert_parallel.py runs mixtral-ep2_data's parity, with its communication
 ]
 
 

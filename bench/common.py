@@ -87,7 +87,7 @@ def data_and_model(
     """The token data and a freshly initialized model (GPT-2 unless `model_type`); attn "auto": the kernel
     train.py would pick; activation (GPT-2): the template's (conf/model/gpt2.yaml), or GPT2Config's own, gelu_new."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
 
     from src.datamodules.text import TextDataModule
 
@@ -111,22 +111,19 @@ def data_and_model(
         )
         model.loss_type = "ForCausalLM"
         return dm, model.to(device())
-    model = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=dm.vocab_size,
-            n_positions=ctx,
-            n_layer=layers,
-            n_head=heads,
-            n_embd=width,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            attn_implementation=attn,
-            activation_function=activation,
-        )
-    )
+    model = GPT2LMHeadModel(gpt2_config(dm.vocab_size, ctx, (layers, heads, width), attn, activation))
     model.loss_type = "ForCausalLM"
     return dm, model.to(device())
+
+
+def gpt2_config(vocab: int, positions: int, shape: tuple[int, int, int], attn: str, activation: str):
+    """A GPT-2 config of `shape` (layers, heads, width) without dropout, as every bench's GPT-2 is."""
+    from transformers import GPT2Config
+
+    layers, heads, width = shape
+    return GPT2Config(vocab_size=vocab, n_positions=positions, n_layer=layers, n_head=heads, n_embd=width,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
+                      activation_function=activation)  # fmt: skip
 
 
 def param_groups(model):
@@ -207,6 +204,31 @@ def paired_ratio(numerator: list[dict], denominator: list[dict]) -> tuple[float,
 
 
 # TRL's side of the comparisons with TRL's trainers
+def parse_trl_bench(ap, work: str, given: str):
+    """The arguments of a bench that times TRL in a child run of itself (dpo, sft, grpo): `--work` (absolute once
+    parsed) and what the child is handed, hidden from --help: `--child trl`, the data file `--<given>` and `--out`."""
+    import argparse
+
+    ap.add_argument("--work", default=work)
+    ap.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
+    ap.add_argument(f"--{given}", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.work = os.path.abspath(args.work)
+    return args
+
+
+def run_way(cmd: list[str], way: str, out: str) -> dict:
+    """Run one way's process `cmd` from the repository root: the JSON it wrote to `out`, or exit naming the way with
+    the end of its output."""
+    import subprocess
+
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{way} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(Path(out).read_text())
+
+
 def trl_child(module: str, args, keys: tuple[str, ...], **extra: str) -> list[str]:
     """The command that reruns bench `module` in a fresh process for its TRL way: `extra` and the named `args`."""
     named = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
@@ -219,24 +241,13 @@ def trl_parts(args, n_positions: int) -> tuple:
     `args.shape` without dropout (seed 0, SDPA), a step timer and the times it records, and the trainer arguments
     both trainers take alike: fused AdamW, clipping 1.0, a constant LR, no weight decay, CPU, no saving."""
     import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from transformers import AutoTokenizer, GPT2LMHeadModel, TrainerCallback
 
     layers, heads, width = map(int, args.shape.split(","))
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=n_positions,
-        n_layer=layers,
-        n_head=heads,
-        n_embd=width,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu",
-        attn_implementation="sdpa",
-    )
+    config = gpt2_config(len(tokenizer), n_positions, (layers, heads, width), "sdpa", "gelu")
     times: list[float] = []
 
     class Timer(TrainerCallback):

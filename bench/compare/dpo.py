@@ -17,11 +17,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import LR, TOKENIZER, TRAINING_ONLY, interleaved, paired_ratio, report, trl_child, trl_parts
+from bench.common import (
+    LR,
+    TOKENIZER,
+    TRAINING_ONLY,
+    interleaved,
+    paired_ratio,
+    parse_trl_bench,
+    report,
+    run_way,
+    trl_child,
+    trl_parts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = ROOT.parent / "shared" / "data" / "preference" / "dpo_en_demo.json"
@@ -133,12 +143,7 @@ def main() -> None:
     ap.add_argument("--shape", default="4,4,128", help="GPT-2 layers,heads,width")
     ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     ap.add_argument("--ways", default=",".join(WAYS))
-    ap.add_argument("--work", default=".cache/bench_dpo")
-    ap.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--pairs", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.work = os.path.abspath(args.work)
+    args = parse_trl_bench(ap, ".cache/bench_dpo", "pairs")
     if args.child:
         run_trl(args)
         return
@@ -159,9 +164,7 @@ def main() -> None:
             cmd = trl_child("bench.compare.dpo", args, keys, pairs=args.pairs, out=out)
         else:
             cmd = template_cmd(args, out, extra[way])
-        subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
-        with open(out) as f:
-            result = json.load(f)
+        result = run_way(cmd, way, out)
         if way != "trl":  # StepTimer counts batch x seq_len tokens; a batch of pairs is 2 x batch rows
             result["tokens_per_s"] *= 2
         return result

@@ -20,14 +20,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import lightning as L
 
-from bench.common import CLIP, LR, TOKENIZER, TRAINING_ONLY, interleaved, paired_ratio, trl_child, trl_parts
+from bench.common import (
+    CLIP,
+    LR,
+    TOKENIZER,
+    TRAINING_ONLY,
+    interleaved,
+    paired_ratio,
+    parse_trl_bench,
+    run_way,
+    trl_child,
+    trl_parts,
+)
 from bench.learn.grpo_learning import write_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,12 +184,7 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8, help="G: completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--shape", default="2,2,64", help="GPT-2 layers,heads,width")
-    ap.add_argument("--work", default=".cache/bench_grpo")
-    ap.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.work = os.path.abspath(args.work)
+    args = parse_trl_bench(ap, ".cache/bench_grpo", "prompts-file")
     if args.child:
         run_trl(args)
         return
@@ -192,10 +197,7 @@ def main() -> None:
             cmd = trl_child("bench.compare.grpo", args, keys, prompts_file=prompts, out=out)
         else:
             cmd = template_cmd(args, prompts, out)
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode:
-            raise SystemExit(f"{way} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-        return json.loads(Path(out).read_text())
+        return run_way(cmd, way, out)
 
     results = interleaved(list(WAYS), args.rounds, run)
     print(

@@ -20,11 +20,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import LR, TOKENIZER, TRAINING_ONLY, StepTimer, interleaved, paired_ratio, trl_child, trl_parts
+from bench.common import (
+    LR,
+    TOKENIZER,
+    TRAINING_ONLY,
+    StepTimer,
+    interleaved,
+    paired_ratio,
+    parse_trl_bench,
+    run_way,
+    trl_child,
+    trl_parts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATS = ROOT.parent / "shared" / "data" / "chat" / "glaive_toolcall_en_demo.json"
@@ -137,12 +147,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4, help="packed rows per step")
     ap.add_argument("--shape", default="2,2,64", help="GPT-2 layers,heads,width")
-    ap.add_argument("--work", default=".cache/bench_sft")
-    ap.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--chats", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.work = os.path.abspath(args.work)
+    args = parse_trl_bench(ap, ".cache/bench_sft", "chats")
     if args.child:
         run_trl(args)
         return
@@ -158,10 +163,7 @@ def main() -> None:
             if way == "trl"
             else template_cmd(args, out)
         )
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode:
-            raise SystemExit(f"{way} failed:\n{done.stderr[-3000:]}")
-        return json.loads(Path(out).read_text())
+        return run_way(cmd, way, out)
 
     results = interleaved(list(WAYS), args.rounds, run)
     print(

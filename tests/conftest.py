@@ -179,6 +179,16 @@ def pytest_configure(config):
             os.environ["TORCH_EXTENSIONS_DIR"] = str(path)  # the workers inherit it
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, Lightning, the test modules: ~600k objects) out of the cyclic
+    collector's reach for the session, as the fork server does for its runs (tests/helpers/forkrun.py): a full
+    collection during an in-process test otherwise walks it all (~0.25 s of one core each time)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests first, so that under pytest-xdist the long runs start early and the quick ones fill the gaps
     at the end instead of one long test running alone (pytest's sort is stable: file order kept within each)."""

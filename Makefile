@@ -9,6 +9,12 @@ TORCH ?= torch==2.13.0
 # releases that pyproject.toml allows instead.
 LOCK ?= requirements.lock
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
+# What installs the packages after torch: uv (`uv pip install`, the same constraints; 7 s against pip's 42 s for the
+# lock on a 2-core CI machine, docs/install.md), itself pip-installed into the venv first. torch is pip's either way:
+# pip reads pip.conf and TORCH's --index-url (a local CPU wheel, a CUDA build), uv reads only its own settings
+# (UV_INDEX_URL, uv.toml). INSTALLER=pip installs everything with pip.
+INSTALLER ?= uv
+INSTALL := $(if $(filter uv,$(INSTALLER)),$(VENV)/bin/uv pip install -q --python $(PY),$(PY) -m pip install -q --no-compile)
 
 .PHONY: setup train test test-fast test-gpu test-cluster test-latest lock flake-check lint clean
 setup: $(VENV)/.installed
@@ -16,9 +22,10 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile $(TORCH) $(CONSTRAINTS)
-	$(PY) -m pip install -q --no-compile $(CONSTRAINTS) -e ".[dev]"
+	$(if $(filter uv,$(INSTALLER)),$(PY) -m pip install -q --no-compile uv $(CONSTRAINTS))
+	$(INSTALL) $(CONSTRAINTS) -e ".[dev]"
 	# litdata (data=litdata) without its declared deps: its torchvision requirement would replace torch (pyproject.toml)
-	$(PY) -m pip install -q --no-compile $(CONSTRAINTS) --no-deps "litdata>=0.2.76"
+	$(INSTALL) $(CONSTRAINTS) --no-deps "litdata>=0.2.76"
 	# The bytecode pip would write one file at a time, on every core instead (a shorter install; docs/performance.md).
 	# A file that does not compile under this Python (torch ships one in 3.12 syntax) stays source, as pip leaves it.
 	# The packages' own test suites (pandas', sympy's, scipy's...: nothing imports them) are left out: 26 s against 41.

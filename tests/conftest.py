@@ -170,6 +170,8 @@ def pytest_configure(config):
     the per-clone state below is prepared once, by the controller (or the only process without xdist)."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller has done it
         return
+    if os.environ.get("TEST_FRESH_PROCESSES") != "1":  # the fork server all workers share (forkrun.interpreter)
+        os.environ["FORKRUN_DIR"] = forkrun.start()
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         cache = getattr(config, "cache", None)  # None under -p no:cacheprovider: each process builds its own then
         if cache is not None:

@@ -6,7 +6,7 @@ Runs test_parity.GPT2 (6 steps of a 2-layer GPT-2 on tests/data) as 1 process, 2
 ZeRO-2 (the tests' CPU strategy), once with `sys.executable` (every rank a fresh interpreter, as with
 TEST_FRESH_PROCESSES=1) and once with tests/helpers/forkrun.py's stand-in (every rank forked from a server that
 imported torch & co. once), interleaved, and prints the medians and their ratio. The server is started and used
-once before the rounds, so its own start (one fresh import per pytest worker) is not in the figures.
+once before the rounds, so its own start (one fresh import per test session) is not in the figures.
 """
 
 from __future__ import annotations

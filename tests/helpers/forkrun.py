@@ -5,11 +5,11 @@ Why: a fresh interpreter spends ~6.5 s of one core importing (`python -X importt
 1.9 s, torchmetrics via Lightning 2.7 s, torch._dynamo via Lightning 1.4 s), while a test's run trains a tiny
 model for a few steps. In a 2-rank run, rank 0 then waits ~10 s at the rendezvous for rank 1's imports.
 
-How: `interpreter()` starts one server per test process (`serve`: imports PRELOAD, listens on a Unix socket) and
-returns the path of a small executable that stands in for `python`. Run as `STAND_IN script.py args`, the stand-in
-sends its argv, environment, cwd and its stdin/stdout/stderr file descriptors to the server; the server forks a
-supervisor, which forks the run; the stand-in forwards the signals it gets to the run and exits with the run's
-exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
+How: one server per test session (`serve`: imports PRELOAD, listens on a Unix socket; `start()` in pytest's
+controller, shared by its xdist workers); `interpreter()` returns the path of a small executable that stands in for
+`python`. Run as `STAND_IN script.py args`, the stand-in sends its argv, environment, cwd and its
+stdin/stdout/stderr file descriptors to the server; the server forks a supervisor, which forks the run; the
+stand-in forwards the signals it gets to the run and exits with the run's exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
 DDP launcher starts (`sys.executable train.py ...`) are forked from the server too, through the real launcher.
 It forks scripts (after an optional `-u`: torchrun starts its ranks so, and takes the stand-in from PYTHON_EXEC),
 the project's own modules (`-m src.…`, `-m bench.…`) and submitit's task (`-m submitit.core._submit`: the train.py
@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,28 +129,43 @@ _stand_in: str | None = None
 
 
 def interpreter() -> str:
-    """The stand-in's path, starting this process's server on the first call."""
-    global _server, _stand_in
+    """The stand-in's path: that of the server `start()` made for this test session (its dir in FORKRUN_DIR, which
+    pytest-xdist's workers inherit from the controller: one server, one set of imports, for all of them), or else
+    of one started here on the first call. Waits for the server's imports."""
+    global _stand_in
     if _stand_in is None:
-        tmp = tempfile.mkdtemp(prefix="forkrun-")
-        server, stand_in = os.path.join(tmp, "server.sock"), os.path.join(tmp, "python")
-        Path(stand_in).write_text(STAND_IN.format(python=sys.executable, server=server))
-        os.chmod(stand_in, 0o755)
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        _server = subprocess.Popen(  # its stdin is our pipe: it exits when this process is gone
-            [sys.executable, "-c", f"from tests.helpers.forkrun import serve; serve({server!r}, {stand_in!r})"],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        assert _server.stdout.readline() == b"ready\n", "the tests' fork server did not start"
-        atexit.register(_stop, _server, tmp)
-        _stand_in = stand_in
+        tmp = os.environ.get("FORKRUN_DIR") or start()
+        end = time.time() + 600
+        while not os.path.exists(os.path.join(tmp, "server.sock")):  # it appears once the server listens
+            if _server is not None and _server.poll() is not None or time.time() > end:
+                raise AssertionError("the tests' fork server did not start")
+            time.sleep(0.05)
+        _stand_in = os.path.join(tmp, "python")
     return _stand_in
 
 
+def start() -> str:
+    """Start a server in the background and return its dir; it exits when this process is gone (its stdin is our
+    pipe). conftest.py starts the session's in pytest's controller, so the imports overlap the workers' collection."""
+    global _server
+    tmp = tempfile.mkdtemp(prefix="forkrun-")
+    server, stand_in = os.path.join(tmp, "server.sock"), os.path.join(tmp, "python")
+    Path(stand_in).write_text(STAND_IN.format(python=sys.executable, server=server))
+    os.chmod(stand_in, 0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "FORKRUN_DIR")}
+    _server = subprocess.Popen(
+        [sys.executable, "-c", f"from tests.helpers.forkrun import serve; serve({server!r}, {stand_in!r})"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+    )
+    atexit.register(_stop, _server, tmp)
+    return tmp
+
+
 def _stop(server: subprocess.Popen, tmp: str) -> None:
+    if not os.path.exists(os.path.join(tmp, "server.sock")):
+        server.kill()  # still importing (a session that ran no script): it would only notice the closed pipe after
     server.stdin.close()
     server.wait()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -170,10 +186,10 @@ def serve(path: str, stand_in: str) -> None:
     gc.collect()
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".new")
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors
-    os.write(1, b"ready\n")
+    os.rename(path + ".new", path)  # ready: the path appears only once it accepts connections
     events = selectors.DefaultSelector()
     events.register(listener, selectors.EVENT_READ)
     events.register(0, selectors.EVENT_READ)

@@ -9,8 +9,9 @@ How: one server per test session (`serve`: imports PRELOAD, listens on a Unix so
 controller, shared by its xdist workers); `interpreter()` returns the path of a small executable that stands in for
 `python`. Run as `STAND_IN script.py args`, the stand-in sends its argv, environment, cwd and its
 stdin/stdout/stderr file descriptors to the server; the server forks a supervisor, which forks the run; the
-stand-in forwards the signals it gets to the run and exits with the run's exit code (or dies of the run's signal). Inside the run `sys.executable` is the stand-in, so the ranks Lightning's
-DDP launcher starts (`sys.executable train.py ...`) are forked from the server too, through the real launcher.
+stand-in forwards the signals it gets to the run and exits with the run's exit code (or dies of the run's signal).
+Inside the run `sys.executable` is the stand-in, so the ranks Lightning's DDP launcher starts
+(`sys.executable train.py ...`) are forked from the server too, through the real launcher.
 It forks scripts (after an optional `-u`: torchrun starts its ranks so, and takes the stand-in from PYTHON_EXEC),
 the project's own modules (`-m src.…`, `-m bench.…`) and submitit's task (`-m submitit.core._submit`: the train.py
 job that `hydra/launcher=submitit_local` runs, started by the launcher's sys.executable); anything else (`-c`, other
@@ -137,7 +138,7 @@ def interpreter() -> str:
         tmp = os.environ.get("FORKRUN_DIR") or start()
         end = time.time() + 600
         while not os.path.exists(os.path.join(tmp, "server.sock")):  # it appears once the server listens
-            if _server is not None and _server.poll() is not None or time.time() > end:
+            if os.path.exists(os.path.join(tmp, "failed")) or time.time() > end:  # (its error is on stderr)
                 raise AssertionError("the tests' fork server did not start")
             time.sleep(0.05)
         _stand_in = os.path.join(tmp, "python")
@@ -165,7 +166,7 @@ def start() -> str:
 
 def _stop(server: subprocess.Popen, tmp: str) -> None:
     if not os.path.exists(os.path.join(tmp, "server.sock")):
-        server.kill()  # still importing (a session that ran no script): it would only notice the closed pipe after
+        server.kill()  # still importing (a session that ran no script): it reads the closed pipe only after that
     server.stdin.close()
     server.wait()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -178,8 +179,12 @@ def serve(path: str, stand_in: str) -> None:
     import gc
     import selectors
 
-    for name in PRELOAD:
-        importlib.import_module(name)
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+    except BaseException:
+        Path(path).with_name("failed").touch()  # the waiting test processes fail at once instead of timing out
+        raise
     # The preloaded modules' ~500k objects out of the cyclic collector's reach in every run forked from here, as the
     # gc module's docs advise before fork(): a full collection in a run otherwise walks them all (~0.2 s of one core
     # each time) and writes to their pages. A tiny GPT-2 run: 0.93 -> 0.66 s of CPU (docs/testing.md).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL_MATRIX_ONLY, SHARED, run_script
+from conftest import FULL_MATRIX_ONLY, run_script, shared
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import QUIET, assert_same_series, max_param_diff, train
 
@@ -97,15 +97,17 @@ ARCHS = {
     ],
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe")
-# Mistral's cases train on padded Alpaca records (prompt labels -100, one padded length per batch; byte tokens)
-DATA = {
-    "mistral": [
-        "data=instruct",
-        "data.path=" + str(SHARED / "alpaca" / "alpaca_en_demo.json"),
-        "data.seq_len=256",
-        "trainer.limit_val_batches=2",
-    ]
-}
+
+
+def data_args(arch: str) -> list[str]:
+    """Mistral's cases train on padded Alpaca records (prompt labels -100, one padded length per batch; byte
+    tokens); the others on ARCHS' text."""
+    if arch != "mistral":
+        return []
+    alpaca = shared("alpaca", "alpaca_en_demo.json")  # skips the case when the shared data is absent
+    return ["data=instruct", f"data.path={alpaca}", "data.seq_len=256", "trainer.limit_val_batches=2"]
+
+
 STRATEGIES = {
     "ddp": ["trainer=ddp", "trainer.devices=2"],
     "fsdp": ["trainer=fsdp", "trainer.devices=2"],
@@ -192,9 +194,9 @@ CASES = [
 
 @pytest.mark.parametrize("arch,strategy", CASES, ids=[f"{a}-{s}" for a, s in MATRIX])
 def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
-    lora = LORA if strategy.endswith("lora") else []
-    one = reference(ARCHS[arch] + RUN + DATA.get(arch, []) + lora)
-    args = ARCHS[arch] + RUN + DATA.get(arch, []) + lora + STRATEGIES[strategy]
+    lora, data = LORA if strategy.endswith("lora") else [], data_args(arch)
+    one = reference(ARCHS[arch] + RUN + data + lora)
+    args = ARCHS[arch] + RUN + data + lora + STRATEGIES[strategy]
     if strategy in ("tp", "pipeline"):  # each rank's parameter, gradient and optimizer bytes, for the memory tool
         args += ["+callbacks.state_bytes._target_=tests.helpers.callbacks.RecordStateBytes"]
     if (arch, strategy) == ("llama", "pipeline"):  # the compiled loss on the last stage against 1 eager process: in
@@ -228,7 +230,7 @@ def test_n_ranks_match_one_process(tmp_path, reference, arch, strategy):
     if strategy in ("ddp", "tp", "pipeline", "pipeline_tp", "fsdp_lora"):  # HF's layout: the export loads as it is
         assert_export_gives_the_templates_logits(tmp_path, last_ckpt(tmp_path, strategy))
     if strategy == "tp":  # eval.py on one process reads the tensor-parallel dir and gives the run's val loss
-        limit = [a for a in DATA.get(arch, []) if a.startswith("trainer.limit_val_batches")]  # the same batches
+        limit = [a for a in data if a.startswith("trainer.limit_val_batches")]  # the same batches
         loss = eval_val_loss(tmp_path, last_ckpt(tmp_path, strategy), limit)
         within(abs(loss - one["scalars"]["val/loss"][-1][1]), 5e-5, "eval.py val/loss")  # printed to 5 decimals
 

@@ -20,7 +20,9 @@ from src.datamodules.text import TextDataModule
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer
 
-SHAKESPEARE = shared("tinyshakespeare", "input.txt")
+
+def shakespeare() -> str:
+    return shared("tinyshakespeare", "input.txt").read_text()
 
 
 def read_syscall_bytes() -> int:
@@ -34,7 +36,7 @@ def read_syscall_bytes() -> int:
 def quiet_corpus(root: Path, size_mb: int) -> Path:
     """A corpus whose files were last changed more than UNVERIFIED_WINDOW_NS ago, so its hashes can be trusted."""
     root.mkdir(parents=True, exist_ok=True)
-    text = SHAKESPEARE.read_text()
+    text = shakespeare()
     with (root / "big.jsonl").open("w") as f:
         for i in range(size_mb * 2**20 // len(text) + 1):
             f.write(json.dumps({"text": f"{i}\n{text}"}) + "\n")
@@ -119,7 +121,7 @@ def test_txt_read_in_pieces_gives_the_whole_file_tokens(tmp_path, tok):
     """A .txt file is one document read in small pieces cut before whitespace: byte tokens and GPT-2 BPE equal
     the encoding of the whole file at once (blank lines, CRLF, multi-byte characters split across reads)."""
     tokenizer = ByteTokenizer() if tok == "bytes" else HFTokenizer(str(shared("gpt2-tokenizer")))
-    text = SHAKESPEARE.read_text()[:150_000] + "\r\n\r\nünïcödé ☃ " * 500 + "\n\n\n  tail  \n"
+    text = shakespeare()[:150_000] + "\r\n\r\nünïcödé ☃ " * 500 + "\n\n\n  tail  \n"
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "a.txt").write_text(text)
     corpus = Corpus.from_config(str(tmp_path / "c"), None, "train", "text", txt_chunk_chars=997)
@@ -182,7 +184,7 @@ print(len(tokens), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) /
 def test_cold_build_memory_does_not_grow_with_the_file(tmp_path):
     """One 96 MB .txt document: the whole-file path held it several times over (bytes, str, uint16 ids: > 400 MB);
     streamed, the build's peak RSS grows by the size of one batch of pieces (~8 MiB of text), not of the file."""
-    text = SHAKESPEARE.read_text()
+    text = shakespeare()
     big = tmp_path / "big.txt"
     with big.open("w") as f:
         for i in range(96 * 2**20 // len(text)):

@@ -38,7 +38,6 @@ from test_parity import QUIET
 
 from tests.helpers.margins import within
 
-GPT2_TOKENIZER = ["data.tokenizer=" + str(ROOT.parent / "shared" / "data" / "gpt2-tokenizer")]
 # from scratch (dropout 0): 2 heads and 2 layers, so tensor parallel and 2 pipeline stages can split it
 MODEL = ["model=gpt2", "model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
 RUN = [
@@ -166,7 +165,11 @@ def cell_args(kind: str, objective: str, directory: Path) -> list[str]:
         f"data.path={data_file(kind, directory)}",
         *DATA[kind],
         *packing_args,
-        *([] if any(a.startswith("data.tokenizer=") for a in DATA[kind]) else GPT2_TOKENIZER),
+        *(
+            []
+            if any(a.startswith("data.tokenizer=") for a in DATA[kind])
+            else [f"data.tokenizer={shared('gpt2-tokenizer')}"]
+        ),
         *MODEL,
         *RUN,
         *OBJECTIVE_ARGS.get(objective, []),

@@ -1,6 +1,6 @@
-"""The GPU lane (issue 50): what only a CUDA machine checks, `make test-gpu` on one H100/H200. Every test here is
-marked `gpu` and skips without CUDA ("needs CUDA"), so the CPU suite collects them and says why; none of them has
-run on a GPU yet (no GPU was lent when they were written): the first GPU session runs them and mends what fails.
+"""The GPU lane: what only a CUDA machine checks, `make test-gpu` on one H100/H200. Every test here is
+marked `gpu` and skips without CUDA ("needs CUDA"), so the CPU suite collects them and says why. Each run of the lane
+on a GPU is in docs/results/gpu_lane.jsonl; the tests that need 2 GPUs skip on one, saying so.
 
 Tolerances on a GPU: fp32 matmuls do not use TF32 by default (torch.backends.cuda.matmul.allow_tf32 is False), but
 cuBLAS picks kernels by shape and the backward of embeddings and of attention accumulates with atomics, so two
@@ -182,6 +182,36 @@ def test_torch_syncbatchnorm_on_two_gpus_trains_the_one_gpu_model(tmp_path):
     two = train(tmp_path, "two", VISION_10 + ["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=2"])
     assert max_param_diff(one["params"], two["params"]) <= TOL
     assert max(abs(a - b) for a, b in zip(losses(one), losses(two))) <= TOL
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 and not REHEARSAL, reason="needs 2 CUDA GPUs (the 1-GPU tests above run on one)"
+)
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("ddp", ["trainer=ddp"]),
+        ("fsdp2", ["trainer=fsdp", "trainer.strategy.save_distributed_checkpoint=false"]),
+        pytest.param("zero2", ["trainer=deepspeed", "trainer.strategy.stage=2"], marks=CUDA_ITSELF),
+        pytest.param("zero3", ["trainer=deepspeed", "trainer.strategy.stage=3"], marks=CUDA_ITSELF),
+    ],
+)
+def test_a_strategy_on_two_gpus_trains_the_one_gpu_run(tmp_path, name, args):
+    """DDP, FSDP2 and real DeepSpeed (ZeRO-2, ZeRO-3) on 2 GPUs (NCCL) with the same global batch, fp32, against the
+    plain one-GPU run: the logged losses and the consolidated final parameters within TOL. The CPU suite proves the
+    same with gloo processes; this is the proof with NCCL's reductions and each rank on its own device."""
+    if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed package")
+    from test_fsdp import last_ckpt, train_sharded
+    from test_parity import GPT2, max_param_diff
+
+    from src.checkpoint.convert import load_checkpoint
+
+    plain = gpt2_run(tmp_path, "plain", GPU)
+    run = train_sharded(tmp_path, name, GPT2 + args + [GPU[0], "trainer.devices=2"])
+    params = load_checkpoint(last_ckpt(tmp_path, name))["state_dict"]
+    assert max(abs(a - b) for a, b in zip(losses(plain), losses(run))) <= TOL
+    assert max_param_diff(plain["params"], params) <= TOL
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])

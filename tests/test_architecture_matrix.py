@@ -49,7 +49,7 @@ STRATEGIES = {
 # Gemma3 (scaled embeddings, per-layer rotary) under all three; Gemma2 (soft-capping), Cohere (logit scale,
 # parallel blocks) and GPT-NeoX (partial rotary) as pipeline stages, the strategy that computed another function
 # for them. Granite (granite-3's multipliers) and Mixtral (its aux loss) run in tests/test_architectures_parity.py.
-# Stop 56 (suite time): each of the three under one strategy, the others in the full matrix: Qwen3 under tp (its
+# For suite time, each of the three under one strategy, the others in the full matrix: Qwen3 under tp (its
 # per-head norms on sharded heads), Phi-3 under tp (fused projections split), Gemma3 under FSDP2 (a buffer no
 # checkpoint stores, built on the meta device) and as pipeline stages.
 MATRIX_SAMPLE = {"qwen3": ["tp"], "phi3": ["tp"], "gemma3_text": ["fsdp", "pipeline"]}

@@ -186,7 +186,7 @@ def test_bad_models_are_one_sentence(tmp_path):
 
 def test_attention_is_one_the_model_supports_and_a_failed_load_says_what_failed(tmp_path):
     """model.attn_implementation=auto takes the machine's faster kernel only where the class supports it (Gemma2 has
-    no SDPA: before issue 46 the default failed with "has no weights that load"); a named unsupported one, and a
+    no SDPA: a default that ignored it failed with "has no weights that load"); a named unsupported one, and a
     load that fails, are one sentence saying what failed."""
     small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     small.update(num_hidden_layers=2, head_dim=8)

@@ -158,7 +158,7 @@ def test_dropout_bench_times_keyed_against_torchs_dropout():
 
 
 @pytest.mark.slow
-@FULL_MATRIX_ONLY  # suite time (stop 57), 25 s: a benchmark's figure; the pipeline schedules' parity tests stay
+@FULL_MATRIX_ONLY  # suite time, 25 s: a benchmark's figure; the pipeline schedules' parity tests stay
 def test_pipeline_bubble_of_sleep_stages_is_near_the_formula():
     """2 gloo ranks whose stages sleep (fixed work): GPipe's and 1F1B's measured bubble is close to
     (K-1)/(M+K-1) and falls with M; 1F1B with M < K is refused, not measured."""

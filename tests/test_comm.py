@@ -114,7 +114,7 @@ GOALS = {  # (overrides, the formula's multiple of (N-1)/N·Ψ·4 bytes, toleran
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=FULL_MATRIX_ONLY)])  # suite time (stop 56): 3 ranks in full
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=FULL_MATRIX_ONLY)])  # suite time: 3 ranks in full
 @pytest.mark.parametrize("name", GOALS)
 def test_data_parallel_volume_per_rank_and_step_meets_the_formula(tmp_path, name, n):
     args, multiple, tol, phases = GOALS[name]

@@ -205,7 +205,7 @@ def test_zero3_with_cpu_offload_uses_deepspeed_cpu_adam_and_matches_ddp(tmp_path
 
 @pytest.mark.slow
 @needs_deepspeed
-@FULL_MATRIX_ONLY  # suite time (stop 55): ZeRO-2 = 1 process stays in test_token_loss; ZeRO dirs' resume refusal in test_resume_anywhere
+@FULL_MATRIX_ONLY  # suite time: ZeRO-2 = 1 process stays in test_token_loss; ZeRO dirs' resume refusal in test_resume_anywhere
 def test_zero2_checkpoint_resumes_exactly_and_exports(tmp_path):
     from test_parity import max_param_diff
     from transformers import AutoModelForCausalLM

@@ -289,7 +289,7 @@ def worst_relative_difference(ours: tuple, theirs: tuple) -> float:
     return worst
 
 
-@pytest.mark.parametrize(  # suite time (stop 56): ipo and hinge on the English pairs in the full matrix
+@pytest.mark.parametrize(  # suite time: ipo and hinge on the English pairs in the full matrix
     "loss_type,data",
     [
         ("sigmoid", EN),
@@ -452,7 +452,7 @@ STATS_LOGGED = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # suite time: ZeRO-2, ZeRO-3 (stop 56) and Llama in the full matrix; GPT-2 under FSDP2 stays
+@pytest.mark.parametrize(  # suite time: ZeRO-2, ZeRO-3 and Llama in the full matrix; GPT-2 under FSDP2 stays
     "case",
     [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero2_2", "zero3_2", "llama_fsdp_2") else []) for c in CASES],
 )
@@ -534,7 +534,7 @@ def test_dpo_learns_to_prefer_the_chosen_answers_of_8_pairs(tmp_path):
 
 
 @pytest.mark.slow
-@FULL_MATRIX_ONLY  # suite time (stop 55): DPO from a pretrained dir stays in the suite
+@FULL_MATRIX_ONLY  # suite time: DPO from a pretrained dir stays in the suite
 def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_path):
     """Instruction tuning under FSDP2 (a DCP dir) and ZeRO-2 (a ZeRO dir), 2 steps each; then DPO with
     model.pretrained=<that checkpoint>, and =<its consolidated .ckpt file>: the policy and its reference start
@@ -667,7 +667,7 @@ def test_precomputed_reference_with_no_validation_split(tmp_path):
 
 
 def test_a_checkpoint_from_before_objectives_were_a_config_group_builds_its_dpo_model(tmp_path):
-    """A checkpoint stored `model.objective: dpo` and `model.dpo: {...}` until stop 57: eval.py, export-hf and
+    """A checkpoint stored `model.objective: dpo` and `model.dpo: {...}` (before objectives were a config group): eval.py, export-hf and
     SFT -> DPO read its config as `model.objective: {_target_: ...DPO, ...}`, with its settings."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf

@@ -139,7 +139,7 @@ def test_fsdp_batchnorm_cnn_matches_one_process(tmp_path, reference):
     within(max_param_diff(one["params"], params_of(last_ckpt(tmp_path, "fsdp"))), 1e-5, "params")
 
 
-@FULL_MATRIX_ONLY  # suite time (stop 55): FSDP2's default = DDP stays in the suite
+@FULL_MATRIX_ONLY  # suite time: FSDP2's default = DDP stays in the suite
 def test_fsdp_switches(tmp_path, reference):
     """Activation checkpointing recomputes the same numbers; bf16 params stay close to fp32; ZeRO-2-like too."""
     ddp = reference(GPT2_DDP)

@@ -171,7 +171,7 @@ def straight(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@FULL_MATRIX_ONLY  # suite time (stop 57), 17 s: the elastic-restart test below checks one run dir under torchrun too
+@FULL_MATRIX_ONLY  # suite time, 17 s: the elastic-restart test below checks one run dir under torchrun too
 def test_torchrun_ranks_share_one_run_dir(dirs):
     """torchrun --standalone, no hydra.run.dir: one timestamped dir (was two, 1-2 s apart), logs by rank."""
     cmd = (
@@ -300,7 +300,7 @@ def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight)
 
 
 @pytest.mark.slow
-@FULL_MATRIX_ONLY  # suite time (stop 57), 19 s: test_scaleout's multirun of DDP jobs (child ranks joining their job) stays
+@FULL_MATRIX_ONLY  # suite time, 19 s: test_scaleout's multirun of DDP jobs (child ranks joining their job) stays
 def test_optuna_with_ddp_one_study_one_sweep_dir(dirs):
     """2 trials x 2 processes: the child ranks join their trial (they used to run sweeps of their own)."""
     short = [a for a in GPT2 if not a.startswith("model.scheduler.num_warmup_steps")]

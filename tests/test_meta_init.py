@@ -124,7 +124,7 @@ def test_meta_built_and_allocated_model_is_the_eagerly_built_one(model_type, bui
     that the eagerly built one holds, before any checkpoint is read (a run from scratch reads none); with the
     checkpoint's tensors it gives the same logits to the bit. Two builds: the template's (hf.build_on_meta: buffers
     built on the CPU, kept) and a model built wholly on meta (transformers' init recomputes the buffers it knows).
-    Before issue 46, Gemma's non-persistent embed_scale sat in a module with a weight and kept whatever memory
+    Without it, Gemma's non-persistent embed_scale sat in a module with a weight and kept whatever memory
     to_empty gave it; Apertus' xIELU beta and eps (persistent, set in __init__, not by transformers' init) did so
     in every run from scratch, training another model. The sample runs by default; TEST_ALL_ARCHITECTURES=1 runs
     every causal LM transformers ships with both plans."""

@@ -40,8 +40,8 @@ def tiny_model(model_type: str, layers: int = 4, **fields) -> nn.Module:
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_stages_chained_are_the_models_own_forward(model_type):
     """2 stages of 2 layers and 4 of 1 (the interleaved schedule's split): equal to the model's forward to float64's
-    rounding, or (outside the sample) refused in one sentence. Before issue 46 the stages re-implemented the
-    forward: Granite's multipliers, Cohere's logit scale, Gemma2's soft-capping were dropped and Gemma3's
+    rounding, or (outside the sample) refused in one sentence. Stages that re-implement the forward (below) fail
+    it: Granite's multipliers, Cohere's logit scale, Gemma2's soft-capping were dropped and Gemma3's
     per-layer-type rotary crashed."""
     model = tiny_model(model_type)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -58,7 +58,7 @@ def test_stages_chained_are_the_models_own_forward(model_type):
 
 
 class ReimplementedStage(DecoderStage):
-    """The stages before issue 46: the last one runs the plan's parts after the layers and the LM head itself,
+    """Stages as they once were: the last one runs the plan's parts after the layers and the LM head itself,
     dropping whatever the causal LM's own forward does beyond them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

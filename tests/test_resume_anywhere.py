@@ -83,16 +83,13 @@ CASES = {  # name: (source, the resumed run's overrides)
 }
 
 
-MOVED_56 = ("ddp_2_to_3", "1_to_pipeline_2", "ddp_2_to_fsdp_2")
+FULL_ONLY = ("ddp_2_to_1", "ddp_2_to_3", "1_to_pipeline_2", "ddp_2_to_fsdp_2")  # suite time
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case",  # suite time: ddp_2_to_1, and (stop 56) ddp_2_to_3, 1_to_pipeline_2 and ddp_2_to_fsdp_2 in the full matrix
-    [
-        pytest.param(c, marks=[FULL_MATRIX_ONLY] if c.startswith("llama") or c in MOVED_56 or c == "ddp_2_to_1" else [])
-        for c in CASES
-    ],
+    "case",  # the Llama cases and FULL_ONLY in the full matrix
+    [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c.startswith("llama") or c in FULL_ONLY else []) for c in CASES],
 )
 def test_a_step_4_checkpoint_resumed_elsewhere_ends_like_the_straight_run(tmp_path, source, case):
     from_name, target = CASES[case]

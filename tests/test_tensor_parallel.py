@@ -243,7 +243,7 @@ def test_a_plan_that_leaves_a_parameter_whole_between_split_layers_is_one_senten
     each rank would train its own (a different model, exit 0). Qwen3's q/k norms sit there too and are in its plan
     (replicated_with_grad_allreduce): accepted. GLM-4-MoE's MoE layers share one plan with its dense first layer:
     their router and shared experts sit under the `mlp` whose dense colwise / rowwise entries they do not hold
-    (refused before stop 47: a false refusal of 12 MoE architectures)."""
+    (a refusal there would falsely refuse 12 MoE architectures)."""
     from transformers import AutoModelForCausalLM
 
     from src.parallel.tensor_parallel import check_whole_inside, layer_plan

@@ -131,13 +131,13 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
     """Full fine-tune of tiny GPT-2 on Alpaca records (padded batches, prompt masked): 1 x 8, DDP 2 x 4 (with
     the compiled token loss in the full matrix), FSDP2 2 x 4 and 1 x 4 x accumulation 2 agree to 1e-5 in final parameters and in the
     logged train/loss at every step, and train/loss is the global batch's token mean. FSDP2 in the full matrix
-    (suite time, stop 56; FSDP2 on DPO's padded pairs, tests/test_dpo.py fsdp_2, stays)."""
+    (suite time; FSDP2 on DPO's padded pairs, tests/test_dpo.py fsdp_2, stays)."""
     from test_parity import assert_same_series, max_param_diff, train
 
     args = instruct_args(pretrained)
     one = reference(args)  # shared with the DeepSpeed test below
     # in the full matrix the 2 ranks compile their loss (auto: eager in runs this short), on padded batches of
-    # changing length (suite time, stop 57: compiling took ~15 s of the test; the compiled loss's own tests stay)
+    # changing length (suite time: compiling takes ~15 s of the test; the compiled loss's own tests stay)
     compiled = ["model.compile_loss=true"] if ALL else []
     two = train(tmp_path, "2x4", args + ["trainer=ddp", "trainer.devices=2"] + compiled)
     acc = train(tmp_path, "1x4x2", args + ["trainer.accumulate_grad_batches=2"])
@@ -180,7 +180,7 @@ def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path)
     """Stopped on 2 DDP ranks after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed
     on 1 process to 8 steps (so into the next epoch): the same parameters and train/loss as 8 steps straight on 1
     process. Each step's token count is looked up by batch index, which must continue where the checkpoint left
-    off, whatever the number of ranks (issue 35's instruction-data case)."""
+    off, whatever the number of ranks (instruction data, whose token counts vary by batch)."""
     from test_parity import assert_same_series, max_param_diff, train
 
     pretrained = tiny_gpt2_without_dropout(tmp_path)

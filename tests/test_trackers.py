@@ -117,8 +117,8 @@ def test_a_failed_run_is_marked_failed_with_the_steps_it_logged(tmp_path, monkey
 
 def test_a_tracker_without_its_package_is_one_sentence(tmp_path, monkeypatch):
     """logger=mlflow without MLflow installed: the sentence naming the extra (MLflow hidden from the import; a
-    UserError is one line and exit 2 from train.py, tests/test_errors.py). In process since stop 57: a child
-    interpreter's imports took 10-30 s of the suite."""
+    UserError is one line and exit 2 from train.py, tests/test_errors.py). In process: a child
+    interpreter's imports would take 10-30 s of the suite."""
     import sys
 
     from src.callbacks.trackers import MLflowTracker

@@ -142,7 +142,7 @@ def test_ddp_two_cpu_processes_one_run_dir_rank0_writes(dirs):
         FAST
         + path_overrides(dirs)
         + ["trainer=ddp", "model=gpt2", "callbacks.throughput.peak_flops=4e11"]
-        + ["trainer.max_steps=10", "trainer.val_check_interval=5"],  # suite time (stop 56): 20 steps prove no more
+        + ["trainer.max_steps=10", "trainer.val_check_interval=5"],  # suite time: 20 steps prove no more
         env=too_many,
     )
     out = proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Issue 18's measurement, from outside: whole `python train.py` runs against whole nanoGPT runs, timed on the
+"""The template against nanoGPT from outside: whole `python train.py` runs against whole nanoGPT runs, timed on the
 wall clock, with everything the template does by default (validation every 100 steps on the whole val split,
 checkpoints, sample text, TensorBoard), not only the training step that `bench.compare.throughput` times.
 

@@ -5,7 +5,7 @@ largest difference, the tolerance and their ratio). `python -m tests.helpers.mar
 largest ratio each check reached, so the margin left on a CPU is measured, not guessed (docs/testing.md).
 
 The ratio is what matters across CPUs: a check at 0.9 on one machine fails on the next whose kernels round
-otherwise (issue 45). The two ways out are float64 on both sides (U64 below: 1e-9 is ~10^7 of its units and ~100
+otherwise (it has happened). The two ways out are float64 on both sides (U64 below: 1e-9 is ~10^7 of its units and ~100
 times below fp32's rounding, so an fp32 step left in either side still shows) or a tolerance derived from the
 computation, with its derivation beside the check."""
 

@@ -121,22 +121,30 @@ def test_fp32_on_a_gpu_trains_what_a_cpu_trains(tmp_path):
     assert max_param_diff(gpu["params"], cpu["params"]) <= TOL
 
 
+FSDP2_FILE = ["trainer=fsdp", "trainer.strategy.save_distributed_checkpoint=false"]  # one consolidated checkpoint
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 and not REHEARSAL, reason="needs 2 CUDA GPUs (the 1-GPU cases run on one)"
+)
+
+
 @pytest.mark.parametrize(
-    "name,args",
+    "name,args,devices",
     [
-        ("fsdp2", ["trainer=fsdp", "trainer.devices=1", "trainer.strategy.save_distributed_checkpoint=false"]),
-        pytest.param(
-            "zero2", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=2"], marks=CUDA_ITSELF
-        ),
-        pytest.param(
-            "zero3", ["trainer=deepspeed", "trainer.devices=1", "trainer.strategy.stage=3"], marks=CUDA_ITSELF
-        ),
-        pytest.param("zero3_offload", ["trainer=deepspeed_stage_3_offload", "trainer.devices=1"], marks=CUDA_ITSELF),
+        ("fsdp2", FSDP2_FILE, 1),
+        pytest.param("zero2", ["trainer=deepspeed", "trainer.strategy.stage=2"], 1, marks=CUDA_ITSELF),
+        pytest.param("zero3", ["trainer=deepspeed", "trainer.strategy.stage=3"], 1, marks=CUDA_ITSELF),
+        pytest.param("zero3_offload", ["trainer=deepspeed_stage_3_offload"], 1, marks=CUDA_ITSELF),
+        pytest.param("ddp", ["trainer=ddp"], 2, marks=TWO_GPUS),
+        pytest.param("fsdp2", FSDP2_FILE, 2, marks=TWO_GPUS),
+        pytest.param("zero2", ["trainer=deepspeed", "trainer.strategy.stage=2"], 2, marks=[TWO_GPUS, CUDA_ITSELF]),
+        pytest.param("zero3", ["trainer=deepspeed", "trainer.strategy.stage=3"], 2, marks=[TWO_GPUS, CUDA_ITSELF]),
     ],
 )
-def test_a_sharding_strategy_on_one_gpu_trains_the_plain_run(tmp_path, name, args):
-    """FSDP2 and real DeepSpeed (ZeRO-2, ZeRO-3, ZeRO-3 with CPU offload) on one GPU, fp32, against the plain
-    one-GPU run: the logged losses and the consolidated final parameters within TOL."""
+def test_a_strategy_on_one_or_two_gpus_trains_the_plain_one_gpu_run(tmp_path, name, args, devices):
+    """FSDP2 and real DeepSpeed (ZeRO-2, ZeRO-3, ZeRO-3 with CPU offload) on one GPU, and DDP, FSDP2, ZeRO-2 and
+    ZeRO-3 on 2 GPUs (NCCL, the same global batch), fp32, against the plain one-GPU run: the logged losses and the
+    consolidated final parameters within TOL. The CPU suite proves the same with gloo processes; 2 GPUs add NCCL's
+    reductions and a device per rank."""
     if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed package")
     from test_fsdp import last_ckpt, train_sharded
@@ -145,7 +153,7 @@ def test_a_sharding_strategy_on_one_gpu_trains_the_plain_run(tmp_path, name, arg
     from src.checkpoint.convert import load_checkpoint
 
     plain = gpt2_run(tmp_path, "plain", GPU)
-    run = train_sharded(tmp_path, name, GPT2 + args + GPU[:1])
+    run = train_sharded(tmp_path, name, GPT2 + args + [GPU[0], f"trainer.devices={devices}"])
     params = load_checkpoint(last_ckpt(tmp_path, name))["state_dict"]
     assert max(abs(a - b) for a, b in zip(losses(plain), losses(run))) <= TOL
     assert max_param_diff(plain["params"], params) <= TOL
@@ -182,36 +190,6 @@ def test_torch_syncbatchnorm_on_two_gpus_trains_the_one_gpu_model(tmp_path):
     two = train(tmp_path, "two", VISION_10 + ["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=2"])
     assert max_param_diff(one["params"], two["params"]) <= TOL
     assert max(abs(a - b) for a, b in zip(losses(one), losses(two))) <= TOL
-
-
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2 and not REHEARSAL, reason="needs 2 CUDA GPUs (the 1-GPU tests above run on one)"
-)
-@pytest.mark.parametrize(
-    "name,args",
-    [
-        ("ddp", ["trainer=ddp"]),
-        ("fsdp2", ["trainer=fsdp", "trainer.strategy.save_distributed_checkpoint=false"]),
-        pytest.param("zero2", ["trainer=deepspeed", "trainer.strategy.stage=2"], marks=CUDA_ITSELF),
-        pytest.param("zero3", ["trainer=deepspeed", "trainer.strategy.stage=3"], marks=CUDA_ITSELF),
-    ],
-)
-def test_a_strategy_on_two_gpus_trains_the_one_gpu_run(tmp_path, name, args):
-    """DDP, FSDP2 and real DeepSpeed (ZeRO-2, ZeRO-3) on 2 GPUs (NCCL) with the same global batch, fp32, against the
-    plain one-GPU run: the logged losses and the consolidated final parameters within TOL. The CPU suite proves the
-    same with gloo processes; this is the proof with NCCL's reductions and each rank on its own device."""
-    if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("needs the deepspeed package")
-    from test_fsdp import last_ckpt, train_sharded
-    from test_parity import GPT2, max_param_diff
-
-    from src.checkpoint.convert import load_checkpoint
-
-    plain = gpt2_run(tmp_path, "plain", GPU)
-    run = train_sharded(tmp_path, name, GPT2 + args + [GPU[0], "trainer.devices=2"])
-    params = load_checkpoint(last_ckpt(tmp_path, name))["state_dict"]
-    assert max(abs(a - b) for a, b in zip(losses(plain), losses(run))) <= TOL
-    assert max_param_diff(plain["params"], params) <= TOL
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])

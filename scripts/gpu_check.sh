@@ -10,6 +10,9 @@
 #            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (5.6 min
 #            with three variants on an H200, 2026-11-27; ~7 with these four). TF32's default for fp32 runs:
 #            BENCH_VARIANTS="fp32=trainer.precision=32-true tf32=trainer.precision=32-true,float32_matmul_precision=high"
+#            torch.compile's modes (CUDA graphs against the idle GPU time a step; autotuned kernels):
+#            BENCH_VARIANTS="compile=model.compile=true cg=model.compile=true,model.compile_mode=reduce-overhead \
+#            tune=model.compile=true,model.compile_mode=max-autotune-no-cudagraphs"
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py:
 #            its kernels by kind, and the GPU's idle time a step with the longest idle stretches), the throughput
 #            callback's MFU beside it (~1.5 min)

@@ -194,6 +194,29 @@ def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it()
         GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile="model")
 
 
+def test_compile_mode_is_torch_compiles_and_a_mode_without_compile_is_one_sentence():
+    """model.compile_mode reaches torch.compile: reduce-overhead asks inductor for CUDA graphs, which it skips on a CPU
+    and counts in torch's own counters (without the mode: no skip counted, tests/test_compile.py's other graphs). A mode
+    with model.compile=false, or one torch.compile does not know, is one sentence when the module is built."""
+    from torch._dynamo.utils import counters
+
+    from src.utils.config import ConfigError
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = compiled_module("gpt2", compile_mode="reduce-overhead")
+    module.eval()
+    with torch.no_grad():  # one graph to compile, the forward's
+        module.loss_and_count(batch_of())
+    assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
+    with pytest.raises(
+        ConfigError, match=r"model.compile_mode=reduce-overhead with model.compile=false compiles nothing"
+    ):
+        compiled_module("gpt2", compile=False, compile_mode="reduce-overhead")
+    with pytest.raises(ConfigError, match=r"model.compile_mode='fast': use null or one of torch.compile's modes"):
+        compiled_module("gpt2", compile_mode="fast")
+
+
 @FULL_MATRIX_ONLY  # suite time: two gloo ranks compiling a whole GPT-2 each take ~1 min on 2 cores
 def test_a_whole_compiled_model_under_ddp_trains_the_eager_model(tmp_path, reference):
     """train.py, 2 gloo ranks, model.compile=true (the whole network and its loss compiled, the log says so)

@@ -76,8 +76,9 @@ class LitModule(L.LightningModule):
         Strategies shard each alike; blocks() lists the blocks of all of them."""
         return [self.network()]
 
-    def wrappers(self) -> dict[str, bool]:
-        """The per-block switches src/parallel/parallelize.py applies (activation_checkpointing, compile)."""
+    def wrappers(self) -> dict[str, Any]:
+        """The per-block switches src/parallel/parallelize.py applies (activation_checkpointing, compile,
+        compile_mode)."""
         return {}
 
     def configure_model(self) -> None:

@@ -27,7 +27,7 @@ from src.objectives.base import Objective
 from src.objectives.loss import run_logits, summed_token_loss, token_loss_function
 from src.objectives.sft import SFT
 from src.parallel import capabilities, compiled_attention
-from src.parallel.parallelize import compile_region, parallelize, parallelized
+from src.parallel.parallelize import check_compile_mode, compile_region, parallelize, parallelized
 from src.utils.config import ArchitectureRefused, ConfigError, check_number
 from src.utils.labels import IGNORE_INDEX
 
@@ -123,6 +123,7 @@ class CausalLMLitModule(LitModule):
         lora: Optional[dict[str, Any]] = None,
         peft: Optional[Any] = None,
         compile: bool = False,
+        compile_mode: Optional[str] = None,
         attn_implementation: str = "auto",
         resize_embeddings: bool = False,
         tokenizer: Optional[str] = None,
@@ -153,6 +154,8 @@ class CausalLMLitModule(LitModule):
         self._gradient_checkpointing, self._compile = gradient_checkpointing, compile  # src/parallel/parallelize.py
         token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
         compile_region(compile, whole_model=True)  # likewise model.compile, not once the ranks have started
+        check_compile_mode(compile_mode, compile)
+        self._compile_mode = compile_mode
         self._compile_loss, self._token_loss = compile_loss, None  # the loss function, chosen at its first call
         self._loss_chunk = check_loss_chunk(loss_chunk, objective, compile)
         self._head_checked = False  # model.loss_chunk's probe (chunked_loss.check_head), once, before the first step
@@ -387,8 +390,12 @@ class CausalLMLitModule(LitModule):
 
     # ---- what strategies, callbacks and tools read ----
 
-    def wrappers(self) -> dict[str, bool]:
-        return {"activation_checkpointing": self._gradient_checkpointing, "compile": self._compile}
+    def wrappers(self) -> dict[str, Any]:
+        return {
+            "activation_checkpointing": self._gradient_checkpointing,
+            "compile": self._compile,
+            "compile_mode": self._compile_mode,
+        }
 
     @property
     def hf_model(self) -> PreTrainedModel:

@@ -49,6 +49,7 @@ def parallelize(
     blocks: Optional[list[Block]] = None,
     activation_checkpointing: bool = False,
     compile: Union[bool, str] = False,
+    compile_mode: Optional[str] = None,
     whole_model: bool = True,
     fsdp: Optional[dict[str, Any]] = None,
 ) -> Any:
@@ -56,7 +57,7 @@ def parallelize(
 
     `experts`: (the (efsdp, ep) mesh, a 1-rank mesh) to split an MoE model's experts over (FSDP2 only).
     `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.
-    `compile`: false, true (the largest correct region: `compile_region`) or "blocks".
+    `compile`: false, true (the largest correct region: `compile_region`) or "blocks"; `compile_mode`: torch.compile's.
     `whole_model`: the caller allows compiling whole networks (see `compile_region`).
     `fsdp`: the options of `shard` (reshard_after_forward, param_dtype, reduce_dtype, cpu_offload).
     """
@@ -79,9 +80,9 @@ def parallelize(
     for part in parts:
         if region == "model" and getattr(module, "seq_len", None):
             compiled_attention.route(part, module.seq_len)  # SDPA's is_causal for the batches that need no mask
-        part.compile()
+        part.compile(mode=compile_mode)
     for head in heads:  # Module.compile would trace nothing: dynamo skips a frame of torch.nn's own code
-        head.forward = torch.compile(head.forward)
+        head.forward = torch.compile(head.forward, mode=compile_mode)
     if data_parallel is not None:
         efsdp = (experts[0]["efsdp"], data_parallel.size()) if experts is not None else None
         shard(module, data_parallel, blocks, split, efsdp, **(fsdp or {}))
@@ -92,7 +93,8 @@ def parallelize(
     log.info(
         f"parallelize: {len(blocks)} blocks; expert parallel {experts[0]['ep'].size() if experts else 1} "
         f"({len(split)} experts modules), tensor parallel {tensor_parallel.size() if tensor_parallel else 1}, "
-        f"activation checkpointing {activation_checkpointing}, compile {region or 'off'}, "
+        f"activation checkpointing {activation_checkpointing}, compile {region or 'off'}"
+        f"{f' ({compile_mode})' if region and compile_mode else ''}, "
         f"FSDP2 over {data_parallel.size() if data_parallel is not None else 0} rank(s)"
     )
     return module
@@ -108,6 +110,21 @@ def compile_region(compile: Union[bool, str], whole_model: bool) -> Optional[str
     if not compile:
         return None
     return "model" if compile is True and whole_model else "blocks"
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
+def check_compile_mode(mode: Optional[str], compile: Union[bool, str]) -> None:
+    """model.compile_mode: null (torch's default) or one of torch.compile's modes, and only with model.compile on."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"model.compile_mode={mode!r}: use null or one of torch.compile's modes: {', '.join(COMPILE_MODES)}."
+        )
+    if mode is not None and not compile:
+        raise ConfigError(
+            f"model.compile_mode={mode} with model.compile=false compiles nothing: set model.compile=true."
+        )
 
 
 def compiled_parts(

@@ -12,7 +12,8 @@
 #            BENCH_VARIANTS="fp32=trainer.precision=32-true tf32=trainer.precision=32-true,float32_matmul_precision=high"
 #            torch.compile's modes (CUDA graphs against the idle GPU time a step; autotuned kernels):
 #            BENCH_VARIANTS="compile=model.compile=true cg=model.compile=true,model.compile_mode=reduce-overhead \
-#            tune=model.compile=true,model.compile_mode=max-autotune-no-cudagraphs"
+#            tune=model.compile=true,model.compile_mode=max-autotune-no-cudagraphs \
+#            workers=model.compile=true,data.num_workers=2" (the next batch read by worker processes, not after each step)
 #   profile  profile.txt, metrics.csv: the compiled template's step under torch.profiler (bench/profile/profile_step.py:
 #            its kernels by kind, and the GPU's idle time a step with the longest idle stretches), the throughput
 #            callback's MFU beside it (~1.5 min)

@@ -48,11 +48,11 @@ SITE=/tmp/site PY312=()
   "$PYTHON" -m pip list 2>/dev/null | grep -iE '^(torch|lightning|transformers|hydra-core|omegaconf|deepspeed|peft|flash.attn|triton) '
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-GPT2_124M=(model/size=small "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=1024 data.global_batch_size=16
+GPT2_124M=(model/size=small "data.tokenizer=$W/shared-data/gpt2-tokenizer" data.seq_len=1024 data.global_batch_size=16
   model.dropout=0.0 trainer=gpu trainer.precision=bf16-mixed)
 SHAPE=gpu COMPILE=true STEPS=(--steps 50 --warmup 20)
 if [ -n "${DRY_RUN:-}" ]; then  # the plumbing on a CPU: tiny shapes, no compile, the lane rehearsed (GPU_LANE_ON_CPU)
-  GPT2_124M=(model.n_layer=2 model.n_head=2 model.n_embd=32 "data.tokenizer=$W/gpt2-tokenizer" data.seq_len=64
+  GPT2_124M=(model.n_layer=2 model.n_head=2 model.n_embd=32 "data.tokenizer=$W/shared-data/gpt2-tokenizer" data.seq_len=64
     data.global_batch_size=4 model.dropout=0.0 trainer=cpu trainer.precision=32-true)
   SHAPE=overhead COMPILE=false STEPS=(--steps 8 --warmup 2)
 fi
@@ -60,7 +60,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     bench)
-      timeout 480 "$PYTHON" -m bench.compare.throughput --shapes $SHAPE --tokenizer "$W/gpt2-tokenizer" --ways template \
+      timeout 480 "$PYTHON" -m bench.compare.throughput --shapes $SHAPE --tokenizer "$W/shared-data/gpt2-tokenizer" --ways template \
         --variants $BENCH_VARIANTS --nanogpt-repo "$W/nanoGPT" \
         --rounds 1 "${STEPS[@]}" \
         --cache-dir /tmp/bench > "$OUT/bench.txt" 2>&1
@@ -78,7 +78,7 @@ for stage in $STAGES; do
       LSTEPS=(--steps 30 --warmup 10)
       [ -n "${DRY_RUN:-}" ] && LSTEPS=(--steps 4 --warmup 1)
       timeout 540 "$PYTHON" -m bench.compare.throughput --model llama --shapes "$([ -n "${DRY_RUN:-}" ] && echo overhead || echo llama3_1b)" \
-        --tokenizer "$W/gpt2-tokenizer" --ways template,hf_compile --variants compile=model.compile=true --rounds 1 \
+        --tokenizer "$W/shared-data/gpt2-tokenizer" --ways template,hf_compile --variants compile=model.compile=true --rounds 1 \
         "${LSTEPS[@]}" --cache-dir /tmp/bench > "$OUT/llama.txt" 2>&1
       echo "exit $?" >> "$OUT/llama.txt" ;;
     lane)

@@ -19,9 +19,10 @@ rm -rf "$DEST" && mkdir -p "$DEST"
   $(for p in hydra-core omegaconf transformers peft regex hjson pydantic pydantic_core annotated-types typing-inspection; do pin "$p"; done)
 # pure-Python projects published as source only: built here into wheels
 "$PY" -m pip wheel -q --no-deps -w "$DEST" "$(pin antlr4-python3-runtime)" "$(pin deepspeed)"
-cp -r ../shared/data/gpt2-tokenizer "$DEST/gpt2-tokenizer"
-# the shared data the lane's tests read (tests/conftest.py's SHARED_DATA points there): ../shared does not travel
+# the shared data the lane's tests and the benchmarks read (tests/conftest.py's SHARED_DATA points there; GPT-2's
+# tokenizer for the packed-rows tests and the benches): ../shared does not travel
 mkdir -p "$DEST/shared-data/preference" "$DEST/shared-data/chat"
+cp -r ../shared/data/gpt2-tokenizer "$DEST/shared-data/"
 cp -r ../shared/data/tiny-gpt2 "$DEST/shared-data/"
 cp ../shared/data/preference/dpo_en_demo.json "$DEST/shared-data/preference/"
 cp ../shared/data/chat/glaive_toolcall_en_demo.json "$DEST/shared-data/chat/"

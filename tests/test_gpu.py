@@ -81,6 +81,20 @@ def test_keyed_dropout_on_a_gpu_is_the_same_with_accumulation_and_compiled(tmp_p
         assert max(abs(a - b) for a, b in zip(losses(one), losses(other))) < TOL, (losses(one), losses(other))
 
 
+def test_cuda_graphs_train_what_the_eager_model_trains(tmp_path):
+    """model.compile_mode=reduce-overhead (the compiled model's kernels replayed as CUDA graphs, training and validation
+    forwards) on the GPU, fp32: the logged losses and final parameters of the eager run within TOL (a graph that replays
+    stale inputs or overwritten outputs moves them far more). On a CPU inductor skips the graphs: the rehearsal checks
+    the compiled run alone."""
+    from test_parity import max_param_diff
+
+    base = ["trainer.precision=32-true"] + GPU
+    eager = gpt2_run(tmp_path, "eager", base)
+    graphs = gpt2_run(tmp_path, "graphs", base + ["model.compile=true", "model.compile_mode=reduce-overhead"])
+    assert max(abs(a - b) for a, b in zip(losses(eager), losses(graphs))) <= TOL, (losses(eager), losses(graphs))
+    assert max_param_diff(eager["params"], graphs["params"]) <= TOL
+
+
 @CUDA_ITSELF
 def test_fp16_skips_an_overflow_step_and_logs_it(tmp_path):
     """trainer.precision=16-mixed (Lightning's GradScaler on CUDA): step 3's gradients overflow (one inf, the loss

@@ -43,8 +43,8 @@ ARCHS = {
     # init wrote the row of a partitioned, empty weight)
     "qwen2": ["model=qwen2", *SHAPE, "+model.config.pad_token_id=0"],
     "mistral": ["model=mistral", *SHAPE, "model.config.sliding_window=8"],
-    # Granite's multipliers and logits scaling (as granite-3's config sets them): pipeline stages that
-    # re-implement the forward drop them and trained another function; Gemma3: scaled embeddings (a buffer no checkpoint holds),
+    # Granite's multipliers and logits scaling (as granite-3's config sets them): pipeline stages that re-implement
+    # the forward drop them and train another function; Gemma3: scaled embeddings (a buffer no checkpoint holds),
     # local and global rotary per layer type, q/k norms
     "granite": [
         "model=causal_lm",

@@ -125,7 +125,6 @@ sys.exit(code)
 # the group already). Not the default: a real process outlives its parent, and test_hangs checks for orphans.
 DIE_WITH_PARENT = {"FORKRUN_DIE_WITH_PARENT": "1"}
 
-_server: subprocess.Popen | None = None
 _stand_in: str | None = None
 
 
@@ -148,19 +147,18 @@ def interpreter() -> str:
 def start() -> str:
     """Start a server in the background and return its dir; it exits when this process is gone (its stdin is our
     pipe). conftest.py starts the session's in pytest's controller, so the imports overlap the workers' collection."""
-    global _server
     tmp = tempfile.mkdtemp(prefix="forkrun-")
     server, stand_in = os.path.join(tmp, "server.sock"), os.path.join(tmp, "python")
     Path(stand_in).write_text(STAND_IN.format(python=sys.executable, server=server))
     os.chmod(stand_in, 0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "FORKRUN_DIR")}
-    _server = subprocess.Popen(
+    server_process = subprocess.Popen(
         [sys.executable, "-c", f"from tests.helpers.forkrun import serve; serve({server!r}, {stand_in!r})"],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,
     )
-    atexit.register(_stop, _server, tmp)
+    atexit.register(_stop, server_process, tmp)
     return tmp
 
 

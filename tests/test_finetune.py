@@ -21,7 +21,7 @@ from tests.helpers.margins import close64, close_fp32_weights, within
 def test_masking_is_exact_token_by_token():
     tok = load_tokenizer(str(shared("gpt2-tokenizer")))
     record = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "The sum is 5."}
-    ids, labels = encode(record, tok, ALPACA, ALPACA_NO_INPUT)
+    ((ids, labels),) = encode([record], tok, ALPACA, ALPACA_NO_INPUT)
     prompt = ALPACA.format(**record)
     prompt_ids = tok.encode_batch([prompt])[0].tolist()
     response_ids = tok.encode_batch(["The sum is 5."])[0].tolist()
@@ -30,7 +30,7 @@ def test_masking_is_exact_token_by_token():
     assert labels.tolist() == [IGNORE_INDEX] * (len(prompt_ids) - 1) + response_ids + [50256]
     assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
     assert (labels[:-1][labels[:-1] != IGNORE_INDEX] == ids[1:][labels[:-1] != IGNORE_INDEX]).all()  # next token
-    no_input = encode({"instruction": "Say hi.", "input": "", "output": "Hi"}, tok, ALPACA, ALPACA_NO_INPUT)
+    (no_input,) = encode([{"instruction": "Say hi.", "input": "", "output": "Hi"}], tok, ALPACA, ALPACA_NO_INPUT)
     assert tok.decode(no_input[0].tolist()).startswith(ALPACA_NO_INPUT.format(instruction="Say hi."))
 
 
@@ -361,10 +361,8 @@ def test_logged_flops_and_tokens_per_sec_follow_the_hand_formula(dirs):
     per_context = 12 * d  # per token per token of its record: 1 layer, its q, k, v need gradients
 
     tok = load_tokenizer(str(shared("tiny-gpt2")))
-    lengths = {
-        min(len(encode(rec, tok, ALPACA, ALPACA_NO_INPUT)[0]), 512)
-        for rec in read_records(str(shared("alpaca", "alpaca_en_demo.json")))
-    }
+    records = read_records(str(shared("alpaca", "alpaca_en_demo.json")))
+    lengths = {min(len(ids), 512) for ids, _ in encode(records, tok, ALPACA, ALPACA_NO_INPUT)}
     (metrics,) = dirs["log_dir"].rglob("metrics.csv")
     rows = [row for row in csv.DictReader(open(metrics)) if row.get("train/device/flops_per_sec")]
     assert len(rows) >= 8

@@ -81,16 +81,26 @@ def read_records(path: str, hf_split: str = "train") -> list[dict]:
     return records
 
 
-def encode(record: dict, tokenizer: Tokenizer, template: str, template_no_input: str) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids, labels) of prompt + response + EOS, labels already shifted as all data here:
+def encode(
+    records: list[dict], tokenizer: Tokenizer, template: str, template_no_input: str
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, labels) of each record's prompt + response + EOS, labels already shifted as all data here:
     labels[t] is the token after input_ids[t], -100 while that token is still the prompt's. So the
-    response and its EOS are the targets, and the EOS, which predicts nothing, is not an input."""
-    prompt = (template if record.get("input") else template_no_input).format(**{k: record.get(k, "") for k in FIELDS})
-    prompt_ids, response_ids = tokenizer.encode_batch([prompt, record["output"]])
-    tokens = np.concatenate([prompt_ids, response_ids, [tokenizer.eos_id]]).astype(np.int64)
-    ids, labels = tokens[:-1], tokens[1:].copy()
-    labels[: max(len(prompt_ids) - 1, 0)] = IGNORE_INDEX
-    return ids, labels
+    response and its EOS are the targets, and the EOS, which predicts nothing, is not an input.
+    All texts go to the tokenizer in one call: a call per record added a third to the encoding's time (the fast
+    tokenizer's `__call__` overhead, paid per record on every rank at startup)."""
+    prompts = [
+        (template if record.get("input") else template_no_input).format(**{k: record.get(k, "") for k in FIELDS})
+        for record in records
+    ]
+    texts = [text for prompt, record in zip(prompts, records) for text in (prompt, record["output"])]
+    encoded, out = tokenizer.encode_batch(texts), []
+    for prompt_ids, response_ids in zip(encoded[0::2], encoded[1::2]):
+        tokens = np.concatenate([prompt_ids, response_ids, [tokenizer.eos_id]]).astype(np.int64)
+        ids, labels = tokens[:-1], tokens[1:].copy()
+        labels[: max(len(prompt_ids) - 1, 0)] = IGNORE_INDEX
+        out.append((ids, labels))
+    return out
 
 
 def pad_collate(pad_id: int):
@@ -135,8 +145,7 @@ class InstructDataModule(RecordsDataModule):
 
     def build_splits(self) -> dict[str, Dataset]:
         items, dropped, truncated = [], 0, 0
-        for record in self.records():
-            ids, labels = encode(record, self.tokenizer, self.template, self.template_no_input)
+        for ids, labels in encode(self.records(), self.tokenizer, self.template, self.template_no_input):
             if len(ids) > self.seq_len:
                 # truncate: keep the first seq_len tokens (the response is cut, its EOS lost); drop: skip it
                 if self.overlong == "drop" or (labels[: self.seq_len] == IGNORE_INDEX).all():

@@ -30,8 +30,13 @@ def test_masking_is_exact_token_by_token():
     assert labels.tolist() == [IGNORE_INDEX] * (len(prompt_ids) - 1) + response_ids + [50256]
     assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == "The sum is 5.<|endoftext|>"
     assert (labels[:-1][labels[:-1] != IGNORE_INDEX] == ids[1:][labels[:-1] != IGNORE_INDEX]).all()  # next token
-    (no_input,) = encode([{"instruction": "Say hi.", "input": "", "output": "Hi"}], tok, ALPACA, ALPACA_NO_INPUT)
+    hi = {"instruction": "Say hi.", "input": "", "output": "Hi"}
+    (no_input,) = encode([hi], tok, ALPACA, ALPACA_NO_INPUT)
     assert tok.decode(no_input[0].tolist()).startswith(ALPACA_NO_INPUT.format(instruction="Say hi."))
+    # records encoded together (one tokenizer call) are each what it is alone, in their order
+    together = encode([hi, record, hi], tok, ALPACA, ALPACA_NO_INPUT)
+    for got, alone in zip(together, [no_input, (ids, labels), no_input], strict=True):
+        assert [a.tolist() for a in got] == [a.tolist() for a in alone]
 
 
 def test_alpaca_file_batches_and_overlong_policy(tmp_path):

@@ -147,11 +147,17 @@ def test_mismatched_collective_fails_after_the_timeout_naming_rank_and_collectiv
 
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_quickly_without_orphans(tmp_path):
-    """Rank 1 SIGKILLs itself mid-run: rank 0 notices in its next collective and the job ends non-zero."""
+    """Rank 1 SIGKILLs itself mid-run: the job ends non-zero, with one line saying so. Whichever notices first ends
+    it: rank 0 in its next collective, or Lightning's child-process observer (it polls every 5 s), which wins when
+    rank 0 takes longer than that to reach one (seen on a loaded 2-core machine) and names the dead rank."""
     proc, out, waited = fault_run(tmp_path, "kill")
     assert proc.returncode != 0
     assert waited <= TIMEOUT_S + 10, out[-3000:]
-    assert re.search(r"Rank 0: collective \S+.* failed: another rank exited or was killed", out), out[-3000:]
+    assert re.search(
+        r"Rank 0: collective \S+.* failed: another rank exited or was killed"
+        r"|\[rank: 1\] Child process with PID \d+ terminated with code -9",
+        out,
+    ), out[-3000:]
     assert "Traceback" not in out
 
 

@@ -198,7 +198,7 @@ class PreferenceDataModule(RecordsDataModule):
             (head, chosen), (_, rejected) = render(prompt, chosen), render(prompt, rejected)
             texts += [head, chosen, rejected]
         encoded, margins = tok.encode_batch(texts), []
-        for p, c, r, margin in zip(encoded[0::3], encoded[1::3], encoded[2::3], (record[3] for record in records)):
+        for (*_, margin), p, c, r in zip(records, encoded[0::3], encoded[1::3], encoded[2::3]):
             fitted = self.cut(p, np.concatenate([c, eos]), np.concatenate([r, eos]))
             if fitted is None:
                 self.counts["dropped"] += 1

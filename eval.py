@@ -2,13 +2,16 @@
 
 Rebuilds the model and data exactly as trained (their config is stored in the checkpoint by
 train.py), applies any `data.*` / `model.*` overrides given on the command line, then runs
-validation and test and prints both.
+validation and test and prints both, at the precision the checkpoint trained at (unless
+`trainer.precision=...` is given), so its val loss is training's last one.
 """
 
 import logging
 from pathlib import Path
+from typing import Any, Optional
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
@@ -16,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
-from src.checkpoint.convert import consolidate, is_sharded, read_config
+from src.checkpoint.convert import consolidate, is_sharded, read_config, upgraded
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.run.job import prepare
@@ -27,19 +30,86 @@ register_schemas()
 log = logging.getLogger(__name__)
 
 
-def trained_config(cfg: DictConfig) -> DictConfig:
-    """The checkpoint's model/data config with this command line's model.* / data.* overrides on top."""
+def stored_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
+    """The config train.py stored in the checkpoint (None: not written by train.py), read without loading (or, for
+    shards, gathering) the weights."""
     path = Path(cfg.ckpt_path)
     if not (path.is_file() or is_sharded(path)):
         raise ConfigError(
             f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "
             "train.py, e.g. logs/train/runs/<run>/checkpoints/last.ckpt"
         )
-    stored = read_config(path)  # without loading (or, for shards, gathering) the weights
+    return read_config(path)
+
+
+def given(key: str) -> Optional[str]:
+    """This command line's override of `key` (`key=`, `+key=`, `++key=`), else None."""
+    for override in HydraConfig.get().overrides.task:
+        name, _, value = override.partition("=")
+        if name.lstrip("+") == key:
+            return value
+    return None
+
+
+def trained_config(cfg: DictConfig, stored: Optional[dict[str, Any]]) -> DictConfig:
+    """The checkpoint's model/data config with this command line's model.* / data.* overrides on top."""
     if stored is None:  # not written by train.py: trust the composed config
         return OmegaConf.masked_copy(cfg, ["model", "data"])
     overrides = [o for o in HydraConfig.get().overrides.task if o.split("=")[0].startswith(("data.", "model."))]
     return OmegaConf.merge(OmegaConf.create(stored), OmegaConf.from_dotlist(overrides))
+
+
+def trained_precision(ckpt_path: str, stored: Optional[dict[str, Any]]) -> tuple[Any, str]:
+    """The trainer.precision the checkpoint trained at and where that was read, or (None, why it is not known).
+
+    The checkpoint's own config if it holds one; else the run's config_resolved.yaml beside its checkpoints dir
+    (train.py writes it at the start of every run), taken only if its model and data are the checkpoint's."""
+    if stored is None:
+        return None, "the checkpoint holds no config (not written by train.py)"
+    precision = (stored.get("trainer") or {}).get("precision")
+    if precision is not None:
+        return precision, "the checkpoint's config"
+    path = Path(ckpt_path).absolute()
+    for run_dir in (path.parent, path.parent.parent):
+        resolved = run_dir / "config_resolved.yaml"
+        if not resolved.is_file():
+            continue
+        try:
+            run = OmegaConf.to_container(OmegaConf.load(resolved), resolve=False)
+            same = upgraded({"model": run["model"], "data": run["data"]}) == {
+                k: stored.get(k) for k in ("model", "data")
+            }
+            precision = run["trainer"]["precision"]
+        except Exception as e:  # unreadable or another layout: not known, the machine's default stands
+            return None, f"{resolved} could not be read ({type(e).__name__}: {e})"
+        if not same:
+            return None, f"{resolved} is another model's or data's run"
+        return precision, str(resolved)
+    return None, "the checkpoint holds no trainer.precision and no config_resolved.yaml of its run is beside it"
+
+
+def choose_precision(cfg: DictConfig, stored: Optional[dict[str, Any]]) -> None:
+    """trainer.precision: the command line's if given, else the checkpoint's (so eval reproduces training's val
+    loss), else the composed default (the machine's fastest). Says which, and why, in one line."""
+    trained, where = trained_precision(cfg.ckpt_path, stored)
+    if given("trainer.precision") is not None:
+        also = f"; the checkpoint trained at {trained}" if trained is not None else ""
+        log.info(f"Evaluating at trainer.precision={cfg.trainer.precision}: given on the command line{also}")
+        return
+    gpu = torch.cuda.is_available() and str(cfg.trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda")
+    if trained is not None and str(trained).startswith("16") and not gpu:  # fp16 needs a GPU (src/run/checks.py)
+        trained, where = None, f"the checkpoint trained at {trained} ({where}), which needs a GPU and none is used here"
+    if trained is None:
+        log.warning(
+            f"Evaluating at trainer.precision={cfg.trainer.precision}, this machine's default: {where}. Metrics "
+            "may differ from training's by the precision; pass trainer.precision=... to choose."
+        )
+        return
+    cfg.trainer.precision = trained
+    log.info(
+        f"Evaluating at trainer.precision={trained}, the precision the checkpoint trained at (from {where}); "
+        "pass trainer.precision=... to choose another"
+    )
 
 
 def consolidated_once(ckpt_path: str, out: Path) -> str:
@@ -64,11 +134,14 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    stored = stored_config(cfg)
+    choose_precision(cfg, stored)  # before prepare: its machine checks and config_resolved.yaml see what runs
     prepare(cfg)
-    trained = trained_config(cfg)
+    trained = trained_config(cfg, stored)
 
     datamodule = instantiate(trained.data)
-    model = instantiate(trained.model, **datamodule.model_kwargs)
+    # e.g. vocab_size from the tokenizer; a plain LightningDataModule has no model_kwargs
+    model = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
 

@@ -112,3 +112,48 @@ def test_paths_typed_relative_are_stored_absolute(tmp_path):
     )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert "EVAL " in evaluation.stdout
+
+
+def trained_val_loss(ckpt: Path) -> float:
+    """The val/loss training logged last before writing `ckpt`: its val/loss ModelCheckpoint's current score."""
+    states = torch.load(ckpt, map_location="cpu", weights_only=False)["callbacks"]
+    (score,) = [s["current_score"] for k, s in states.items() if "'monitor': 'val/loss'" in k]
+    return float(score)
+
+
+def test_eval_runs_at_the_checkpoints_precision_unless_given(tmp_path):
+    """Trained at the precision this machine would not pick (32-true where it picks bf16-mixed, and vice versa),
+    eval.py without trainer.precision reproduces training's last val/loss; trainer.precision= on its command line
+    wins; and a checkpoint moved away from its run (the precision not known) keeps the machine's default."""
+    from src.utils.machine import fastest_precision
+
+    default = fastest_precision()
+    trained_at = "32-true" if default != "32-true" else "bf16-mixed"
+    quiet = [a for a in QUIET if not a.startswith("trainer.precision=")]
+    run_script(
+        "train.py",
+        quiet
+        + path_overrides({"log_dir": tmp_path / "train", "cache_dir": tmp_path / "cache"})
+        + GPT2
+        + SHORT
+        + [f"trainer.precision={trained_at}", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"],
+    )
+    (run,) = (tmp_path / "train" / "train" / "runs").iterdir()
+    ckpt = run / "checkpoints" / "last.ckpt"
+    expected = trained_val_loss(ckpt)
+    limits = ["trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+
+    same, out = evaluate(tmp_path, ckpt, limits)
+    within(abs(same["val/loss"] - expected), 1e-6, f"val/loss at {trained_at}: eval {same['val/loss']} vs trained")
+    assert f"Evaluating at trainer.precision={trained_at}, the precision the checkpoint trained at" in out
+
+    told, out = evaluate(tmp_path, ckpt, [*limits, f"trainer.precision={default}"])
+    assert f"Evaluating at trainer.precision={default}: given on the command line" in out
+    assert f"the checkpoint trained at {trained_at}" in out
+    assert abs(told["val/loss"] - expected) > 1e-6, (told, expected)  # the other precision really ran
+
+    moved = tmp_path / "moved.ckpt"
+    moved.write_bytes(ckpt.read_bytes())
+    unknown, out = evaluate(tmp_path, moved, limits)
+    assert f"Evaluating at trainer.precision={default}, this machine's default" in out
+    assert unknown["val/loss"] == told["val/loss"]

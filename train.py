@@ -21,8 +21,10 @@ import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device
 from src.callbacks import trackers
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
 from src.callbacks.trackers import TrackerRuns
+from src.callbacks.user_module import UserModule
 from src.checkpoint.latest import resume_from
 from src.checkpoint.resume import ResumeAnywhere
+from src.datamodules.plain import shard_loaders
 from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors
 from src.models.init import deferred_init
@@ -38,19 +40,22 @@ def train(cfg: DictConfig) -> Optional[float]:
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)
+    shard_loaders(datamodule, cfg.seed or 0)  # a LightningDataModule's own loaders: each rank its share
     callbacks = instantiate_group(cfg.callbacks, "callbacks") + [
         CpuThreadsPerRank(),
         ConfigInCheckpoint(cfg),
         StepsInProgressBar(),
         ResumeAnywhere(allow_new_batch=cfg.get("resume_with_new_batch", False)),  # resume on another N or strategy
         TrackerRuns(),  # MLflow / W&B: the run's id in every checkpoint
+        UserModule(cfg.seed or 0),  # the module's self.log reduced over ranks, its nn.Dropout keyed by sample
     ]
     ckpt_path = resume_from(cfg) if cfg.train else None  # ckpt_path=, or resume=auto's newest checkpoint
     loggers = trackers.loggers(cfg.logger, ckpt_path)  # a tracker continues the run the checkpoint was logged to
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     # Sharding strategies (FSDP2, ZeRO-3) get the model on the meta device and make each rank's part of it
     with deferred_init(capabilities.of(trainer.strategy).meta_init):
-        model = instantiate(cfg.model, **datamodule.model_kwargs)  # e.g. vocab_size from the tokenizer
+        # what the data tells the model (the template's datamodules: vocab_size from the tokenizer, classes)
+        model = instantiate(cfg.model, **getattr(datamodule, "model_kwargs", {}))
     log_hyperparameters(trainer, model, cfg)
 
     metrics = {}

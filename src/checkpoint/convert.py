@@ -174,7 +174,7 @@ def build_module(checkpoint: dict[str, Any]):
         )
     cfg = OmegaConf.create(upgraded(checkpoint["config"]))
     datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model, **datamodule.model_kwargs)
+    module = instantiate(cfg.model, **getattr(datamodule, "model_kwargs", {}))
     module.load_state_dict(checkpoint["state_dict"])
     return module.eval(), datamodule
 

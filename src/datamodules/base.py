@@ -101,6 +101,17 @@ class IndexedCollate:
         return batch
 
 
+def batches_done_this_epoch(trainer: Any, batches_per_epoch: int) -> int:
+    """Batches of the current epoch already trained when fit resumes from a mid-epoch checkpoint."""
+    if trainer is None or not trainer.fit_loop.restarting:
+        return 0
+    limit = trainer.limit_train_batches  # as Lightning counts an epoch: an int caps it, a float scales it
+    epoch = min(batches_per_epoch, limit) if isinstance(limit, int) else int(batches_per_epoch * limit)
+    # the checkpoint is written in on_train_batch_end: Lightning counts that batch as done on restart
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
+
+
 def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
     """Per-device batch so that the optimizer always sees `global_batch_size` samples per step."""
     per_step = world_size * accumulate_grad_batches
@@ -250,17 +261,6 @@ class ShardedDataModule(L.LightningDataModule):
         """The evaluation padding made from a real `sample`: the same inputs, every label ignored."""
         return ignore_labels(sample)
 
-    def batches_done_this_epoch(self, batches_per_epoch: int) -> int:
-        """Batches of the current epoch already trained when fit resumes from a mid-epoch checkpoint."""
-        trainer = self.trainer
-        if trainer is None or not trainer.fit_loop.restarting:
-            return 0
-        limit = trainer.limit_train_batches  # as Lightning counts an epoch: an int caps it, a float scales it
-        epoch = min(batches_per_epoch, limit) if isinstance(limit, int) else int(batches_per_epoch * limit)
-        # the checkpoint is written in on_train_batch_end: Lightning counts that batch as done on restart
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
-
     def samples_per_batch(self) -> int:
         """The samples one per-rank batch index stands for: micro-batch x data-parallel ranks."""
         return self.batch_size * rank_and_world()[1]
@@ -282,7 +282,7 @@ class ShardedDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         dataset = Indexed(self.splits["train"])
         sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
-        sampler.skip = self.batches_done_this_epoch(len(sampler) // batch) * batch
+        sampler.skip = batches_done_this_epoch(self.trainer, len(sampler) // batch) * batch
         return ResumableLoader(
             dataset,
             batch_size=batch,

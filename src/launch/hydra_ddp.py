@@ -83,6 +83,8 @@ def job_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
         command = [sys.executable, "-m", __main__.__spec__.name]
     command += [f"--config-name={hc.job.config_name}"]
     command += [f"--config-dir={s['path']}" for s in hc.runtime.config_sources if s["provider"] == "command-line"]
+    # config dirs added on the command line (hydra.searchpath=[file://...]): the options this job composed from them
+    command += [o for o in hc.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
     command += list(hc.overrides.task)  # this job's values, e.g. model.optimizer.lr=0.001, not the sweep
     # hydra.mode=RUN: a sweeper's group (hparams_search=optuna) sets MULTIRUN, and is in the job's overrides
     command += [f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.mode=RUN", "hydra.output_subdir=null"]

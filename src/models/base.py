@@ -43,6 +43,8 @@ def scaled_lr(lr: float, rule: str, global_batch_size: int, base_batch_size: int
 
 
 class LitModule(L.LightningModule):
+    keys_own_dropout = False  # True: the module keys its dropout masks itself; else src/callbacks/user_module.py does
+
     def __init__(
         self,
         optimizer: Optional[Callable[..., torch.optim.Optimizer]],
@@ -166,7 +168,7 @@ class LitModule(L.LightningModule):
                 reduced = trainer.strategy.reduce(values, reduce_op="mean")
             mean, self.nonfinite_reduced = reduced[0], reduced[1]
             extra = (reduced[2:],) if self._stat_sums is not None else ()
-            self.log_dict(self.train_metrics(mean, *extra), prog_bar=True)
+            self.log_dict(self.train_metrics(mean, *extra), prog_bar=True, sync_dist=False)  # reduced above
         self._loss_sum, self._stat_sums = None, None
 
     def _note_finite(self, step_loss: torch.Tensor, step: int) -> None:
@@ -183,7 +185,7 @@ class LitModule(L.LightningModule):
     def log_epoch_metrics(self, stage: str, metrics: Any) -> dict[str, torch.Tensor]:
         """compute() all-gathers each torchmetrics state (sums and counts) over ranks; then reset."""
         values = {f"{stage}/{name}": metric.compute() for name, metric in metrics.items()}
-        self.log_dict(values, prog_bar=stage == "val")
+        self.log_dict(values, prog_bar=stage == "val", sync_dist=False)  # compute() synced them
         for metric in metrics.values():
             metric.reset()
         return values

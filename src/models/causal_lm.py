@@ -107,6 +107,8 @@ def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
 
 
 class CausalLMLitModule(LitModule):
+    keys_own_dropout = True  # by each row's sample (row_keys), the model's attention and functional dropout too
+
     def __init__(
         self,
         vocab_size: int,
@@ -678,10 +680,10 @@ class CausalLMLitModule(LitModule):
         self.objective.evaluation_step(self, batch, self.test_metrics)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.objective.epoch_metrics("val", self.val_metrics), prog_bar=True)
+        self.log_dict(self.objective.epoch_metrics("val", self.val_metrics), prog_bar=True, sync_dist=False)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict(self.objective.epoch_metrics("test", self.test_metrics))
+        self.log_dict(self.objective.epoch_metrics("test", self.test_metrics), sync_dist=False)
 
     def on_fit_start(self) -> None:
         self.check_dropout()

@@ -170,10 +170,14 @@ def key_functional_dropouts(model: nn.Module) -> int:
 
 def _keyed(x: torch.Tensor, p: float, salt: int, name: str) -> torch.Tensor:
     keys = _rows[0]
-    if keys is None or keys.shape[0] != x.shape[0]:
+    if keys is None:
         raise RuntimeError(
-            f"{name}: a training forward with dropout needs the keys of its {x.shape[0]} rows "
-            "(src/models/dropout.py set_keys)"
+            f"{name}: a training forward with dropout needs its rows' keys (src/models/dropout.py set_keys)"
+        )
+    if keys.shape[0] != x.shape[0]:
+        raise ConfigError(
+            f"{name}: dropout keyed by sample needs the batch's samples on dim 0 of its input, which has "
+            f"{x.shape[0]} rows for {keys.shape[0]} samples: put the batch first in that tensor, or set its p to 0."
         )
     if p == 1:
         return torch.zeros_like(x)

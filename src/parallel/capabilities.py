@@ -48,6 +48,15 @@ class Capabilities:
     """The optimizer class the model's optimizer must be instead of its configured one (DeepSpeed's CPU Adam
     under optimizer offload), or None."""
 
+    takes_plain_modules: ClassVar[bool] = True
+    """Any LightningModule trains under it, a plain one too: it asks nothing of the module (one device, DDP). False
+    (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/models/base.py:
+    blocks(), networks(), materialize()), so src/run/checks.py refuses another module before any process starts."""
+
+    needs_plans: ClassVar[bool] = False
+    """It splits the model by the tensor-parallel or pipeline plan of a transformers causal LM (CausalLMLitModule's
+    model.config): src/run/checks.py refuses another model before any process starts."""
+
     requires_cuda: ClassVar[bool] = False
     """The strategy refuses a CPU run (Lightning's DeepSpeed): src/run/checks.py says so before any process starts."""
 

@@ -94,6 +94,7 @@ def place_states(module: torch.nn.Module, device: torch.device) -> None:
 
 class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
     requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
+    takes_plain_modules = False  # configure_model and the loss's scaling for its accumulation are LitModule's
 
     def __init__(
         self,

@@ -187,8 +187,8 @@ def shard(
     for dtype in (param_dtype, reduce_dtype):
         if dtype not in DTYPES:
             raise ValueError(f"FSDP dtype {dtype!r}: use one of {[k for k in DTYPES if k]} or null.")
-    if not blocks:
-        raise ValueError(f"{type(module).__name__}.blocks() returned no blocks to shard.")
+    if not blocks:  # one unit: every parameter gathered for the whole forward (no saving of memory, still exact)
+        log.info(f"FSDP2: {type(module).__name__}.blocks() lists no blocks: each network is sharded as one unit")
     policy = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
 from src.parallel.mesh import data_group, data_rank_and_size
+from src.utils.config import ConfigError
 
 
 def data_parallel_group() -> Any:
@@ -42,12 +43,15 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
         """The epoch's permutation as every rank computes it, the dropped tail removed (what
-        DistributedSampler draws with shuffle=True, drop_last=True); rank r reads positions r, r+W, ..."""
-        g = torch.Generator()
-        g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+        DistributedSampler draws with shuffle=True, drop_last=True); rank r reads positions r, r+W, ...
+        Without shuffle, the dataset's own order."""
         n = len(self.dataset)
         # int32 where it fits: 4 bytes a sample instead of 8, and the same draws, so the same order
         dtype = torch.int32 if n < 2**31 else torch.int64
+        if not self.shuffle:
+            return torch.arange(self.total_size, dtype=dtype).numpy()
+        g = torch.Generator()
+        g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
         return torch.randperm(n, generator=g, dtype=dtype).numpy()[: self.total_size]
 
     def __iter__(self) -> Iterator[int]:
@@ -56,6 +60,15 @@ class ResumableDistributedSampler(DistributedSampler):
         # Read lazily from the array: a list of the epoch's indices would be ~44 bytes a sample in RAM
         # (a 2 GB corpus at seq_len 128: 15 M blocks, 0.7 GB per rank)
         return map(int, indices[skip:])
+
+    def batch(self, batch_idx: int, batch_size: int) -> np.ndarray:
+        """The dataset indices of this rank's batch `batch_idx` of the current epoch, as `__iter__` deals them (from a
+        mid-epoch checkpoint Lightning's batch_idx counts on, as `skip` leaves out the batches done). The rank's
+        order is kept for the epoch: one permutation an epoch, not one a batch."""
+        cached = self.__dict__.get("_rank_order")
+        if cached is None or cached[0] != self.epoch:
+            cached = self._rank_order = (self.epoch, self.epoch_order()[self.rank :: self.num_replicas])
+        return cached[1][batch_idx * batch_size : (batch_idx + 1) * batch_size]
 
     def step_totals(self, counts: np.ndarray, micro_batch: int, accumulate: int, epoch: int) -> np.ndarray:
         """Per optimizer step of `epoch`: the sum of `counts` (e.g. target tokens per sample) over the
@@ -76,15 +89,18 @@ class ResumableDistributedSampler(DistributedSampler):
         return np.add.reduceat(per_micro, np.arange(0, n_micro, accumulate)) if n_micro else per_micro
 
 
-def train_sampler(dataset, seed: int) -> ResumableDistributedSampler:
-    """One seeded permutation per epoch, shared by all ranks; rank r takes positions r, r+W, r+2W, ...
+def train_sampler(dataset, seed: int, shuffle: bool = True) -> ResumableDistributedSampler:
+    """One seeded permutation per epoch (shuffle=False: the dataset's order), shared by all ranks; rank r takes
+    positions r, r+W, r+2W, ...
 
     So a global batch is the same samples whatever the device count (1 x 8 or 2 x 4 read the same 8),
     each epoch has a new order (Lightning calls `set_epoch`), and a restart with the same seed
     replays it. The tail that does not fill a whole round over all ranks is dropped.
     """
     rank, world = rank_and_world()
-    return ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return ResumableDistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+    )
 
 
 class ShardSampler(Sampler[int]):
@@ -120,3 +136,33 @@ class ShardSampler(Sampler[int]):
 
     def is_padding(self, index: int) -> bool:
         return index >= self.dataset_len
+
+
+class EvenBatches(Sampler[list[int]]):
+    """Evaluation without padding (a LightningDataModule's own loaders, src/datamodules/plain.py): every index once over
+    all ranks, dealt round-robin (rank r: r, r+W, r+2W, ...), and each rank's shard cut into the same number of
+    batches of near-equal size, none larger than `batch_size`.
+
+    Every rank runs the same number of forwards (what FSDP2's and ZeRO-3's gathers need, see ShardSampler), and no
+    batch holds a sample that is not real: a mean weighted by each batch's size (Lightning's `self.log` reduction,
+    synced over ranks) and a torchmetrics metric count each sample once, whatever the module logs."""
+
+    def __init__(self, dataset_len: int, batch_size: int) -> None:
+        rank, world = rank_and_world()
+        longest, shortest = -(-dataset_len // world), dataset_len // world
+        self.n_batches = -(-longest // batch_size)
+        if shortest < self.n_batches:
+            fit = -(-longest // shortest) if shortest else None
+            fix = f"use an evaluation batch size of at least {fit} or fewer devices" if fit else "use fewer devices"
+            raise ConfigError(
+                f"An evaluation split of {dataset_len} sample(s) in batches of {batch_size} cannot give each of "
+                f"{world} ranks as many samples as batches ({self.n_batches}): {fix}."
+            )
+        self.shard = np.arange(rank, dataset_len, world)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in np.array_split(self.shard, self.n_batches):
+            yield batch.tolist()
+
+    def __len__(self) -> int:
+        return self.n_batches

@@ -54,6 +54,8 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
+    takes_plain_modules = False  # splits LitModule.blocks()
+    needs_plans = True  # by the model's tensor-parallel plan (transformers')
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:

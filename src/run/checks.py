@@ -97,6 +97,7 @@ def check_values(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     strategy = trainer.get("strategy")
     if isinstance(strategy, DictConfig) and "_target_" in strategy:  # a strategy's own checks (trainer=tp, pipeline)
+        _check_module_fits(cfg, capabilities.of(get_object(strategy._target_)))
         check = capabilities.of(get_object(strategy._target_)).check_config
         if check is not None:
             check(cfg)
@@ -140,6 +141,40 @@ def check_values(cfg: DictConfig) -> None:
             )
     for key in ("log_dir", "cache_dir", "output_dir"):
         _check_writable(f"paths.{key}", Path(cfg.paths[key]))
+
+
+def _check_module_fits(cfg: DictConfig, strategy: type) -> None:
+    """A strategy that shards through LitModule's interface, or splits by a causal LM's plans, gets such a module."""
+    target = OmegaConf.select(cfg, "model._target_", default=None)
+    if not target:
+        return
+    from src.models.base import LitModule
+
+    module, option = get_object(target), trainer_option(cfg)
+    if not strategy.takes_plain_modules and not (isinstance(module, type) and issubclass(module, LitModule)):
+        raise ConfigError(
+            f"trainer={option} shards the model through src/models/base.py's LitModule (its blocks() and networks()), "
+            f"and {target} is not one: build it on LitModule (docs/your-model.md) or use trainer=ddp."
+        )
+    if strategy.needs_plans:
+        from src.models.causal_lm import CausalLMLitModule
+
+        if not issubclass(module, CausalLMLitModule):
+            raise ConfigError(
+                f"trainer={option} splits a model by the tensor-parallel and pipeline plans of a Hugging Face causal "
+                f"LM (model=gpt2, llama, causal_lm, ...), and {target} has none: use trainer=ddp or trainer=fsdp."
+            )
+
+
+def trainer_option(cfg: DictConfig) -> str:
+    """The trainer= option the run composed (Hydra's choice), else the strategy's class name."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("trainer")
+        if choice:
+            return choice
+    return str(OmegaConf.select(cfg, "trainer.strategy._target_", default="?")).rsplit(".", 1)[-1]
 
 
 def data_options(batch_kind: str) -> list[str]:

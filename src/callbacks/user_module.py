@@ -1,0 +1,103 @@
+"""Two habits of any LightningModule (the template's LitModule or a plain one, as Lightning's docs teach) that train
+or report another model on N ranks than on 1, made exact from outside the module:
+
+- `self.log(...)` / `self.log_dict(...)` without `sync_dist`: Lightning logs rank 0's own value (its default is
+  sync_dist=False), not the global batch's. Here a call that does not say reduces over the ranks (sync_dist=True,
+  with the call's reduce_fx): a mean of equal micro-batches' means is the global batch's mean, and an evaluation mean
+  (Lightning weights each batch by its size and divides the synced sums) counts each sample once where no batch holds
+  padding (src/datamodules/plain.py). On 1 process the sync does nothing. A call that says sync_dist=False keeps
+  rank 0's value: LitModule's own calls, whose values are already reduced, say so. Lightning adds the batch sizes it
+  weights a mean by in an integer tensor and divides their synced mean as integers (57 rows on 2 ranks count as 28):
+  here the batch size goes in as a float (the batch's own, as Lightning would infer it, or the call's).
+- `nn.Dropout`: each rank draws its masks from its own generator, so a sample gets another mask on every layout.
+  Here each becomes a KeyedDropout (src/models/dropout.py), and a training batch's masks are keyed by the run's
+  seed, the step and its samples' dataset indices, read from the training sampler: the masks one process draws. A
+  module that keys its own dropout (`keys_own_dropout`, the LM) is left as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from src.models import dropout as keyed
+from src.parallel.samplers import ResumableDistributedSampler
+from src.utils.config import ConfigError
+
+
+class SyncedByDefault:
+    """`log` (a module's bound log or log_dict) with sync_dist=True where the call does not set it, and the batch size
+    as a float: the call's, else `batch_size()` (the current batch's; None outside a batch, where Lightning weights
+    each call alike)."""
+
+    def __init__(self, log: Callable[..., Any], batch_size: Callable[[], Optional[int]]) -> None:
+        self.log, self.batch_size, self.signature = log, batch_size, inspect.signature(log)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = self.signature.bind_partial(*args, **kwargs).arguments
+        if "sync_dist" not in given:
+            kwargs["sync_dist"] = True
+        size = given.get("batch_size", self.batch_size())
+        if size is not None:
+            if "batch_size" in given and "batch_size" not in kwargs:  # given by position: leave the call as it is
+                return self.log(*args, **kwargs)
+            kwargs["batch_size"] = float(size)
+        return self.log(*args, **kwargs)
+
+
+class UserModule(L.Callback):
+    """Applies the module doc's two rules to the trained module; `seed`: the run's (keys the dropout masks)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.keys_dropout = False
+        self.batch_size: Optional[int] = None  # the current batch's, between a batch's start and end hooks
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not isinstance(pl_module.log, SyncedByDefault):
+            pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size)
+            pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size)
+        if not getattr(pl_module, "keys_own_dropout", False):
+            keyed.key_dropouts(pl_module)
+            self.keys_dropout = keyed.has_dropout(pl_module)
+
+    def batch_started(self, batch: Any) -> None:
+        try:
+            self.batch_size = extract_batch_size(batch)
+        except MisconfigurationException:  # no tensor in it: Lightning's own default (1) then
+            self.batch_size = None
+
+    def batch_ended(self, *args: Any) -> None:
+        self.batch_size = None
+
+    def on_validation_batch_start(
+        self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.batch_started(batch)
+
+    def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.batch_started(batch)
+
+    on_train_batch_end = on_validation_batch_end = on_test_batch_end = batch_ended
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.batch_started(batch)
+        if not self.keys_dropout:
+            return
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, ResumableDistributedSampler):
+            raise ConfigError(
+                f"{type(pl_module).__name__} has dropout, whose masks are keyed by the samples the template's training "
+                "sampler deals, and its training loader has none: return a DataLoader with batch_size= and shuffle= "
+                "(src/datamodules/plain.py) or build the data on ShardedDataModule."
+            )
+        samples = torch.from_numpy(sampler.batch(batch_idx, loader.batch_size)).to(pl_module.device)
+        keyed.set_keys(keyed.row_keys(samples, samples.numel(), trainer.global_step, self.seed))

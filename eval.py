@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
-from src.checkpoint.convert import consolidate, is_sharded, read_config, upgraded
+from src.checkpoint.convert import consolidate, is_sharded, read_config
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.run.job import prepare
@@ -59,39 +59,20 @@ def trained_config(cfg: DictConfig, stored: Optional[dict[str, Any]]) -> DictCon
     return OmegaConf.merge(OmegaConf.create(stored), OmegaConf.from_dotlist(overrides))
 
 
-def trained_precision(ckpt_path: str, stored: Optional[dict[str, Any]]) -> tuple[Any, str]:
-    """The trainer.precision the checkpoint trained at and where that was read, or (None, why it is not known).
-
-    The checkpoint's own config if it holds one; else the run's config_resolved.yaml beside its checkpoints dir
-    (train.py writes it at the start of every run), taken only if its model and data are the checkpoint's."""
+def trained_precision(stored: Optional[dict[str, Any]]) -> tuple[Any, str]:
+    """The trainer.precision the checkpoint trained at (train.py stores it), or (None, why it is not known)."""
     if stored is None:
         return None, "the checkpoint holds no config (not written by train.py)"
     precision = (stored.get("trainer") or {}).get("precision")
-    if precision is not None:
-        return precision, "the checkpoint's config"
-    path = Path(ckpt_path).absolute()
-    for run_dir in (path.parent, path.parent.parent):
-        resolved = run_dir / "config_resolved.yaml"
-        if not resolved.is_file():
-            continue
-        try:
-            run = OmegaConf.to_container(OmegaConf.load(resolved), resolve=False)
-            same = upgraded({"model": run["model"], "data": run["data"]}) == {
-                k: stored.get(k) for k in ("model", "data")
-            }
-            precision = run["trainer"]["precision"]
-        except Exception as e:  # unreadable or another layout: not known, the machine's default stands
-            return None, f"{resolved} could not be read ({type(e).__name__}: {e})"
-        if not same:
-            return None, f"{resolved} is another model's or data's run"
-        return precision, str(resolved)
-    return None, "the checkpoint holds no trainer.precision and no config_resolved.yaml of its run is beside it"
+    if precision is None:
+        return None, "the checkpoint holds no trainer.precision (written before train.py stored it)"
+    return precision, "the checkpoint"
 
 
 def choose_precision(cfg: DictConfig, stored: Optional[dict[str, Any]]) -> None:
     """trainer.precision: the command line's if given, else the checkpoint's (so eval reproduces training's val
     loss), else the composed default (the machine's fastest). Says which, and why, in one line."""
-    trained, where = trained_precision(cfg.ckpt_path, stored)
+    trained, where = trained_precision(stored)
     if given("trainer.precision") is not None:
         also = f"; the checkpoint trained at {trained}" if trained is not None else ""
         log.info(f"Evaluating at trainer.precision={cfg.trainer.precision}: given on the command line{also}")

@@ -124,7 +124,7 @@ def trained_val_loss(ckpt: Path) -> float:
 def test_eval_runs_at_the_checkpoints_precision_unless_given(tmp_path):
     """Trained at the precision this machine would not pick (32-true where it picks bf16-mixed, and vice versa),
     eval.py without trainer.precision reproduces training's last val/loss; trainer.precision= on its command line
-    wins; and a checkpoint moved away from its run (the precision not known) keeps the machine's default."""
+    wins, also for a checkpoint moved away from its run; one that holds no precision keeps the machine's default."""
     from src.utils.machine import fastest_precision
 
     default = fastest_precision()
@@ -152,8 +152,14 @@ def test_eval_runs_at_the_checkpoints_precision_unless_given(tmp_path):
     assert f"the checkpoint trained at {trained_at}" in out
     assert abs(told["val/loss"] - expected) > 1e-6, (told, expected)  # the other precision really ran
 
-    moved = tmp_path / "moved.ckpt"
+    moved = tmp_path / "elsewhere" / "moved.ckpt"  # away from its run: the precision is in the checkpoint itself
+    moved.parent.mkdir()
     moved.write_bytes(ckpt.read_bytes())
+    again, out = evaluate(tmp_path, moved, limits)
+    assert again["val/loss"] == same["val/loss"]
+    older = torch.load(moved, map_location="cpu", weights_only=False)  # as written before the precision was stored
+    del older["config"]["trainer"]
+    torch.save(older, moved)
     unknown, out = evaluate(tmp_path, moved, limits)
     assert f"Evaluating at trainer.precision={default}, this machine's default" in out
     assert unknown["val/loss"] == told["val/loss"]

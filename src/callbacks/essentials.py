@@ -60,7 +60,8 @@ class StepsInProgressBar(L.Callback):
 
 
 class ConfigInCheckpoint(L.Callback):
-    """Store the model and data config in every checkpoint, so eval.py rebuilds exactly what was trained.
+    """Store the model and data config (and the precision trained at) in every checkpoint, so eval.py rebuilds exactly
+    what was trained and evaluates it as training's validation did.
 
     More than `save_hyperparameters()`: the resolved `_target_` configs of both the model and the datamodule (which
     class, its tokenizer, splits and paths made absolute), so eval.py, export-hf and SFT -> DPO rebuild both from
@@ -68,6 +69,7 @@ class ConfigInCheckpoint(L.Callback):
 
     def __init__(self, cfg: DictConfig) -> None:
         self.config = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
+        self.config["trainer"] = {"precision": OmegaConf.select(cfg, "trainer.precision")}  # resolved: what ran
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["config"] = self.config

@@ -37,12 +37,14 @@ GROUPS = [
 ]
 
 
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+def options(group: str, conf: Path = CONF) -> list[str]:
+    return sorted(p.stem for p in (conf / group).glob("*.yaml"))
 
 
-def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = None, keep_hydra: bool = False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+def compose_cfg(
+    overrides: list[str], name: str = "train", tmp: Path | None = None, keep_hydra: bool = False, conf: Path = CONF
+):
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve
     with open_dict(cfg):
@@ -53,17 +55,62 @@ def compose_cfg(overrides: list[str], name: str = "train", tmp: Path | None = No
     return cfg
 
 
-# Options that only make sense together: the vision data with the vision model and vice versa.
-VISION = ["data=digits", "model=convnet", "callbacks.generate_text=null"]
-PARTNER = {
-    ("data", "digits"): VISION,
-    ("data", "mnist"): ["model=convnet", "callbacks.generate_text=null"],
-    ("model", "convnet"): VISION,
-}
-for preset in (CONF / "model" / "size").glob("*.yaml"):  # a Llama/Qwen2/Mistral shape goes with its model= only
-    size_for = yaml.safe_load(preset.read_text()).get("size_for")
-    if size_for:
-        PARTNER[("model/size", preset.stem)] = [f"model={size_for}"]
+# Options that only make sense together (a model and the data it reads) are found in conf/, not listed here: a
+# user's model, data and the experiment that pairs them compose without editing this file.
+PAIRED = {"model": "data", "data": "model"}
+
+
+def yaml_of(conf: Path, group: str, option: str) -> dict:
+    return yaml.safe_load((conf / group / f"{option}.yaml").read_text()) or {}
+
+
+def picks(defaults: list) -> dict[str, str]:
+    """The options a defaults list chooses: `- override /data: digits` and `- data: text` -> {"data": "digits"}."""
+    chosen = {}
+    for entry in defaults:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                if isinstance(value, str):
+                    chosen[key.removeprefix("override").strip().strip("/")] = value
+    return chosen
+
+
+def partner_experiment(group: str, option: str, conf: Path = CONF) -> str | None:
+    """The experiment `group=option` is composed with, when it needs one: a model (data) option that no experiment
+    pairs with the default data (model) of train.yaml, but one does with another (model=convnet: data=digits, in
+    experiment=convnet_digits), takes the first such experiment, which brings the partner and whatever else the
+    pair needs (callbacks.generate_text=null: no text to generate). An option no experiment uses takes those of an
+    option of its group built by the same class (data=mnist: data=digits's, both ImageDataModule). None: the option
+    composes alone (with the default partner), as do the options of every other group."""
+    if group not in PAIRED:
+        return None
+    other = PAIRED[group]
+    default = picks(yaml.safe_load((conf / "train.yaml").read_text())["defaults"])
+    if option == default[group]:
+        return None
+    experiments = {e: picks(yaml_of(conf, "experiment", e).get("defaults", [])) for e in options("experiment", conf)}
+
+    def users(opt: str) -> list[tuple[str, str]]:  # (experiment, the partner it gives `opt`)
+        return [(e, chosen.get(other, default[other])) for e, chosen in experiments.items() if chosen.get(group) == opt]
+
+    used = users(option)
+    if not used:
+        target = yaml_of(conf, group, option).get("_target_")
+        same_class = [o for o in options(group, conf) if target and yaml_of(conf, group, o).get("_target_") == target]
+        used = [u for o in same_class if o != option for u in users(o)]
+    if not used or any(partner == default[other] for _, partner in used):
+        return None
+    return used[0][0]
+
+
+def partners(group: str, option: str, conf: Path = CONF) -> list[str]:
+    """The overrides `group=option` needs beside it to compose into a config that runs."""
+    if group == "model/size":  # a Llama/Qwen2/Mistral shape goes with its model= only
+        size_for = yaml_of(conf, group, option).get("size_for")
+        return [f"model={size_for}"] if size_for else []
+    experiment = partner_experiment(group, option, conf)
+    return [f"experiment={experiment}"] if experiment else []
+
 
 ALL_OPTIONS = [(g, o) for g in GROUPS for o in options(g)]
 
@@ -75,19 +122,21 @@ def test_every_group_has_options():
     assert {"tiny", "small", "medium", "large", "xl"} <= set(options("model/size"))
 
 
-@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
-def test_option_composes_and_instantiates(group, option, tmp_path):
-    extra = PARTNER.get((group, option), [])
-    if (group, option) == ("experiment", "gpt2_small"):  # its tokenizer is the hub's gpt2: use the local files
-        extra = [f"data.tokenizer={shared('gpt2-tokenizer')}"]
-    if (
-        group == "model/peft"
-        or (group, option) == ("model", "causal_lm")
-        or option in ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo", "gpt2_reward", "chat_sft")
-    ):
-        # real GPT-2 recipes: the local tiny GPT-2 instead of the hub's (virtual tokens need room in its context)
-        extra = [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]
-    cfg = compose_cfg([f"{group}={option}"] + extra, tmp=tmp_path)
+# experiments (or options) built on the hub's GPT-2: the local tiny GPT-2 instead (virtual tokens need room in its
+# context), offline
+HUB_GPT2 = ("gpt2_continued_pretraining", "gpt2_instruct_lora", "gpt2_dpo", "gpt2_reward", "chat_sft")
+
+
+def compose_and_instantiate(group: str, option: str, tmp_path: Path, conf: Path = CONF) -> None:
+    """Compose `group=option` with its partners and build everything a run builds before training."""
+    extra = partners(group, option, conf)
+    experiment = option if group == "experiment" else partner_experiment(group, option, conf)
+    if experiment == "gpt2_small":  # its tokenizer is the hub's gpt2: use the local files
+        extra = extra + [f"data.tokenizer={shared('gpt2-tokenizer')}"]
+    if group == "model/peft" or (group, option) == ("model", "causal_lm") or experiment in HUB_GPT2:
+        extra = extra + [f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=64"]
+    cfg = compose_cfg([f"{group}={option}"] + extra, tmp=tmp_path, conf=conf)
+    assert HydraConfig.get().runtime.choices[group] == option  # the option itself, not one its partner brings
     check_targets(cfg)  # every key of every _target_ node is accepted by its target
     needs_cuda = cfg.trainer.get("accelerator") == "gpu" or "deepspeed" in str(cfg.trainer.strategy)
     if needs_cuda and not torch.cuda.is_available():
@@ -107,6 +156,101 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
     if hasattr(model, "config"):
         assert datamodule.seq_len <= model.config.max_position_embeddings
         assert model.config.vocab_size == datamodule.model_kwargs["vocab_size"]
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_option_composes_and_instantiates(group, option, tmp_path):
+    compose_and_instantiate(group, option, tmp_path)
+
+
+def test_the_template_pairs_are_found_in_conf():
+    """The pairs a table here used to list: the vision data with the vision model and vice versa; the text options
+    compose alone (with train.yaml's model=gpt2 or data=text), as before."""
+    assert partners("model", "convnet") == partners("data", "digits") == ["experiment=convnet_digits"]
+    assert partners("data", "mnist") == ["experiment=convnet_digits"]  # no experiment of its own: digits's class
+    for group, option in [
+        ("model", "gpt2"),
+        ("model", "llama"),
+        ("data", "text"),
+        ("data", "chat"),
+        ("data", "prompts"),
+    ]:
+        assert partners(group, option) == [], (group, option)
+    assert partners("model/size", "llama3_1b") == ["model=llama"] and partners("model/size", "small") == []
+
+
+USER_MODULE = '''
+"""A user's addition, as the template's users write one: a tiny MLP on a scikit-learn table (iris)."""
+import torch
+from torch import nn
+from torch.utils.data import Subset, TensorDataset
+
+from src.datamodules.base import ShardedDataModule
+from src.models.base import LitModule
+
+
+class TableDataModule(ShardedDataModule):
+    batch_kind = "images"  # (features, label) pairs, no objective
+
+    def __init__(self, val_size=20, test_size=20, global_batch_size=16, eval_batch_size=None, num_workers=0,
+                 seed=42, overfit_batches=0):
+        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        self.val_size, self.test_size = val_size, test_size
+
+    @property
+    def model_kwargs(self):
+        return {"n_features": 4, "num_classes": 3}
+
+    def build_splits(self):
+        from sklearn.datasets import load_iris
+
+        x, y = load_iris(return_X_y=True)
+        data = TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y))
+        v, t = self.val_size, self.val_size + self.test_size
+        splits = {"val": range(v), "test": range(v, t), "train": range(t, len(y))}
+        return {split: Subset(data, rows) for split, rows in splits.items()}
+
+
+class MLPLitModule(LitModule):
+    def __init__(self, n_features, num_classes, hidden=32, optimizer=None, scheduler=None, weight_decay=0.0,
+                 lr_scaling="none", base_batch_size=16):
+        super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
+        self.net = nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log_train_loss(loss, batch_idx)
+        return loss
+'''
+USER_CONF = {
+    "model/mlp.yaml": "_target_: user_mlp_table.MLPLitModule\nhidden: 32\noptimizer:\n  _target_: torch.optim.AdamW\n"
+    "  _partial_: true\n  lr: 1.0e-2\nscheduler: null\n",
+    "data/table.yaml": "_target_: user_mlp_table.TableDataModule\nglobal_batch_size: 16\nseed: ${seed}\n",
+    "experiment/mlp_table.yaml": "# @package _global_\ndefaults:\n  - override /data: table\n  - override /model: mlp\n"
+    "callbacks:\n  generate_text: null\ntrainer:\n  precision: 32-true\n  max_steps: 100\n",
+}
+
+
+def test_a_users_model_data_and_experiment_compose_without_editing_this_file(tmp_path, monkeypatch):
+    """A user's model, data and the experiment pairing them (in a copy of conf/, their code in a module of their
+    own) compose and instantiate through the same discovery as the template's options: composed alone, the model
+    would be given the text data's vocab_size."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    for name, text in USER_CONF.items():
+        (conf / name).write_text(text)
+    (tmp_path / "user_mlp_table.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert partners("model", "mlp", conf) == partners("data", "table", conf) == ["experiment=mlp_table"]
+    assert partners("model", "convnet", conf) == ["experiment=convnet_digits"]  # the template's pairs unchanged
+    for group, option in [("model", "mlp"), ("data", "table"), ("experiment", "mlp_table")]:
+        compose_and_instantiate(group, option, tmp_path / group, conf=conf)
 
 
 @pytest.mark.parametrize(

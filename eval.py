@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
+from src.callbacks.user_module import UserModule
 from src.checkpoint.convert import consolidate, is_sharded, read_config
+from src.datamodules.plain import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.run.job import prepare
@@ -121,10 +123,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     trained = trained_config(cfg, stored)
 
     datamodule = instantiate(trained.data)
+    shard_loaders(datamodule, cfg.get("seed") or 0)  # a LightningDataModule's own loaders: each rank its share
     # e.g. vocab_size from the tokenizer; a plain LightningDataModule has no model_kwargs
     model = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     loggers = instantiate_group(cfg.logger, "logger")
-    trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank()])
+    trainer = instantiate(
+        cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank(), UserModule(cfg.get("seed") or 0)]
+    )
 
     ckpt_path = cfg.ckpt_path
     if is_sharded(ckpt_path) and not isinstance(trainer.strategy, (ModelParallelStrategy, DeepSpeedStrategy)):

@@ -1,0 +1,109 @@
+"""Prove an experiment of your own: 1 process and N train the same model, value for value.
+
+    python -m src.tools.parity experiment=NAME trainer=ddp [trainer.devices=N] [--steps 20] [any override ...]
+
+Runs train.py twice with the same overrides, once on 1 process (`trainer.devices=1`, the same strategy) and once as
+given (trainer=ddp: 2 CPU processes, or every GPU), for `--steps` optimizer steps (validation and test included),
+logging every step to CSV; then compares every value both runs logged (losses, metrics, learning rates) at every
+step and prints each one's largest difference against its tolerance. Exit 0 when all agree, 1 naming the first
+value and step that differ (or a value one run logged and the other did not), 2 for a run that failed.
+
+fp32 (`trainer.precision=32-true`) unless the command line sets a precision: equality is a property of the
+arithmetic there, while bf16's rounding depends on each rank's micro-batch shape. The tolerance of a value v is
+TOLERANCE_ULPS float32 epsilons of max(1, |v|): the reductions N ranks run in another order than 1 process can move
+a float32 result by a few units in its last place, and a sample counted twice, a rank's own mean logged, a dropout
+mask drawn from a rank's generator or a batch split otherwise moves it by orders of magnitude more. The throughput
+callback is off in both runs: its values (tokens/s, a rank's own counts) differ by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE_ULPS = 64  # float32 epsilons of max(1, |v|): 7.6e-6 for a loss of about 1 (module doc)
+EPS32 = 2.0**-23
+
+
+def tolerance(value: float) -> float:
+    return TOLERANCE_ULPS * EPS32 * max(1.0, abs(value))
+
+
+def run(overrides: list[str], log_dir: Path) -> dict[tuple[str, int], float]:
+    """train.py with `overrides`, logging to CSV under `log_dir`: {(value's name, step): value}. Exit 2 on failure."""
+    command = [sys.executable, str(ROOT / "train.py"), *overrides, f"paths.log_dir={log_dir}", "logger=csv"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        print(f"parity: train.py {' '.join(overrides)} failed (exit {proc.returncode}), see above", file=sys.stderr)
+        raise SystemExit(2)
+    values = {}
+    for path in log_dir.rglob("metrics.csv"):
+        for row in csv.DictReader(path.open()):
+            for name, value in row.items():
+                if value and name not in ("epoch", "step"):
+                    values[(name, int(row["step"]))] = float(value)
+    return values
+
+
+def first_difference(one: dict, many: dict) -> Optional[str]:
+    """The sentence for the first (by step, then name) value that differs, or is logged by one run only."""
+    for name, step in sorted(one.keys() | many.keys(), key=lambda k: (k[1], k[0])):
+        a, b = one.get((name, step)), many.get((name, step))
+        if a is None or b is None:
+            return f"{name} at step {step} was logged on {'N ranks' if a is None else '1 process'} only"
+        if not abs(a - b) <= tolerance(a):  # NaN differs
+            return f"{name} differs at step {step}: {b!r} on N ranks, {a!r} on 1 process (|diff| {abs(a - b):.3g} > {tolerance(a):.3g})"
+    return None
+
+
+def report(one: dict, many: dict) -> list[str]:
+    """One line per value: the steps compared, its largest difference and its tolerance."""
+    lines = []
+    for name in sorted({n for n, _ in one.keys() | many.keys()}):
+        steps = sorted({s for n, s in one.keys() & many.keys() if n == name})
+        diffs = [abs(one[(name, s)] - many[(name, s)]) for s in steps]
+        worst = max(diffs, default=float("nan"))
+        tol = min((tolerance(one[(name, s)]) for s in steps), default=float("nan"))
+        lines.append(f"{name:<40} {len(steps):>5} step(s)  largest |diff| {worst:<10.3g} tolerance {tol:.3g}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
+    parser.add_argument("overrides", nargs="*", help="train.py's overrides, e.g. experiment=NAME trainer=ddp")
+    args = parser.parse_args(argv)
+    given = args.overrides
+    common = [
+        *given,
+        f"trainer.max_steps={args.steps}",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "extras.print_config=false",
+        "callbacks.throughput=null",
+    ]
+    if not any(o.lstrip("+").startswith("trainer.precision=") for o in given):
+        common.append("trainer.precision=32-true")
+    single = [o for o in common if not o.lstrip("+").startswith("trainer.devices=")] + ["trainer.devices=1"]
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        one = run(single, Path(tmp) / "one")
+        many = run(common, Path(tmp) / "many")
+    print("\n".join(report(one, many)))
+    difference = first_difference(one, many)
+    if difference is not None:
+        print(f"parity: {difference}", file=sys.stderr)
+        return 1
+    steps = len({s for _, s in one})
+    print(f"parity: {len({n for n, _ in one})} values at {steps} logged step(s) equal on 1 process and N ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -94,9 +94,10 @@ def check_rebuildable(loader: Any, where: str) -> None:
         )
     random = isinstance(loader.sampler, RandomSampler)
     if loader.batch_size is None or not (isinstance(loader.sampler, SequentialSampler) or random):
+        own = ("batch sampler", loader.batch_sampler) if loader.batch_size is None else ("sampler", loader.sampler)
         raise ConfigError(
-            f"{where} uses a sampler or batch sampler of its own ({type(loader.sampler).__name__}), which the "
-            f"template cannot deal to ranks the same way on every layout: use batch_size= and shuffle={base}."
+            f"{where} uses a {own[0]} of its own ({type(own[1]).__name__}), which the template cannot deal to ranks "
+            f"the same way on every layout: use batch_size= and shuffle={base}."
         )
     if random and (loader.sampler.replacement or loader.sampler.num_samples != len(loader.dataset)):
         raise ConfigError(

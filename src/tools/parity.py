@@ -65,13 +65,14 @@ def first_difference(one: dict, many: dict) -> Optional[str]:
 
 def report(one: dict, many: dict) -> list[str]:
     """One line per value: the steps compared, its largest difference and its tolerance."""
-    lines = []
+    lines = [f"{'value':<32} {'steps':>5}  {'last (1 process)':>16}  {'largest |diff|':>14}  {'tolerance':>9}"]
     for name in sorted({n for n, _ in one.keys() | many.keys()}):
         steps = sorted({s for n, s in one.keys() & many.keys() if n == name})
         diffs = [abs(one[(name, s)] - many[(name, s)]) for s in steps]
         worst = max(diffs, default=float("nan"))
         tol = min((tolerance(one[(name, s)]) for s in steps), default=float("nan"))
-        lines.append(f"{name:<40} {len(steps):>5} step(s)  largest |diff| {worst:<10.3g} tolerance {tol:.3g}")
+        last = one[(name, steps[-1])] if steps else float("nan")
+        lines.append(f"{name:<32} {len(steps):>5}  {last:>16.8g}  {worst:>14.3g}  {tol:>9.3g}")
     return lines
 
 

@@ -44,7 +44,7 @@ class PlainTable(L.LightningDataModule):
 
 
 class PlainMLP(L.LightningModule):
-    def __init__(self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2) -> None:
+    def __init__(self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2, noise: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -54,6 +54,8 @@ class PlainMLP(L.LightningModule):
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hparams.noise:  # randomness of the module's own, drawn from the rank's generator
+            x = x + self.hparams.noise * torch.randn_like(x)
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
@@ -85,8 +87,8 @@ def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
-        "model/plain_mlp.yaml": "_target_: helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\n",
-        "data/plain_table.yaml": "_target_: helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\n",
+        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\n",
+        "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\n",
         "experiment/plain.yaml": (
             "# @package _global_\ndefaults:\n  - override /data: plain_table\n  - override /model: plain_mlp\n"
             "optimized_metric: val/acc\ncallbacks:\n  generate_text: null\n  model_checkpoint:\n"

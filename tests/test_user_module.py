@@ -1,0 +1,159 @@
+"""The module a user brings: plain Lightning code (tests/helpers/plain_lightning.py, written as Lightning's docs teach,
+nothing of this template) trains and reports on 2 ranks what it does on 1, or is refused in one sentence before any
+rank starts; the parity tool that proves it (`python -m src.tools.parity`) also catches what is not exact.
+
+What each run guards (each fails without its fix, tried): every rank reading every sample (val/n 114 for 57 rows);
+`self.log` without sync_dist logging rank 0's value; Lightning's integer division of a synced mean's batch sizes
+(57 rows on 2 ranks counted as 28); nn.Dropout drawing from each rank's generator.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, python, run_script
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+
+from src.datamodules import plain
+from src.parallel import samplers
+from src.utils.config import ConfigError
+from tests.helpers.plain_lightning import write_configs
+
+
+def parity(tmp_path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    conf = write_configs(tmp_path / "conf")
+    return run_script(
+        "-m", ["src.tools.parity", "--steps", "12", f"hydra.searchpath=[file://{conf}]", *args], check=check
+    )
+
+
+def values(report: str) -> dict[str, float]:
+    """The parity report's last value (1 process) of each logged value."""
+    rows = re.findall(r"^(\S+)\s+\d+\s+(\S+)\s+\S+\s+\S+$", report, re.MULTILINE)
+    return {name: float(last) for name, last in rows if name != "value"}
+
+
+@pytest.mark.slow
+def test_plain_lightning_code_is_exact_on_2_ranks(tmp_path):
+    """BatchNorm (SyncBatchNorm on 2 ranks), dropout, gradient accumulation, torchmetrics accuracy, `self.log` with
+    and without sync_dist, a count with reduce_fx="sum", 57 validation rows (uneven shards): equal, each row once."""
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.dropout=0.1", "trainer.accumulate_grad_batches=2")
+    assert "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
+    logged = values(proc.stdout)
+    assert logged["val/n"] == 57.0, logged  # each validation row counted once, on 1 process as on 2 ranks
+    assert {"train/loss", "val/loss", "val/acc", "test/loss", "test/acc"} <= logged.keys(), logged
+
+
+@pytest.mark.slow
+def test_parity_names_the_first_value_that_differs(tmp_path):
+    """Randomness a module draws itself (noise from torch.randn) is not keyed by sample: the tool exits 1 naming the
+    value and the step."""
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.noise=0.5", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"parity: train/loss differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,sentence",
+    [
+        (["experiment=convnet_digits", "trainer=tp"], "trainer=tp splits a model by the tensor-parallel and pipeline"),
+        (["experiment=convnet_digits", "trainer=pipeline"], "trainer=pipeline splits a model by the tensor-parallel"),
+        (["experiment=plain", "trainer=fsdp"], "trainer=fsdp shards the model through src/models/base.py's LitModule"),
+    ],
+    ids=["convnet-tp", "convnet-pipeline", "plain-fsdp"],
+)
+def test_a_strategy_the_module_cannot_take_is_one_sentence_before_any_rank(tmp_path, args, sentence):
+    conf = write_configs(tmp_path / "conf")
+    proc = run_script(
+        "train.py",
+        [f"hydra.searchpath=[file://{conf}]", f"paths.log_dir={tmp_path / 'logs'}", *args],
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank started
+
+
+def loader_refusal(loader: DataLoader) -> str:
+    with pytest.raises(ConfigError) as error:
+        plain.check_rebuildable(loader, "Table.train_dataloader()")
+    return str(error.value)
+
+
+def test_loaders_that_cannot_be_dealt_to_ranks_are_refused():
+    data = TensorDataset(torch.arange(10.0), torch.arange(10))
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    weights = WeightedRandomSampler(torch.ones(10), num_samples=10)
+    assert "IterableDataset" in loader_refusal(DataLoader(Stream(), batch_size=2))
+    assert "a sampler of its own (WeightedRandomSampler)" in loader_refusal(
+        DataLoader(data, batch_size=2, sampler=weights)
+    )
+    assert "a batch sampler of its own (list)" in loader_refusal(DataLoader(data, batch_sampler=[[0, 1], [2, 3]]))
+    assert "with replacement" in loader_refusal(DataLoader(data, batch_size=2, sampler=torch.utils.data.RandomSampler(data, replacement=True)))  # fmt: skip
+    assert "DataLoader subclass" in loader_refusal(type("MyLoader", (DataLoader,), {})(data, batch_size=2))
+    plain.check_rebuildable(DataLoader(data, batch_size=2, shuffle=True), "ok")  # the plain one passes
+
+
+def test_a_train_batch_that_does_not_divide_over_the_ranks_is_refused(monkeypatch):
+    monkeypatch.setattr(plain, "rank_and_world", lambda: (0, 4))
+    make = lambda: DataLoader(TensorDataset(torch.arange(40.0)), batch_size=30, shuffle=True)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"has batch_size=30, which does not divide over 4 ranks: make it a multiple"):
+        plain.sharded(make, type("Table", (), {"trainer": None})(), "train", 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_even_batches_deal_every_sample_once_in_as_many_batches_on_every_rank(monkeypatch, world):
+    for n in range(world, 40):
+        for batch in range(1, 9):
+            ranks = []
+            for rank in range(world):
+                monkeypatch.setattr(samplers, "rank_and_world", lambda: (rank, world))
+                try:
+                    ranks.append(list(samplers.EvenBatches(n, batch)))
+                except ConfigError as refused:
+                    assert "cannot give each of" in str(refused)
+                    shortest, longest = n // world, -(-n // world)
+                    assert shortest < -(-longest // batch), (n, batch, world)  # refused only where it must be
+                    break
+            else:
+                assert len({len(r) for r in ranks}) == 1, (n, batch, world)  # every rank as many batches
+                dealt = [i for r in ranks for b in r for i in b]
+                assert sorted(dealt) == list(range(n)), (n, batch, world)  # each sample once
+                assert all(0 < len(b) <= batch for r in ranks for b in r), (n, batch, world)
+
+
+def test_the_train_sampler_tells_which_samples_a_batch_holds():
+    """What keys the dropout masks: batch k's dataset indices, as each rank's sampler deals them; together the ranks'
+    batch k is the 1-process run's batch k."""
+    data = list(range(50))
+
+    def batches(world: int, rank: int, size: int) -> list[list[int]]:
+        sampler = samplers.ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=3, drop_last=True)
+        sampler.set_epoch(1)
+        dealt = [sampler.batch(k, size).tolist() for k in range(len(sampler) // size)]
+        assert [i for b in dealt for i in b] == list(sampler)[: len(dealt) * size]  # what the loader reads
+        return dealt
+
+    one = batches(1, 0, 4)
+    two = list(zip(batches(2, 0, 2), batches(2, 1, 2)))
+    assert [sorted(a + b) for a, b in two] == [sorted(b) for b in one]
+    assert np.array_equal(samplers.train_sampler(data, 0, shuffle=False).batch(2, 4), [8, 9, 10, 11])
+
+
+def test_the_parity_tool_refuses_a_failed_run_with_exit_2(tmp_path):
+    proc = subprocess.run(
+        [python(), "-m", "src.tools.parity", "--steps", "2", "experiment=nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "parity: train.py experiment=nosuch" in proc.stderr, proc.stderr

@@ -111,10 +111,10 @@ def test_zero3_on_3_ranks_with_11_val_and_test_samples_finishes_and_matches_one_
     assert_same_eval(one_process, zero3, ("val/loss",))
 
 
-def test_convnet_on_3_ranks_with_all_padding_batches_counts_each_image_once(tmp_path):
-    """digits, 11 val and 11 test images, 1 per batch, on 3 DDP ranks: ranks 1 and 2 end with a batch
-    that is all padding (label -100), which must add nothing to the loss or the accuracy (counted as a
-    wrong answer, it gave val/acc 2/12 instead of 2/11)."""
+def test_convnet_on_3_ranks_with_batches_of_1_counts_each_image_once(tmp_path):
+    """digits, 11 val and 11 test images, 1 per batch, on 3 DDP ranks: shards of 4, 4 and 3 images in 3 batches each
+    (src/parallel/samplers.py EvenBatches; a padding image counted as a wrong answer once gave val/acc 2/12 instead of
+    2/11): each image counts once in the loss and the accuracy."""
     from test_parity import VISION
 
     args = VISION + ["data.val_size=11", "data.test_size=11", "data.eval_batch_size=1"]

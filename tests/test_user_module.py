@@ -113,22 +113,21 @@ def test_a_train_batch_that_does_not_divide_over_the_ranks_is_refused(monkeypatc
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_even_batches_deal_every_sample_once_in_as_many_batches_on_every_rank(monkeypatch, world):
     for n in range(world, 40):
+        longest, shortest = -(-n // world), n // world
         for batch in range(1, 9):
             ranks = []
             for rank in range(world):
                 monkeypatch.setattr(samplers, "rank_and_world", lambda: (rank, world))
-                try:
-                    ranks.append(list(samplers.EvenBatches(n, batch)))
-                except ConfigError as refused:
-                    assert "cannot give each of" in str(refused)
-                    shortest, longest = n // world, -(-n // world)
-                    assert shortest < -(-longest // batch), (n, batch, world)  # refused only where it must be
-                    break
-            else:
-                assert len({len(r) for r in ranks}) == 1, (n, batch, world)  # every rank as many batches
-                dealt = [i for r in ranks for b in r for i in b]
-                assert sorted(dealt) == list(range(n)), (n, batch, world)  # each sample once
-                assert all(0 < len(b) <= batch for r in ranks for b in r), (n, batch, world)
+                ranks.append(list(samplers.EvenBatches(n, batch)))
+            assert len({len(r) for r in ranks}) == 1, (n, batch, world)  # every rank as many batches
+            dealt = [i for r in ranks for b in r for i in b]
+            assert sorted(dealt) == list(range(n)), (n, batch, world)  # each sample once
+            largest = max(batch, -(-longest // shortest))  # one batch per sample of the shortest shard at most
+            assert all(0 < len(b) <= largest for r in ranks for b in r), (n, batch, world)
+            assert len(ranks[0]) == min(-(-longest // batch), shortest)  # no more batches than needed
+    monkeypatch.setattr(samplers, "rank_and_world", lambda: (0, world + 1))
+    with pytest.raises(ConfigError, match=f"cannot give each of {world + 1} ranks at least one"):
+        samplers.EvenBatches(world, 4)
 
 
 def test_the_train_sampler_tells_which_samples_a_batch_holds():

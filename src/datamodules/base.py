@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src.datamodules.corpus import CorpusError
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.parallel.samplers import ShardSampler, rank_and_world, train_sampler
+from src.parallel.samplers import EvenBatches, ShardSampler, rank_and_world, train_sampler
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,12 @@ class ShardedDataModule(L.LightningDataModule):
     # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
     # for GRPO) | images (data=digits, mnist: for model=convnet, no objective)
     batch_kind = "tokens"
+    # Evaluation on N ranks: False (the default), each rank's shard in as many batches as every other's, near-equal in
+    # size, no padding: whatever the module logs (self.log's means, torchmetrics, a count) counts each sample once.
+    # True: every batch but the last of one size, short shards ending with a padding sample whose labels are ignored
+    # (padding_sample): what the language-model data does (its metrics leave out the ignored labels; GRPO gathers the
+    # generations of each position).
+    pad_evaluation = False
 
     def __init__(
         self,
@@ -295,17 +301,20 @@ class ShardedDataModule(L.LightningDataModule):
         )
 
     def eval_loader(self, split: str) -> DataLoader:
-        """Evaluation's loader of any split: each sample once over all ranks, every rank the same number of batches
-        (short shards get the padding item)."""
-        dataset = self.splits[split]
-        sampler = ShardSampler(len(dataset))
-        if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
-            dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
+        """Evaluation's loader of any split: each sample once over all ranks, every rank the same number of batches:
+        near-equal batches and no padding (EvenBatches), or, with `pad_evaluation`, batches of one size whose short
+        shards end with the padding item (ShardSampler)."""
+        dataset, size = self.splits[split], self.eval_batch_size or self.batch_size
+        if not self.pad_evaluation:
+            batches = {"batch_sampler": EvenBatches(len(dataset), size)}
+        else:
+            sampler = ShardSampler(len(dataset))
+            if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
+                dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
+            batches = {"batch_size": size, "sampler": sampler, "drop_last": False}
         return DataLoader(
             dataset,
-            batch_size=self.eval_batch_size or self.batch_size,
-            sampler=sampler,
-            drop_last=False,
+            **batches,
             collate_fn=self.collate_fn(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -324,6 +333,7 @@ class RecordsDataModule(ShardedDataModule):
     and data.special_tokens), the vocabulary the model is built for, the records checked on rank 0 before any
     rank's setup, and the cut of the usable items into train, val and test in file order."""
 
+    pad_evaluation = True  # batches of one shape; the metrics leave the padding's ignored labels out
     tokenizer_name: str
     special_tokens: Sequence[str] = ()
     path: str

@@ -112,6 +112,8 @@ def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tu
 
 
 class TextDataModule(ShardedDataModule):
+    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
+
     def __init__(
         self,
         path: Optional[str] = None,

@@ -139,9 +139,11 @@ class ShardSampler(Sampler[int]):
 
 
 class EvenBatches(Sampler[list[int]]):
-    """Evaluation without padding (a LightningDataModule's own loaders, src/datamodules/plain.py): every index once over
-    all ranks, dealt round-robin (rank r: r, r+W, r+2W, ...), and each rank's shard cut into the same number of
-    batches of near-equal size, none larger than `batch_size`.
+    """Evaluation without padding: every index once over all ranks, dealt round-robin (rank r: r, r+W, r+2W, ...), and
+    each rank's shard cut into the same number of batches of near-equal size: as many as the longest shard needs in
+    batches of `batch_size`, or, where the shortest shard holds fewer samples than that, one batch per sample of it
+    (so a batch may hold a sample or so more than `batch_size`: 11 samples on 3 ranks in batches of 1 are 3 batches
+    on each, 2+1+1 on the first two ranks).
 
     Every rank runs the same number of forwards (what FSDP2's and ZeRO-3's gathers need, see ShardSampler), and no
     batch holds a sample that is not real: a mean weighted by each batch's size (Lightning's `self.log` reduction,
@@ -150,14 +152,12 @@ class EvenBatches(Sampler[list[int]]):
     def __init__(self, dataset_len: int, batch_size: int) -> None:
         rank, world = rank_and_world()
         longest, shortest = -(-dataset_len // world), dataset_len // world
-        self.n_batches = -(-longest // batch_size)
-        if shortest < self.n_batches:
-            fit = -(-longest // shortest) if shortest else None
-            fix = f"use an evaluation batch size of at least {fit} or fewer devices" if fit else "use fewer devices"
+        if shortest == 0:
             raise ConfigError(
-                f"An evaluation split of {dataset_len} sample(s) in batches of {batch_size} cannot give each of "
-                f"{world} ranks as many samples as batches ({self.n_batches}): {fix}."
+                f"An evaluation split of {dataset_len} sample(s) cannot give each of {world} ranks at least one: use a "
+                "larger val/test split or fewer devices."
             )
+        self.n_batches = min(-(-longest // batch_size), shortest)
         self.shard = np.arange(rank, dataset_len, world)
 
     def __iter__(self) -> Iterator[list[int]]:

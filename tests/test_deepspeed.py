@@ -241,3 +241,23 @@ def test_zero2_applies_syncbatchnorm_batchnorm_cnn_matches_one_process(tmp_path,
     for tag in ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc"]:
         assert_same_series(one, ds, tag, 1e-5)
     within(max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp_path, "ds"))["state_dict"]), 1e-5, "params")
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_a_lit_module_under_zero2_with_accumulation_trains_the_ddp_model(tmp_path):
+    """ConvNetLitModule returns LitModule.loss_for_backward: under DeepSpeed, which divides the loss by its
+    accumulation once more than Lightning, ZeRO-2 with accumulation 2 takes DDP's steps. SGD, whose step is
+    proportional to the gradient, unclipped (Adam or clipping by norm would hide a halved one): returning the raw loss
+    gave another series (train/loss 2.39 against 3.86 at step 1)."""
+    from test_fsdp import train_sharded
+    from test_parity import VISION, assert_same_series, train
+
+    args = VISION + [
+        "trainer.accumulate_grad_batches=2",
+        "model.optimizer._target_=torch.optim.SGD",
+        "model.optimizer.lr=0.5",
+    ]
+    ddp = train(tmp_path, "ddp", args + ["trainer=ddp", "trainer.devices=2"])
+    zero2 = train_sharded(tmp_path, "zero2", args + CPU_DS + ["trainer.strategy.stage=2"])
+    assert_same_series(ddp, zero2, "train/loss", 1e-5)

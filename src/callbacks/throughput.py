@@ -34,18 +34,20 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from src.parallel.samplers import rank_and_world
 
 log = logging.getLogger(__name__)
 
 
-def _inputs(batch: Any) -> Any:
-    return batch["input_ids"] if isinstance(batch, dict) else batch[0]
+def _tokens(batch: Any) -> bool:
+    return isinstance(batch, dict) and "input_ids" in batch
 
 
 def _batch_size(batch: Any) -> int:
-    return _inputs(batch).shape[0]
+    """Rows of a token batch; else the samples Lightning finds in any batch (its first tensor's dim 0)."""
+    return batch["input_ids"].shape[0] if _tokens(batch) else extract_batch_size(batch)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -63,10 +65,10 @@ def wait_for_device(device: torch.device) -> None:
 
 def _num_items(batch: Any) -> Any:
     """Real tokens for text batches (a device tensor when there is an attention_mask), samples otherwise."""
-    if not isinstance(batch, dict):
+    if not _tokens(batch):
         return _batch_size(batch)
     mask = batch.get("attention_mask")
-    return _inputs(batch).numel() if mask is None else mask.sum()
+    return batch["input_ids"].numel() if mask is None else mask.sum()
 
 
 def replica_share(trainer) -> float:

@@ -197,10 +197,10 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, u
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
-    # what a batch holds, for the objective that trains on it (src/objectives/base.py): tokens (input ids and their
+    # what a batch holds, for a language model's objective (src/objectives/base.py): tokens (input ids and their
     # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
-    # for GRPO) | images (data=digits, mnist: for model=convnet, no objective)
-    batch_kind = "tokens"
+    # for GRPO) | images (data=digits, mnist) | samples (anything else: your own data, for a model without objective)
+    batch_kind = "samples"
     # Evaluation on N ranks: False (the default), each rank's shard in as many batches as every other's, near-equal in
     # size, no padding: whatever the module logs (self.log's means, torchmetrics, a count) counts each sample once.
     # True: every batch but the last of one size, short shards ending with a padding sample whose labels are ignored
@@ -333,6 +333,7 @@ class RecordsDataModule(ShardedDataModule):
     and data.special_tokens), the vocabulary the model is built for, the records checked on rank 0 before any
     rank's setup, and the cut of the usable items into train, val and test in file order."""
 
+    batch_kind = "tokens"
     pad_evaluation = True  # batches of one shape; the metrics leave the padding's ignored labels out
     tokenizer_name: str
     special_tokens: Sequence[str] = ()

@@ -206,6 +206,7 @@ def chunk_cache(input_dir: str, cache_dir: Optional[str], meta: dict) -> Optiona
 class LitDataModule(ShardedDataModule):
     """`data=litdata`: train on shards built by `python -m src.tools.shards build` (see module docstring)."""
 
+    batch_kind = "tokens"
     pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
 
     def __init__(

@@ -112,6 +112,7 @@ def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tu
 
 
 class TextDataModule(ShardedDataModule):
+    batch_kind = "tokens"
     pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
 
     def __init__(

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.profiler import record_function
 
 from src.parallel import capabilities
+from src.utils.config import ConfigError
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
@@ -230,10 +231,15 @@ class LitModule(L.LightningModule):
         # an empty group (LoRA trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
         # schedule, made on the groups given here, would then step one group more than the optimizer has
         groups = [group for group in groups if group["params"]]
-        base_lr = self.optimizer_fn.keywords["lr"]
-        global_batch = self.trainer.datamodule.global_batch_size
-        lr = scaled_lr(base_lr, self.lr_scaling, global_batch, self.base_batch_size)
+        base_lr = lr = self.optimizer_fn.keywords["lr"]
         if self.lr_scaling != "none":
+            global_batch = getattr(self.trainer.datamodule, "global_batch_size", None)
+            if global_batch is None:
+                raise ConfigError(
+                    f"model.lr_scaling={self.lr_scaling} scales the LR by the data's global batch, and "
+                    f"{type(self.trainer.datamodule).__name__} has no global_batch_size: set model.lr_scaling=none."
+                )
+            lr = scaled_lr(base_lr, self.lr_scaling, global_batch, self.base_batch_size)
             log.info(
                 f"LR {base_lr:g} at batch {self.base_batch_size} -> {lr:g} at global batch {global_batch} "
                 f"({self.lr_scaling} scaling)"

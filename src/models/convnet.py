@@ -38,9 +38,9 @@ class ConvNetLitModule(LitModule):
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
 
         # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks; label
-        # IGNORE_INDEX (evaluation padding, see src/datamodules/base.py) counts in neither; a NaN loss (a
-        # diverged model) stays NaN instead of being dropped (the divergence callback reads it). Not
-        # nan_strategy="disable": torchmetrics then replaces the weights by ones.
+        # IGNORE_INDEX (a padding sample, where a datamodule pads evaluation: src/datamodules/base.py) counts in
+        # neither; a NaN loss (a diverged model) stays NaN instead of being dropped (the divergence callback reads
+        # it). Not nan_strategy="disable": torchmetrics then replaces the weights by ones.
         def make() -> nn.ModuleDict:
             return nn.ModuleDict(
                 {
@@ -61,7 +61,7 @@ class ConvNetLitModule(LitModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log_train_loss(loss, batch_idx)
-        return loss
+        return self.loss_for_backward(loss)  # DeepSpeed divides by the accumulation once more than Lightning
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: nn.ModuleDict) -> None:
         x, y = batch

@@ -16,6 +16,7 @@ from torch import nn
 from src.parallel.gather import gather_shards
 from src.parallel.samplers import ShardSampler, train_sampler
 from src.parallel.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
+from src.utils.config import ConfigError
 from tests.helpers.margins import close64
 
 
@@ -161,7 +162,7 @@ def test_padded_split_labels_are_ignored():
 
 def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):
     monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (0, 4))
-    with pytest.raises(ValueError, match="3 sample.*4 ranks"):
+    with pytest.raises(ConfigError, match="3 sample.*4 ranks"):
         ShardSampler(3)
 
 

@@ -118,7 +118,7 @@ class ShardSampler(Sampler[int]):
     def __init__(self, dataset_len: int) -> None:
         self.rank, self.world = rank_and_world()
         if dataset_len < self.world:
-            raise ValueError(
+            raise ConfigError(
                 f"An evaluation split of {dataset_len} sample(s) cannot give each of "
                 f"{self.world} ranks at least one; use a larger val/test split or fewer devices."
             )

@@ -138,21 +138,21 @@ def test_the_check_sees_a_module_left_out():
 
 
 USER_FILES = {  # a user's addition: a tiny MLP on a scikit-learn table, its helper, its data, their conf
-    "src/models/mlp.py": "from src.models.base import LitModule\nfrom src.models.mlp_blocks import block\n\n\n"
-    "class MLPLitModule(LitModule):\n    pass\n",
-    "src/models/mlp_blocks.py": "from torch import nn\n\n\ndef block(n_in, n_out):\n    return nn.Linear(n_in, n_out)\n",
-    "src/datamodules/table.py": "from src.datamodules.base import ShardedDataModule\n\n\n"
-    "class TableDataModule(ShardedDataModule):\n    pass\n",
-    "conf/model/mlp.yaml": "_target_: src.models.mlp.MLPLitModule\n",
-    "conf/data/table.yaml": "_target_: src.datamodules.table.TableDataModule\n",
-    "conf/experiment/mlp_table.yaml": "# @package _global_\ndefaults:\n  - override /data: table\n"
-    "  - override /model: mlp\n",
+    "src/models/ranker.py": "from src.models.base import LitModule\nfrom src.models.ranker_blocks import block\n\n\n"
+    "class RankerLitModule(LitModule):\n    pass\n",
+    "src/models/ranker_blocks.py": "from torch import nn\n\n\ndef block(n_in, n_out):\n    return nn.Linear(n_in, n_out)\n",
+    "src/datamodules/ledger.py": "from src.datamodules.base import ShardedDataModule\n\n\n"
+    "class LedgerDataModule(ShardedDataModule):\n    pass\n",
+    "conf/model/ranker.yaml": "_target_: src.models.ranker.RankerLitModule\n",
+    "conf/data/ledger.yaml": "_target_: src.datamodules.ledger.LedgerDataModule\n",
+    "conf/experiment/ranker_ledger.yaml": "# @package _global_\ndefaults:\n  - override /data: ledger\n"
+    "  - override /model: ranker\n",
 }
 
 
 def test_a_users_model_and_datamodule_do_not_fail_the_check(tmp_path):
     """In a copy of the tree, a user's files added and the README untouched: the check says what it said before.
-    Once the template's own code imports the user's module, or the README's Configuration table names its option,
+    Once the template's own code imports the user's module, or the README's Configuration ledger names its option,
     it must be listed like any other."""
     ignore = shutil.ignore_patterns("__pycache__")
     for name in ("src", "bench", "conf"):
@@ -168,8 +168,8 @@ def test_a_users_model_and_datamodule_do_not_fail_the_check(tmp_path):
     def added() -> list[str]:
         return [line for line in check(code_map(readme), root=tmp_path) if line not in before]
 
-    (tmp_path / "README.md").write_text(readme.replace("`convnet` |", "`convnet`, `mlp` |", 1))
-    assert added() == ["src/models/: unlisted ['mlp.py', 'mlp_blocks.py'], not in the folder []"]
+    (tmp_path / "README.md").write_text(readme.replace("`convnet`, `mlp` |", "`convnet`, `mlp`, `ranker` |", 1))
+    assert added() == ["src/models/: unlisted ['ranker.py', 'ranker_blocks.py'], not in the folder []"]
     (tmp_path / "README.md").write_text(readme)
-    (tmp_path / "train.py").write_text((ROOT / "train.py").read_text() + "\nimport src.datamodules.table  # noqa\n")
-    assert added() == ["src/datamodules/: unlisted ['table.py'], not in the folder []"]
+    (tmp_path / "train.py").write_text((ROOT / "train.py").read_text() + "\nimport src.datamodules.ledger  # noqa\n")
+    assert added() == ["src/datamodules/: unlisted ['ledger.py'], not in the folder []"]

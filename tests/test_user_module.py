@@ -3,7 +3,8 @@ nothing of this template) trains and reports on 2 ranks what it does on 1, or is
 rank starts; the parity tool that proves it (`python -m src.tools.parity`) also catches what is not exact.
 
 What each run guards (each fails without its fix, tried): every rank reading every sample (val/n 114 for 57 rows);
-`self.log` without sync_dist logging rank 0's value; Lightning's integer division of a synced mean's batch sizes
+`self.log` without sync_dist logging rank 0's value; a torchmetrics accuracy logged each step as rank 0's batch's
+(train/acc 0.625 against 0.531 at step 0); Lightning's integer division of a synced mean's batch sizes
 (57 rows on 2 ranks counted as 28); nn.Dropout drawing from each rank's generator.
 """
 
@@ -45,7 +46,7 @@ def test_plain_lightning_code_is_exact_on_2_ranks(tmp_path):
     assert "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
     logged = values(proc.stdout)
     assert logged["val/n"] == 57.0, logged  # each validation row counted once, on 1 process as on 2 ranks
-    assert {"train/loss", "val/loss", "val/acc", "test/loss", "test/acc"} <= logged.keys(), logged
+    assert {"train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"} <= logged.keys(), logged
 
 
 @pytest.mark.slow
@@ -54,7 +55,9 @@ def test_parity_names_the_first_value_that_differs(tmp_path):
     value and the step."""
     proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.noise=0.5", check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"parity: train/loss differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), proc.stderr
+    assert re.search(r"parity: train/(acc|loss) differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), (
+        proc.stderr
+    )
 
 
 @pytest.mark.parametrize(

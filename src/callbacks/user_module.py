@@ -1,4 +1,4 @@
-"""Two habits of any LightningModule (the template's LitModule or a plain one, as Lightning's docs teach) that train
+"""Three habits of any LightningModule (the template's LitModule or a plain one, as Lightning's docs teach) that train
 or report another model on N ranks than on 1, made exact from outside the module:
 
 - `self.log(...)` / `self.log_dict(...)` without `sync_dist`: Lightning logs rank 0's own value (its default is
@@ -9,10 +9,15 @@ or report another model on N ranks than on 1, made exact from outside the module
   rank 0's value: LitModule's own calls, whose values are already reduced, say so. Lightning adds the batch sizes it
   weights a mean by in an integer tensor and divides their synced mean as integers (57 rows on 2 ranks count as 28):
   here the batch size goes in as a float (the batch's own, as Lightning would infer it, or the call's).
+- a torchmetrics metric logged each step (`self.train_acc(logits, y); self.log("train/acc", self.train_acc)`):
+  Lightning logs the value of the rank's own batch. Here every metric of the module syncs its batch's states before
+  that value is computed (torchmetrics' `dist_sync_on_step`): the global batch's value. Epoch values were synced
+  already.
 - `nn.Dropout`: each rank draws its masks from its own generator, so a sample gets another mask on every layout.
   Here each becomes a KeyedDropout (src/models/dropout.py), and a training batch's masks are keyed by the run's
   seed, the step and its samples' dataset indices, read from the training sampler: the masks one process draws. A
-  module that keys its own dropout (`keys_own_dropout`, the LM) is left as it is.
+  module that does the last two itself (`exact_by_itself`: the LM, which keys its dropout by each row's sample and updates
+  its metrics without a per-step value) is left as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torchmetrics import Metric
 
 from src.models import dropout as keyed
 from src.parallel.samplers import ResumableDistributedSampler
@@ -62,9 +68,13 @@ class UserModule(L.Callback):
         if not isinstance(pl_module.log, SyncedByDefault):
             pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size)
             pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size)
-        if not getattr(pl_module, "keys_own_dropout", False):
-            keyed.key_dropouts(pl_module)
-            self.keys_dropout = keyed.has_dropout(pl_module)
+        if getattr(pl_module, "exact_by_itself", False):
+            return
+        for module in pl_module.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_on_step = True
+        keyed.key_dropouts(pl_module)
+        self.keys_dropout = keyed.has_dropout(pl_module)
 
     def batch_started(self, batch: Any) -> None:
         try:

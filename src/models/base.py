@@ -44,7 +44,8 @@ def scaled_lr(lr: float, rule: str, global_batch_size: int, base_batch_size: int
 
 
 class LitModule(L.LightningModule):
-    keys_own_dropout = False  # True: the module keys its dropout masks itself; else src/callbacks/user_module.py does
+    # True: the module keys its dropout masks and syncs its metrics itself; else src/callbacks/user_module.py does
+    exact_by_itself = False
 
     def __init__(
         self,

@@ -107,7 +107,9 @@ def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
 
 
 class CausalLMLitModule(LitModule):
-    keys_own_dropout = True  # by each row's sample (row_keys), the model's attention and functional dropout too
+    exact_by_itself = (
+        True  # dropout keyed by each row's sample (row_keys), attention's too; metrics updated, not forward
+    )
 
     def __init__(
         self,

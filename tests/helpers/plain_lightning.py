@@ -50,6 +50,7 @@ class PlainMLP(L.LightningModule):
         self.net = nn.Sequential(
             nn.Linear(30, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2)
         )
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
 
@@ -60,8 +61,11 @@ class PlainMLP(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
         self.log("train/loss", loss)
+        self.train_acc(logits, y)
+        self.log("train/acc", self.train_acc)  # the batch's accuracy, each step
         return loss
 
     def validation_step(self, batch, batch_idx):

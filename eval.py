@@ -21,6 +21,7 @@ import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.callbacks.user_module import UserModule
 from src.checkpoint.convert import consolidate, is_sharded, read_config
+from src.checkpoint.files import problem
 from src.datamodules.plain import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
@@ -36,6 +37,8 @@ def stored_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
     """The config train.py stored in the checkpoint (None: not written by train.py), read without loading (or, for
     shards, gathering) the weights."""
     path = Path(cfg.ckpt_path)
+    if problem(path) is not None:  # missing, truncated, not a checkpoint: prepare's checks say which, in one line
+        return None
     if not (path.is_file() or is_sharded(path)):
         raise ConfigError(
             f"ckpt_path={cfg.ckpt_path!r} is not a checkpoint. Point it at a .ckpt written by "

@@ -63,8 +63,8 @@ def test_parity_names_the_first_value_that_differs(tmp_path):
 @pytest.mark.parametrize(
     "args,sentence",
     [
-        (["experiment=convnet_digits", "trainer=tp"], "trainer=tp splits a model by the tensor-parallel and pipeline"),
-        (["experiment=convnet_digits", "trainer=pipeline"], "trainer=pipeline splits a model by the tensor-parallel"),
+        (["experiment=convnet_digits", "trainer=tp"], "trainer=tp splits transformers decoder LMs only"),
+        (["experiment=convnet_digits", "trainer=pipeline"], "trainer=pipeline splits transformers decoder LMs only"),
         (["experiment=plain", "trainer=fsdp"], "trainer=fsdp shards the model through src/models/base.py's LitModule"),
     ],
     ids=["convnet-tp", "convnet-pipeline", "plain-fsdp"],

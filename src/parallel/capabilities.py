@@ -53,10 +53,6 @@ class Capabilities:
     (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/models/base.py:
     blocks(), networks(), materialize()), so src/run/checks.py refuses another module before any process starts."""
 
-    needs_plans: ClassVar[bool] = False
-    """It splits the model by the tensor-parallel or pipeline plan of a transformers causal LM (CausalLMLitModule's
-    model.config): src/run/checks.py refuses another model before any process starts."""
-
     requires_cuda: ClassVar[bool] = False
     """The strategy refuses a CPU run (Lightning's DeepSpeed): src/run/checks.py says so before any process starts."""
 

@@ -48,7 +48,6 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
-    needs_plans = True  # by the model's pipeline plan (transformers')
 
     def __init__(
         self,

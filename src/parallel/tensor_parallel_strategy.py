@@ -32,10 +32,14 @@ def check_config(cfg: Any) -> None:
         mesh_sizes(devices * nodes, tensor_parallel=tp)
     model = cfg.model
     config = architecture(model)
-    if config is not None:
-        check_plan(config)
-        if isinstance(tp, int) and tp > 0:
-            check_divisible(config, tp)
+    if config is None:
+        raise ConfigError(
+            "trainer=tp splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or causal_lm), and "
+            "this model is not one: use trainer=ddp, or trainer=fsdp to shard it."
+        )
+    check_plan(config)
+    if isinstance(tp, int) and tp > 0:
+        check_divisible(config, tp)
     if model.get("compile", False) and model.get("gradient_checkpointing", False):
         raise ConfigError(
             "model.compile=true and model.gradient_checkpointing=true together are not supported with trainer=tp "
@@ -55,7 +59,6 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # splits LitModule.blocks()
-    needs_plans = True  # by the model's tensor-parallel plan (transformers')
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:

@@ -144,7 +144,7 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def _check_module_fits(cfg: DictConfig, strategy: type) -> None:
-    """A strategy that shards through LitModule's interface, or splits by a causal LM's plans, gets such a module."""
+    """A strategy that shards through LitModule's interface (FSDP2, DeepSpeed, tensor parallel, the pipeline) gets one."""
     target = OmegaConf.select(cfg, "model._target_", default=None)
     if not target:
         return
@@ -156,14 +156,6 @@ def _check_module_fits(cfg: DictConfig, strategy: type) -> None:
             f"trainer={option} shards the model through src/models/base.py's LitModule (its blocks() and networks()), "
             f"and {target} is not one: build it on LitModule (docs/your-model.md) or use trainer=ddp."
         )
-    if strategy.needs_plans:
-        from src.models.causal_lm import CausalLMLitModule
-
-        if not issubclass(module, CausalLMLitModule):
-            raise ConfigError(
-                f"trainer={option} splits a model by the tensor-parallel and pipeline plans of a Hugging Face causal "
-                f"LM (model=gpt2, llama, causal_lm, ...), and {target} has none: use trainer=ddp or trainer=fsdp."
-            )
 
 
 def trainer_option(cfg: DictConfig) -> str:

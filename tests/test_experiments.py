@@ -5,8 +5,8 @@ run as a user runs it. A new experiment is proven the day its file is added, wit
 The template's language-model experiments start from Hugging Face GPT-2 and data files of the user's (their
 `model.pretrained`, `data.path`): here they run at a CPU size on the shared test data (CPU_SIZE), in the full tier
 (TEST_ALL_ARCHITECTURES=1), as their objectives are proven in the default suite by their own files (test_parity,
-test_finetune, test_chat_parity, test_dpo, test_reward, test_grpo). The full tier also runs the experiments that need
-no such change under FSDP2 and ZeRO-2 (the CPU subclass of tests/helpers/deepspeed_cpu.py).
+test_finetune, test_chat_parity, test_dpo, test_reward, test_grpo); so is the default tiny GPT-2 (FULL_TIER). The full
+tier also runs the experiments that need no such change under FSDP2 and ZeRO-2 (tests/helpers/deepspeed_cpu.py).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ CPU_SIZE = {  # the template's experiments that need a hub model or the user's d
         *LM,
     ],  # fmt: skip
 }
+FULL_TIER = {  # template experiments that need no change, proven in the default suite by their own files
+    "stdlib_tiny": "the default tiny GPT-2 on text (test_parity.py, test_train.py)",
+}
 NEEDS = {  # what a template experiment needs that no test data here has
     "gpt2_grpo": "a prompts file with verifiable answers and an SFT checkpoint to start from (test_grpo proves GRPO)",
 }
@@ -78,10 +81,9 @@ def cases() -> list:
     for name in EXPERIMENTS:
         if name in NEEDS:
             out.append(pytest.param(name, [], marks=pytest.mark.skip(reason=f"{name} needs {NEEDS[name]}"), id=name))
-        elif name in CPU_SIZE:
-            out.append(
-                pytest.param(name, CPU_SIZE[name], marks=pytest.mark.skipif(not ALL, reason="full tier"), id=name)
-            )
+        elif name in CPU_SIZE or name in FULL_TIER:
+            full = pytest.mark.skipif(not ALL, reason="full tier: TEST_ALL_ARCHITECTURES=1 runs it")
+            out.append(pytest.param(name, CPU_SIZE.get(name, []), marks=full, id=name))
         else:
             out.append(pytest.param(name, [], id=name))
     return out

@@ -32,7 +32,8 @@ def test_the_files_it_writes_are_green_as_written(tmp_path):
     root = template_copy(tmp_path)
     assert new_experiment.main(["churn"], root=root) == 0
     assert (root / "src" / "models" / "churn.py").read_text().count("class ChurnLitModule(LitModule)") == 1
-    env = {**os.environ, "TEST_FRESH_PROCESSES": "1"}  # the copy's own src/, not the forking server's
+    # the copy's own fork server (tests/helpers/forkrun.py), which imports the copy's src/, not this session's
+    env = {k: v for k, v in os.environ.items() if k != "FORKRUN_DIR"}
     tests = ["tests/test_churn.py", "tests/test_code_map.py", "tests/test_layers.py", "tests/test_configs.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "0", *tests, "tests/test_experiments.py",

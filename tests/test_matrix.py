@@ -36,6 +36,7 @@ if __name__ == "__main__":  # python -m tests.test_matrix RESULTS: the tests' ow
 from conftest import ALL, ROOT, once_per_session, path_overrides, read_events, run_script, shared
 from test_parity import QUIET
 
+from src.datamodules.base import LANGUAGE_KINDS
 from tests.helpers.margins import within
 
 # from scratch (dropout 0): 2 heads and 2 layers, so tensor parallel and 2 pipeline stages can split it
@@ -117,7 +118,7 @@ def language(option: str) -> bool:
     from hydra.utils import get_object
 
     target = yaml.safe_load((ROOT / "conf" / "data" / f"{option}.yaml").read_text()).get("_target_")
-    return getattr(get_object(target), "batch_kind", None) in ("tokens", "pairs", "prompts")
+    return getattr(get_object(target), "batch_kind", None) in LANGUAGE_KINDS
 
 
 def data_kinds() -> dict[str, tuple[str, bool]]:

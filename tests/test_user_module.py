@@ -51,13 +51,49 @@ def test_plain_lightning_code_is_exact_on_2_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_parity_names_the_first_value_that_differs(tmp_path):
-    """Randomness a module draws itself (noise from torch.randn) is not keyed by sample: the tool exits 1 naming the
-    value and the step."""
-    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.noise=0.5", check=False)
+    """A value logged with sync_dist=False said out loud is rank 0's own (Lightning's default, kept when asked for): the
+    tool exits 1 naming the value and the step."""
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.rank_own=true", check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"parity: train/(acc|loss) differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), (
+    assert re.search(r"parity: train/loss_here differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), (
         proc.stderr
     )
+
+
+@pytest.mark.slow
+def test_a_training_step_drawing_its_own_random_numbers_is_refused_on_n_ranks(tmp_path):
+    """Noise from torch.randn_like in the module's forward: one sentence naming it on 2 ranks, before any optimizer
+    step (the 1-process run trains)."""
+    conf = write_configs(tmp_path / "conf")
+    args = [f"hydra.searchpath=[file://{conf}]", "experiment=plain", "model.noise=0.5", "trainer.max_steps=2"]
+    one = run_script("train.py", [*args, f"paths.log_dir={tmp_path / 'one'}"])
+    assert one.returncode == 0
+    two = run_script(
+        "train.py",
+        [*args, "trainer=ddp", f"paths.log_dir={tmp_path / 'two'}"],
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert two.returncode == 2, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "PlainMLP's training step draws random numbers of its own (randn_like)" in two.stderr, two.stderr
+    assert "Traceback" not in two.stderr
+    assert not list((tmp_path / "two").rglob("*.ckpt"))  # nothing trained, nothing saved
+
+
+@pytest.mark.slow
+def test_a_lit_module_without_blocks_trains_under_fsdp2_as_one_unit():
+    """The worked example with no hidden block (model.hidden=[]: blocks() is empty) under FSDP2 with accumulation:
+    the whole network is one FSDP2 unit, and 2 ranks equal 1 process (it was "returned no blocks to shard")."""
+    args = [
+        "--steps",
+        "6",
+        "experiment=mlp_table",
+        "trainer=fsdp",
+        "model.hidden=[]",
+        "trainer.accumulate_grad_batches=2",
+    ]
+    proc = run_script("-m", ["src.tools.parity", *args], check=False)
+    assert proc.returncode == 0 and "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,10 @@ or report another model on N ranks than on 1, made exact from outside the module
 - `nn.Dropout`: each rank draws its masks from its own generator, so a sample gets another mask on every layout.
   Here each becomes a KeyedDropout (src/models/dropout.py), and a training batch's masks are keyed by the run's
   seed, the step and its samples' dataset indices, read from the training sampler: the masks one process draws. A
-  module that does the last two itself (`exact_by_itself`: the LM, which keys its dropout by each row's sample and updates
+  Any other random number a training step draws itself (`torch.randn`, `F.dropout`, a Tensor's `normal_`) would
+  come from each rank's generator too: on N ranks the first training step that draws one is refused in one sentence
+  naming it.
+  A module that does the last two itself (`exact_by_itself`: the LM, which keys its dropout by each row's sample and updates
   its metrics without a per-step value) is left as it is.
 """
 
@@ -29,6 +32,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.overrides import TorchFunctionMode
 from torchmetrics import Metric
 
 from src.models import dropout as keyed
@@ -56,6 +60,69 @@ class SyncedByDefault:
         return self.log(*args, **kwargs)
 
 
+def _dropout_draws(args: tuple, kwargs: dict, p_at: int = 1, training_at: int = 2, training: bool = True) -> bool:
+    p = kwargs.get("p", args[p_at] if len(args) > p_at else 0.5)
+    return bool(kwargs.get("training", args[training_at] if len(args) > training_at else training)) and p > 0
+
+
+F = torch.nn.functional
+# torch's functions that draw from the generator, each with whether a call's arguments make it draw
+RANDOM: dict[Callable, Callable[[tuple, dict], bool]] = {
+    **dict.fromkeys(
+        (
+            torch.rand,
+            torch.rand_like,
+            torch.randn,
+            torch.randn_like,
+            torch.randint,
+            torch.randint_like,
+            torch.randperm,
+            torch.bernoulli,
+            torch.multinomial,
+            torch.normal,
+            torch.poisson,
+            F.gumbel_softmax,
+            torch.Tensor.bernoulli,
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.Tensor.bernoulli_,
+            torch.Tensor.exponential_,
+            torch.Tensor.geometric_,
+            torch.Tensor.log_normal_,
+            torch.Tensor.cauchy_,
+            torch.Tensor.random_,
+        ),
+        lambda args, kwargs: True,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout), _dropout_draws
+    ),
+    torch.dropout: lambda args, kwargs: _dropout_draws(args, kwargs, training_at=2),
+    F.rrelu: lambda args, kwargs: _dropout_draws(args, {**kwargs, "p": 1}, training_at=3, training=False),
+    F.scaled_dot_product_attention: lambda args, kwargs: kwargs.get("dropout_p", args[4] if len(args) > 4 else 0) > 0,
+}
+
+
+class RandomDraws(TorchFunctionMode):
+    """While a training step runs: a call to one of RANDOM that draws is one sentence naming it and the module."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        draws = RANDOM.get(func)
+        if draws is not None and kwargs.get("generator") is None and draws(args, kwargs):  # a generator given: seeded
+            name = getattr(func, "__name__", str(func))
+            raise ConfigError(
+                f"{self.module}'s training step draws random numbers of its own ({name}), from each rank's generator: "
+                "on N ranks it would train another model than on 1. Use nn.Dropout (keyed by sample for you, "
+                "src/models/dropout.py), key the draws by sample the same way, or train on 1 device."
+            )
+        return func(*args, **kwargs)
+
+
 class UserModule(L.Callback):
     """Applies the module doc's two rules to the trained module; `seed`: the run's (keys the dropout masks)."""
 
@@ -63,6 +130,8 @@ class UserModule(L.Callback):
         self.seed = seed
         self.keys_dropout = False
         self.batch_size: Optional[int] = None  # the current batch's, between a batch's start and end hooks
+        self.probe: Optional[RandomDraws] = None  # on N ranks, around the first training step's forward
+        self.probed = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not isinstance(pl_module.log, SyncedByDefault):
@@ -84,6 +153,14 @@ class UserModule(L.Callback):
 
     def batch_ended(self, *args: Any) -> None:
         self.batch_size = None
+        self.end_probe()
+
+    def end_probe(self, *args: Any) -> None:
+        if self.probe is not None:
+            self.probe.__exit__(None, None, None)
+            self.probe = None
+
+    on_before_backward = on_exception = end_probe
 
     def on_validation_batch_start(
         self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -99,6 +176,12 @@ class UserModule(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.batch_started(batch)
+        self.key_dropout(trainer, pl_module, batch_idx)
+        if not self.probed and trainer.world_size > 1 and not getattr(pl_module, "exact_by_itself", False):
+            self.probed, self.probe = True, RandomDraws(type(pl_module).__name__)
+            self.probe.__enter__()  # the step's own draws from here to its backward
+
+    def key_dropout(self, trainer: L.Trainer, pl_module: L.LightningModule, batch_idx: int) -> None:
         if not self.keys_dropout:
             return
         loader = trainer.train_dataloader

@@ -194,6 +194,9 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, u
     return n_train, n_val, n_test
 
 
+LANGUAGE_KINDS = ("tokens", "pairs", "prompts")  # the batch kinds of a language model's data (src/objectives/)
+
+
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
 
@@ -286,7 +289,11 @@ class ShardedDataModule(L.LightningDataModule):
         return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
-        dataset = Indexed(self.splits["train"])
+        # a language model's dict batches carry their samples' indices (`sample_index`: the LM keys its dropout by
+        # them); any other batch is the user's as collated (src/callbacks/user_module.py reads the sampler instead)
+        indexed = self.batch_kind in LANGUAGE_KINDS
+        dataset = Indexed(self.splits["train"]) if indexed else self.splits["train"]
+        collate = IndexedCollate(self.collate_fn()) if indexed else self.collate_fn()
         sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
         sampler.skip = batches_done_this_epoch(self.trainer, len(sampler) // batch) * batch
         return ResumableLoader(
@@ -294,7 +301,7 @@ class ShardedDataModule(L.LightningDataModule):
             batch_size=batch,
             sampler=sampler,
             drop_last=True,
-            collate_fn=IndexedCollate(self.collate_fn()),
+            collate_fn=collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),

@@ -44,7 +44,9 @@ class PlainTable(L.LightningDataModule):
 
 
 class PlainMLP(L.LightningModule):
-    def __init__(self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2, noise: float = 0.0) -> None:
+    def __init__(
+        self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2, noise: float = 0.0, rank_own: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -66,6 +68,8 @@ class PlainMLP(L.LightningModule):
         self.log("train/loss", loss)
         self.train_acc(logits, y)
         self.log("train/acc", self.train_acc)  # the batch's accuracy, each step
+        if self.hparams.rank_own:  # Lightning's default said out loud: this rank's own value
+            self.log("train/loss_here", loss, sync_dist=False)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -91,7 +95,7 @@ def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
-        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\n",
+        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\n",
         "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\n",
         "experiment/plain.yaml": (
             "# @package _global_\ndefaults:\n  - override /data: plain_table\n  - override /model: plain_mlp\n"

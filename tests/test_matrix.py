@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -297,6 +298,31 @@ def one_process(tmp_path_factory, kind: str, objective: str) -> dict:
     return once_per_session(tmp_path_factory, f"matrix-{kind}-{objective}", make)
 
 
+def documented(text: Optional[str] = None) -> dict[tuple[str, str, str], str]:
+    """docs/matrix.md's outcome of each cell: EQUAL, or the sentence that refuses it (its numbered note)."""
+    text = (ROOT / "docs" / "matrix.md").read_text() if text is None else text
+    notes = dict(re.findall(r"^(\d+)\. (.+)$", text, re.MULTILINE))
+    header, outcomes = None, {}
+    for line in text.splitlines():
+        cells_ = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| data |"):
+            header = cells_
+        elif header and line.startswith("| ") and not line.startswith("| ---"):
+            for strategy, outcome in zip(header[2:], cells_[2:]):
+                note = re.fullmatch(r"refused \((\d+)\)", outcome)
+                outcomes[(cells_[0], cells_[1], strategy)] = notes[note.group(1)] if note else outcome
+    return outcomes
+
+
+def test_every_cell_has_a_documented_outcome():
+    """What test_cell_equals_one_process_through_every_phase holds each cell to: docs/matrix.md names every cell's
+    outcome, equal or a refusal's sentence."""
+    outcomes = documented()
+    assert set(cells()) <= set(outcomes), sorted(set(cells()) - set(outcomes))
+    assert all(o == EQUAL or o.endswith(".") for o in outcomes.values()), outcomes
+    assert outcomes[("chat-packed", "sft", "pipeline")].startswith("data.packing=true with trainer=pipeline")
+
+
 def record(cell: tuple[str, str, str], outcome: str) -> None:
     """TEST_MATRIX_RESULTS=FILE: one JSON line per finished cell, what docs/matrix.md is generated from."""
     path = os.environ.get("TEST_MATRIX_RESULTS")
@@ -319,11 +345,13 @@ def test_cell_equals_one_process_through_every_phase(tmp_path, tmp_path_factory,
     args = cell_args(kind, objective, tmp_path)
     two_ranks, resume_args = STRATEGIES[strategy]
     run, proc = train(tmp_path, "two", args + two_ranks, check=False)
-    sentence = refusal(proc)
+    sentence, expected = refusal(proc), documented().get((kind, objective, strategy))
     if sentence is not None:
         assert not list(tmp_path.glob("two/train/runs/*/checkpoints/*")), "refused after training began"
         record((kind, objective, strategy), sentence)
-        pytest.xfail(f"refused in one sentence: {sentence}")  # the cell's outcome: docs/matrix.md lists it
+        assert sentence == expected, f"docs/matrix.md says {expected!r}, and the cell was refused: {sentence}"
+        pytest.xfail(f"refused in one sentence, as docs/matrix.md says: {sentence}")
+    assert expected == EQUAL, f"docs/matrix.md says {expected!r}, and the cell ran: regenerate docs/matrix.md"
     one = one_process(tmp_path_factory, kind, objective)
     assert one["scalars"]["val/loss" if objective != "grpo" else "val/reward"], "no validation logged"
     ran = scalars(run)

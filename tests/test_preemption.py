@@ -55,7 +55,7 @@ def test_a_resumed_run_appends_to_the_csv_logger_history(tmp_path):
 def test_a_requeued_job_exits_143_on_sigterm_and_resumes_with_its_whole_csv(tmp_path):
     """A 1-task SLURM job (trainer=default), logger=csv, resume=auto; SIGUSR2 at step 6: last.ckpt, `scontrol
     requeue` (recorded; this stand-in leaves ending the job to the test), then SIGTERM 0.2 s later, as slurmd
-    sends it. The job exits 143 within seconds (was: only after callbacks.preemption.wait_s, 8 s here, or
+    sends it. The job exits 143 within seconds (was: only after callbacks.preemption.wait_s, 60 s here, or
     SLURM's SIGKILL). The same job again continues from step 7 and metrics.csv holds every step once (was:
     only the resumed run's; the learning rate of step 8 twice while the preemption callback came after
     lr_monitor)."""
@@ -69,7 +69,7 @@ def test_a_requeued_job_exits_143_on_sigterm_and_resumes_with_its_whole_csv(tmp_
         + RUN
         + [
             "logger=csv",
-            "callbacks.preemption.wait_s=8",
+            "callbacks.preemption.wait_s=60",  # the failure: waiting all of it for a SIGTERM that came
             f"paths.log_dir={tmp_path / 'logs'}",
             f"paths.cache_dir={tmp_path / 'cache'}",
         ]
@@ -96,10 +96,10 @@ def test_a_requeued_job_exits_143_on_sigterm_and_resumes_with_its_whole_csv(tmp_
     time.sleep(0.2)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=60)[0]
+    out = proc.communicate(timeout=120)[0]
     waited = time.time() - sent
     print(f"SIGTERM 0.2 s after the requeue: exit {proc.returncode} {waited:.1f} s later")
-    assert proc.returncode == 143 and waited < 4, out[-3000:]
+    assert proc.returncode == 143 and waited < 20, out[-3000:]  # < 1 s unloaded; far from wait_s
     assert "SLURM job 77: one task, one process (trainer.devices=1)" in out  # was "Lightning starts ... ranks"
     run = tmp_path / "logs" / "train" / "runs" / "slurm-77"
     second = subprocess.run(

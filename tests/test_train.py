@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import math
 import os
 import re
 from pathlib import Path
@@ -130,7 +132,12 @@ def test_optimized_metric_is_returned(tmp_path, dirs):
         tmp=tmp_path,
     )
     value = train(cfg)
-    assert isinstance(value, float) and 1.0 < value < 257.0  # a perplexity, below the uniform one
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    ppl = [float(row["val/ppl"]) for row in rows if row.get("val/ppl")]
+    loss = [float(row["val/loss"]) for row in rows if row.get("val/loss")]
+    assert value == pytest.approx(ppl[-1], rel=1e-6), (value, ppl)  # the value it names, as last logged
+    assert value == pytest.approx(math.exp(loss[-1]), rel=1e-5) and value != pytest.approx(loss[-1]), (value, loss)
 
 
 @pytest.mark.fresh

@@ -14,7 +14,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
@@ -25,6 +24,7 @@ from src.checkpoint.files import problem
 from src.datamodules.plain import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
+from src.parallel import capabilities
 from src.run.job import prepare
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import user_errors
@@ -135,7 +135,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     )
 
     ckpt_path = cfg.ckpt_path
-    if is_sharded(ckpt_path) and not isinstance(trainer.strategy, (ModelParallelStrategy, DeepSpeedStrategy)):
+    if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:
         ckpt_path = consolidated_once(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")
     metrics = {}
     for run in (trainer.validate, trainer.test):

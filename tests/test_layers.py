@@ -17,6 +17,8 @@ fails on any other, and on an entry that no longer exists, so the list can only 
 from __future__ import annotations
 
 import ast
+import re
+import tokenize
 
 import pytest
 from conftest import ROOT
@@ -155,3 +157,31 @@ def test_objectives_use_only_the_trained_modules_contract():
     module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=8)
     missing = [m for m in contract if m not in ("trainer",) and not hasattr(module, m)]
     assert not missing, f"CausalLMLitModule lacks {missing}"
+
+
+STRATEGY_CLASS = re.compile(r"\b[A-Z]\w*Strategy\b")  # DDPStrategy, PipelineStrategy, FSDP2Strategy, ...
+
+
+def strategy_names(path, root=ROOT) -> list[str]:
+    """The strategy class names a file's code and strings (docstrings included) hold, comments left out."""
+    found = []
+    with open(path) as f:
+        for token in tokenize.generate_tokens(f.readline):
+            if token.type in (tokenize.NAME, tokenize.STRING) and STRATEGY_CLASS.search(token.string):
+                found.append(f"{path.relative_to(root)}:{token.start[0]}: {STRATEGY_CLASS.search(token.string)[0]}")
+    return found
+
+
+def test_no_strategy_class_is_named_outside_src_parallel():
+    """What a strategy does is asked of its capabilities (src/parallel/capabilities.py `of`), never of its class:
+    no class name (in code, an isinstance, a table keyed by names, or a docstring) outside src/parallel/."""
+    files = [p for p in (ROOT / "src").rglob("*.py") if "parallel" not in p.relative_to(ROOT / "src").parts[:1]]
+    found = [hit for path in [*files, ROOT / "train.py", ROOT / "eval.py"] for hit in strategy_names(path)]
+    assert found == [], "ask capabilities.of(strategy) instead: " + "; ".join(found)
+
+
+def test_the_strategy_name_check_sees_one(tmp_path):
+    (tmp_path / "x.py").write_text(
+        "import a\n\nok = isinstance(s, a.DeepSpeedStrategy)  # FSDP2Strategy in a comment\n"
+    )
+    assert strategy_names(tmp_path / "x.py", root=tmp_path) == ["x.py:3: DeepSpeedStrategy"]

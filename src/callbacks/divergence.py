@@ -33,10 +33,10 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.checkpoint.files import candidates
+from src.parallel import capabilities
 from src.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,7 @@ class Divergence(L.Callback):
         if self.action != "skip":
             return
         strategy = trainer.strategy
-        replicated = isinstance(strategy, SingleDeviceStrategy) or (
-            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
-        )
-        if not replicated:
+        if not capabilities.of(strategy).grads_whole:
             raise ValueError(
                 f"callbacks.divergence.action=skip needs gradients that every rank holds whole "
                 f"(1 device or trainer=ddp), not {type(strategy).__name__}: use action=stop."

@@ -8,7 +8,6 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from src.parallel import capabilities
@@ -59,10 +58,7 @@ class GenerateText(L.Callback):
         if trainer.sanity_checking or not self.prompts:
             return
         # Sharded parameters (FSDP, ZeRO-3) are gathered collectively: then every rank generates, in lockstep.
-        strategy = trainer.strategy
-        sharded = isinstance(strategy, ModelParallelStrategy) or (
-            isinstance(strategy, DeepSpeedStrategy) and strategy.config["zero_optimization"].get("stage") == 3
-        )
+        sharded = capabilities.of(trainer.strategy).shards_parameters
         if not (sharded or trainer.is_global_zero):
             return
         texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)

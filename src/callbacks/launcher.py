@@ -9,10 +9,10 @@ import time
 from typing import Any, Optional
 
 import lightning as L
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from src.launch import launcher_env
+from src.parallel import capabilities
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class Preemption(L.Callback):
         self._lightning_sigterm: Any = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy  # a ParallelStrategy runs in a cluster environment (one device runs in none)
-        environment = strategy.cluster_environment if isinstance(strategy, ParallelStrategy) else None
+        environment = capabilities.cluster_environment(trainer.strategy)
         if getattr(environment, "auto_requeue", False):  # Lightning's SLURMEnvironment
             environment.auto_requeue = False  # read when Lightning registers its signal handlers, after setup
         if stage == "fit" and self._previous is None:  # after Lightning's (and submitit's) handlers; a signal

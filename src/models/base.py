@@ -90,7 +90,7 @@ class LitModule(L.LightningModule):
         A model built on the meta device (src/models/init.py) materialises itself here or in `materialize`."""
 
     def materialize(self, device: torch.device, sharded: bool) -> None:
-        """Give a model built on the meta device its values (FSDP2Strategy calls it after fully_shard).
+        """Give a model built on the meta device its values (the FSDP2 strategy calls it after fully_shard).
         Nothing here: only models that defer their init (CausalLMLitModule) override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -358,7 +358,7 @@ class CausalLMLitModule(LitModule):
                 init.materialize_full(network, self.fill(network), self.base_seed, device)
 
     def configure_model(self) -> None:
-        """Deferred init (FSDP2Strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
+        """Deferred init (the FSDP2 strategy instead calls `materialize` after fully_shard). Under DeepSpeed ZeRO-3
         Lightning runs this hook inside deepspeed.zero.Init: the model is built again there, each parameter
         partitioned as its module is made, then filled one gathered parameter at a time. Elsewhere the whole
         model is materialised here. Then, where the strategy does not call src/parallel/parallelize.py itself

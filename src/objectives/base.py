@@ -63,11 +63,9 @@ class Objective(nn.Module):
     # instructions, chats) | pairs (a chosen and a rejected answer to one prompt: data=preference) | prompts
     # (data=prompts: GRPO samples the answers)
     batch_kind = "tokens"
-    # strategies it cannot run under: class name -> the option and why (trainer=pipeline's schedule computes the
-    # next-token loss on its last stage, and nothing else)
-    refused_strategies: dict[str, str] = {
-        "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)"
-    }
+    # the strategy capabilities (src/parallel/capabilities.py) that refuse it, each saying why where a strategy has
+    # it: own_loss (the pipeline's schedule computes the next-token loss on its last stage, and nothing else)
+    refused_under: tuple[str, ...] = ("own_loss",)
     generates = True  # whether the trained model writes text (callbacks.generate_text)
     # whether its loss adds a mixture-of-experts model's router load-balancing loss (model.router_aux_loss); an
     # objective that does not is refused such a model unless model.router_aux_loss=false (CausalLMLitModule)

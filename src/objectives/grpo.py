@@ -68,10 +68,7 @@ def group_advantages(rewards: torch.Tensor, scale: str) -> tuple[torch.Tensor, t
 class GRPO(Objective):
     name = "grpo"
     batch_kind = "prompts"
-    refused_strategies = {
-        "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)",
-        "TensorParallelStrategy": "trainer=tp (sampling is not supported there)",
-    }
+    refused_under = ("own_loss", "no_sampling")
 
     def __init__(
         self,

@@ -37,10 +37,7 @@ class Reward(PairObjective):
     generates = False
     # per pair, summed over pairs and logged as their mean (named as DPO's)
     STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-    refused_strategies = {
-        "PipelineStrategy": "trainer=pipeline (its schedule computes the next-token loss only)",
-        "TensorParallelStrategy": "trainer=tp (the model's tp plan splits its output layer over the vocabulary)",
-    }
+    refused_under = ("own_loss", "split_vocabulary")
 
     def __init__(self, center_rewards: float = 0.0) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from src.objectives.loss import TokenMeanLoss
 
 class SFT(Objective):
     name = "sft"
-    refused_strategies: dict[str, str] = {}
+    refused_under: tuple[str, ...] = ()  # the next-token loss: what the pipeline's schedule computes
     adds_router_loss = True
     trains_token_loss = True
 

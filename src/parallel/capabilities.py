@@ -48,6 +48,33 @@ class Capabilities:
     """The optimizer class the model's optimizer must be instead of its configured one (DeepSpeed's CPU Adam
     under optimizer offload), or None."""
 
+    own_loss: ClassVar[Optional[str]] = None
+    """Why the strategy computes the loss itself, where it does (the pipeline's schedule: the next-token loss on its
+    last stage): an objective with another loss is refused under it (an objective's `refused_under`)."""
+
+    split_vocabulary: ClassVar[Optional[str]] = None
+    """Why no rank holds the output layer's whole rows, where it is so (tensor parallel splits it over the
+    vocabulary): an objective that reads a scalar head is refused under it."""
+
+    no_sampling: ClassVar[Optional[str]] = None
+    """Why the model cannot sample text under it, where it cannot: an objective that samples (GRPO) is refused."""
+
+    loads_sharded_checkpoints: ClassVar[bool] = False
+    """It reads its own sharded checkpoint dirs itself (FSDP2's, tensor parallel's and the pipeline's DCP dirs,
+    DeepSpeed's ZeRO dirs); eval.py consolidates a sharded checkpoint into one file for any other."""
+
+    zero_stages: ClassVar[bool] = False
+    """trainer.strategy.stage picks a DeepSpeed ZeRO stage (3 partitions the parameters): src/run/checks.py reads it
+    in the config, before any process starts."""
+
+    shards_parameters: bool = False
+    """No rank holds the whole parameters between steps (FSDP2, tensor parallel, the pipeline, ZeRO-3): gathering
+    them is collective, so generating text takes every rank, in lockstep (callbacks.generate_text)."""
+
+    grads_whole: bool = False
+    """Every rank holds every gradient whole (one device, DDP): callbacks.divergence can skip a step by zeroing them.
+    Lightning's own one-device and DDP strategies declare it through `of`."""
+
     takes_plain_modules: ClassVar[bool] = True
     """Any LightningModule trains under it, a plain one too: it asks nothing of the module (one device, DDP). False
     (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/models/base.py:
@@ -61,7 +88,27 @@ class Capabilities:
     process starts; set as `staticmethod(fn)`."""
 
 
+class _Replicated(Capabilities):
+    """Lightning's own one-device and DDP strategies: every rank (the one) holds the whole model and gradients."""
+
+    grads_whole = True
+
+
 def of(strategy: Any) -> Any:
-    """`strategy` (an instance or a class) when it declares its capabilities, else the defaults."""
+    """`strategy` (an instance or a class) when it declares its capabilities, else the defaults (with `grads_whole`
+    for Lightning's one-device and DDP strategies)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
     declared = isinstance(strategy, Capabilities) or (isinstance(strategy, type) and issubclass(strategy, Capabilities))
-    return strategy if declared else Capabilities
+    if declared:
+        return strategy
+    kind = strategy if isinstance(strategy, type) else type(strategy)
+    return _Replicated if issubclass(kind, (SingleDeviceStrategy, DDPStrategy)) else Capabilities
+
+
+def cluster_environment(strategy: Any) -> Optional[Any]:
+    """The cluster environment a multi-process strategy runs in (SLURM's, torchrun's, Lightning's own launcher's);
+    None for one device."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    return strategy.cluster_environment if isinstance(strategy, ParallelStrategy) else None

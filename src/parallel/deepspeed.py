@@ -95,6 +95,12 @@ def place_states(module: torch.nn.Module, device: torch.device) -> None:
 class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
     requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
     takes_plain_modules = False  # configure_model and the loss's scaling for its accumulation are LitModule's
+    loads_sharded_checkpoints = True
+    zero_stages = True
+
+    @property
+    def shards_parameters(self) -> bool:  # ZeRO-3 partitions them; stages 1 and 2 keep them whole on every rank
+        return self.zero_stage_3
 
     def __init__(
         self,

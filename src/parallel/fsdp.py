@@ -53,6 +53,8 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
     materializes_shards = True  # the model's configure_model leaves a meta model to us
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # shards LitModule.networks() and blocks(), materializes through LitModule
+    loads_sharded_checkpoints = True
+    shards_parameters = True
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(

@@ -48,6 +48,9 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
+    own_loss = "its schedule computes the next-token loss only"
+    loads_sharded_checkpoints = True
+    shards_parameters = True  # each stage holds its own blocks
 
     def __init__(
         self,

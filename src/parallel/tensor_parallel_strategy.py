@@ -59,6 +59,10 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (CausalLMLitModule.check_dropout)
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # splits LitModule.blocks()
+    split_vocabulary = "the model's tp plan splits its output layer over the vocabulary"
+    no_sampling = "sampling is not supported there"
+    loads_sharded_checkpoints = True
+    shards_parameters = True
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:

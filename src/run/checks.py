@@ -159,14 +159,16 @@ def _check_module_fits(cfg: DictConfig, strategy: type) -> None:
 
 
 def trainer_option(cfg: DictConfig) -> str:
-    """The trainer= option the run composed (Hydra's choice), else the strategy's class name."""
+    """The trainer= option the run composed (Hydra's choice), else the first of conf/trainer/ with its strategy."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        choice = HydraConfig.get().runtime.choices.get("trainer")
-        if choice:
-            return choice
-    return str(OmegaConf.select(cfg, "trainer.strategy._target_", default="?")).rsplit(".", 1)[-1]
+    if HydraConfig.initialized() and HydraConfig.get().runtime.choices.get("trainer"):
+        return HydraConfig.get().runtime.choices["trainer"]
+    target = OmegaConf.select(cfg, "trainer.strategy._target_", default=None)
+    for path in sorted((CONF / "trainer").glob("*.yaml")):
+        if target and OmegaConf.select(OmegaConf.load(path), "strategy._target_", default=None) == target:
+            return path.stem
+    return str(target).rsplit(".", 1)[-1]
 
 
 def data_options(batch_kind: str) -> list[str]:
@@ -194,12 +196,15 @@ def _check_objective(cfg: DictConfig) -> None:
             f"model/objective={name} trains on {kind}, but data is {data.__name__}, which holds {data_kind}: use "
             f"data={' or '.join(data_options(kind))}, or another model/objective (conf/model/objective/)."
         )
-    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="")).rsplit(".", 1)[-1]
-    if strategy in objective.refused_strategies:
-        raise ConfigError(
-            f"model/objective={name} does not run under {objective.refused_strategies[strategy]}; use "
-            "trainer=ddp, fsdp or deepspeed."
-        )
+    target = OmegaConf.select(cfg, "trainer.strategy._target_", default=None)
+    strategy = capabilities.of(get_object(target)) if target else capabilities.Capabilities
+    for capability in objective.refused_under:
+        why = getattr(strategy, capability)
+        if why:
+            raise ConfigError(
+                f"model/objective={name} does not run under trainer={trainer_option(cfg)} ({why}); use "
+                "trainer=ddp, fsdp or deepspeed."
+            )
 
 
 def _check_loss_chunk(cfg: DictConfig) -> None:
@@ -209,13 +214,13 @@ def _check_loss_chunk(cfg: DictConfig) -> None:
     strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
     if chunk is None or not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return
-    name = str(strategy._target_).rsplit(".", 1)[-1]
-    if name == "PipelineStrategy":
+    declared = capabilities.of(get_object(strategy._target_))
+    if declared.own_loss:
         raise ConfigError(
             f"model.loss_chunk={chunk} with trainer=pipeline: its schedule computes the loss from the last stage's "
             "logits of every token; set model.loss_chunk=null, or train with trainer=fsdp."
         )
-    if "DeepSpeed" in name and strategy.get("stage") == 3:
+    if declared.zero_stages and strategy.get("stage") == 3:
         raise ConfigError(
             f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
             "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "

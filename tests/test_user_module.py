@@ -195,3 +195,14 @@ def test_the_parity_tool_refuses_a_failed_run_with_exit_2(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "parity: train.py experiment=nosuch" in proc.stderr, proc.stderr
+
+
+def test_the_throughput_callback_counts_any_batch():
+    """A user's dict batch with keys of its own (it raised KeyError: 'input_ids'), a tuple, and the LM's tokens."""
+    from src.callbacks.throughput import _batch_size, _num_items
+
+    rows = {"features": torch.zeros(5, 3), "target": torch.zeros(5)}
+    assert _batch_size(rows) == 5 and _num_items(rows) == 5
+    assert _batch_size((torch.zeros(4, 2), torch.zeros(4))) == 4
+    tokens = {"input_ids": torch.zeros(2, 7), "attention_mask": torch.ones(2, 7)}
+    assert _batch_size(tokens) == 2 and int(_num_items(tokens)) == 14

@@ -17,6 +17,7 @@ from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.text import IGNORE_INDEX, TextDataModule, split_blocks
 from src.datamodules.token_cache import load_or_build
 from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from src.utils.config import ConfigError
 
 DOCS = ["first document", "a second, much longer document " * 20, "ünïcödé ☃", "last"]
 
@@ -262,7 +263,7 @@ def test_corpus_too_small_for_the_splits():
 
 def test_global_batch_must_divide():
     assert micro_batch_size(32, 2, 2) == 8
-    with pytest.raises(ValueError, match=r"global_batch_size=10 does not divide into 4 device\(s\) x 1"):
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 does not divide into 4 device\(s\) x 1"):
         micro_batch_size(10, 4, 1)
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from src.datamodules.corpus import CorpusError
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.parallel.samplers import EvenBatches, ShardSampler, rank_and_world, train_sampler
+from src.utils.config import ConfigError
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -112,13 +113,18 @@ def batches_done_this_epoch(trainer: Any, batches_per_epoch: int) -> int:
     return done if done < epoch else 0  # a checkpoint at the epoch's end resumes with a fresh epoch
 
 
-def micro_batch_size(global_batch_size: int, world_size: int, accumulate_grad_batches: int) -> int:
-    """Per-device batch so that the optimizer always sees `global_batch_size` samples per step."""
+def micro_batch_size(
+    global_batch_size: int, world_size: int, accumulate_grad_batches: int, ranks: Optional[str] = None
+) -> int:
+    """Per-device batch so that the optimizer always sees `global_batch_size` samples per step, or one sentence: the
+    one check of it, run before any rank starts (src/run/checks.py, `ranks` saying how the config lays them out) and
+    again in setup, where the world size is known for sure (torchrun, devices=-1)."""
     per_step = world_size * accumulate_grad_batches
     if global_batch_size % per_step:
-        raise ValueError(
-            f"data.global_batch_size={global_batch_size} does not divide into {world_size} device(s) x "
-            f"{accumulate_grad_batches} accumulation step(s) = {per_step}: {working_shapes(global_batch_size, world_size, accumulate_grad_batches)}."
+        shapes = working_shapes(global_batch_size, world_size, accumulate_grad_batches)
+        raise ConfigError(
+            f"data.global_batch_size={global_batch_size} does not divide into {ranks or f'{world_size} device(s)'} x "
+            f"{accumulate_grad_batches} accumulation step(s) = {per_step}: {shapes}."
         )
     return global_batch_size // per_step
 

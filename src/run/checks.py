@@ -12,7 +12,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.files import problem
-from src.datamodules.base import working_shapes
+from src.datamodules.base import micro_batch_size
 from src.launch.choices import CONF
 from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int, check_number
@@ -269,13 +269,7 @@ def _check_global_batch(cfg: DictConfig) -> None:
                 f"trainer.devices or {key}."
             )
         return
-    per_step = sizes[0] * sizes[1] * sizes[2]
-    if batch % per_step:
-        raise ConfigError(
-            f"data.global_batch_size={batch} does not divide into {sizes[0]} device(s) x {sizes[1]} "
-            f"node(s) x {sizes[2]} accumulation step(s) = {per_step}: "
-            f"{working_shapes(batch, ranks, sizes[2])}."
-        )
+    micro_batch_size(batch, ranks, sizes[2], ranks=f"{sizes[0]} device(s) x {sizes[1]} node(s)")
 
 
 def _check_writable(key: str, path: Path) -> None:

@@ -124,7 +124,7 @@ class RandomDraws(TorchFunctionMode):
 
 
 class UserModule(L.Callback):
-    """Applies the module doc's two rules to the trained module; `seed`: the run's (keys the dropout masks)."""
+    """Applies the module doc's rules to the trained module; `seed`: the run's (keys the dropout masks)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -16,7 +16,8 @@ from conftest import FULL_MATRIX_ONLY, path_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from src.models.causal_lm import CausalLMLitModule, check_loss_chunk
+from src.models.causal_lm import CausalLMLitModule
+from src.models.chunked_loss import check_loss_chunk
 from src.models.gpt2 import GPT2LitModule
 from src.objectives.loss import chunked_token_loss, summed_token_loss
 from src.utils.config import ArchitectureRefused, ConfigError
@@ -171,7 +172,7 @@ def test_the_chunked_forward_and_backward_never_make_the_logits_of_every_token(c
     """Every vocabulary-wide tensor of a chunked step has at most N rows; the plain step makes the 120 tokens' logits
     (so the check sees them where they are)."""
     module = MODELS["gpt2"](loss_chunk=chunk)
-    module.check_head()  # the probe's own batch: 2 x 16 tokens
+    module.on_validation_start()  # the chunked loss's probe, where on (its own batch: 2 x 16 tokens)
     with LogitRows() as seen:
         loss_sum, _ = module.loss_and_count(batch())
         loss_sum.backward()
@@ -192,10 +193,10 @@ def test_the_chunked_forward_and_backward_never_make_the_logits_of_every_token(c
 def test_the_probe_refuses_a_model_whose_logits_are_not_its_heads_output(kind, fields, words):
     module = causal_lm(kind, {"intermediate_size": 64, **fields}, loss_chunk=CHUNK)
     if words is None:
-        module.check_head()
+        module.chunked.probe(module)
         return
     with pytest.raises(ArchitectureRefused) as refused:
-        module.check_head()
+        module.chunked.probe(module)
     sentence = str(refused.value)
     assert words in sentence and "are not its LM head's output" in sentence and "set model.loss_chunk=null." in sentence
     assert "\n" not in sentence and sentence.count(". ") == 0
@@ -209,7 +210,7 @@ def test_the_probe_refuses_a_head_that_does_not_map_each_token_alone():
         torch.nn.functional.linear(x, head.weight) - torch.nn.functional.linear(x, head.weight).mean(-2, keepdim=True)
     )
     with pytest.raises(ArchitectureRefused, match="LM head gives other logits 11 tokens at a time than on all of them"):
-        module.check_head()
+        module.chunked.probe(module)
 
 
 def test_the_probe_refuses_a_head_that_reads_a_trained_tensor_outside_it():
@@ -219,7 +220,7 @@ def test_the_probe_refuses_a_head_that_reads_a_trained_tensor_outside_it():
     head, norm = module.hf_model.get_output_embeddings(), module.hf_model.model.norm
     head.forward = lambda x: torch.nn.functional.linear(x * norm.weight, head.weight)
     with pytest.raises(ArchitectureRefused, match="LM head reads 1 trained tensor.s. that are not its parameters"):
-        module.check_head()
+        module.chunked.probe(module)
 
 
 def test_the_probe_refuses_a_head_with_dropout():
@@ -227,7 +228,7 @@ def test_the_probe_refuses_a_head_with_dropout():
     head = module.hf_model.get_output_embeddings()
     head.register_module("dropout", torch.nn.Dropout(0.1))
     with pytest.raises(ArchitectureRefused, match="LM head holds dropout, whose masks its chunks would not draw"):
-        module.check_head()
+        module.chunked.probe(module)
 
 
 @pytest.mark.parametrize(

@@ -185,3 +185,30 @@ def test_the_strategy_name_check_sees_one(tmp_path):
         "import a\n\nok = isinstance(s, a.DeepSpeedStrategy)  # FSDP2Strategy in a comment\n"
     )
     assert strategy_names(tmp_path / "x.py", root=tmp_path) == ["x.py:3: DeepSpeedStrategy"]
+
+
+def long_functions(folder, limit: int, root=ROOT) -> list[str]:
+    """The functions (methods included) of a folder's modules longer than `limit` lines, signature to last line."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            length = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and length > limit:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name} ({length} lines)")
+    return found
+
+
+def test_the_lm_module_is_a_short_composition():
+    """The LM module composes a model spec, an objective and features that each own their option, probe and refusals
+    (src/models/causal_lm.py's docstring): it stays under 300 lines, no function of src/models/ runs over 60, and only
+    src/models/probe.py switches a module's mode for a probe (`probing`: restored whatever happens)."""
+    models = ROOT / "src" / "models"
+    assert len((models / "causal_lm.py").read_text().splitlines()) < 300, "move a feature out of causal_lm.py"
+    assert long_functions(models, 60) == []
+    toggles = [p.name for p in models.glob("*.py") if "was_training" in p.read_text() and p.name != "probe.py"]
+    assert toggles == [], f"probe with src/models/probe.py's probing(module) instead: {toggles}"
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    (tmp_path / "x.py").write_text("def f():\n" + "    x = 1\n" * 60 + "\n\ndef g():\n    return 1\n")
+    assert long_functions(tmp_path, 60, root=tmp_path) == ["x.py:1: f (61 lines)"]

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from src.models.causal_lm import CausalLMLitModule
+from src.models.packing import check_packing
+from src.models.router import check_router_logits
 from src.objectives.dpo import DPO
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
@@ -98,7 +100,7 @@ def test_packing_with_a_router_loss_is_one_sentence():
     with pytest.raises(
         ConfigError, match=r"data.packing=true and a mixture-of-experts router loss.*router_aux_loss=fal"
     ):
-        module("mixtral").check_packing()
+        check_packing(module("mixtral"))
 
 
 @pytest.mark.parametrize("split", [(3,), (1, 2), (2, 1), (1, 1, 1)], ids=lambda s: "+".join(map(str, s)))
@@ -168,5 +170,5 @@ def test_a_forward_that_gives_no_router_logits_is_refused_in_one_sentence():
     flint.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
     with pytest.raises(ArchitectureRefused, match=r"FlintForCausalLM's forward with output_router_logits=True fails "
                        r"\(IndexError.*model\.router_aux_loss=false"):  # fmt: skip
-        flint.check_router()
-    module("mixtral").check_router()
+        check_router_logits(flint)
+    check_router_logits(module("mixtral"))

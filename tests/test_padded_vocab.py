@@ -62,7 +62,7 @@ def test_a_padded_vocabulary_computes_what_the_unpadded_model_does(arch):
         torch.manual_seed(0)
         sampled = padded.model.generate(batch["input_ids"][:, :4], max_new_tokens=24, do_sample=True, top_k=0)
     assert sampled.max() < V  # probability 0: never drawn
-    padded.check_padding()  # its probe passes: GPT-2's and Llama's logits are their heads' outputs
+    padded.padding.probe(padded)  # its probe passes: GPT-2's and Llama's logits are their heads' outputs
 
 
 def test_the_padding_mask_compiled_with_the_whole_model_computes_the_eager_one(monkeypatch):
@@ -105,7 +105,7 @@ def test_what_the_padding_cannot_serve_is_one_sentence():
     # Gemma 2 soft-caps its logits: the padded columns would leave the minimum (checked before step 1)
     gemma2 = module_of("gemma2", pad_vocab_multiple=64)
     with pytest.raises(ArchitectureRefused, match=r"Gemma2ForCausalLM's logits are not its head's output"):
-        gemma2.check_padding()
+        gemma2.padding.probe(gemma2)
     for strategy in ("trainer=ddp", "trainer=fsdp", "trainer=tp", "trainer=deepspeed_stage_3"):
         check_values(compose_cfg([strategy, "model.pad_vocab_multiple=64"]))  # these run it
     with pytest.raises(ConfigError, match=r"no rank runs the whole model, so the padding's mask is not checked"):

@@ -21,18 +21,68 @@ the model's own dtype, (2) in float64 for the head alone, whose weight every str
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from src.models import dropout as keyed
+from src.models.probe import probing
+from src.objectives.base import Objective
 from src.objectives.loss import chunked_token_loss
-from src.utils.config import ArchitectureRefused
+from src.utils.config import ArchitectureRefused, ConfigError, check_number
 from src.utils.labels import IGNORE_INDEX
 
 FLOAT64_TOL = 1e-9  # the head on a chunk and on every token run the same products: in float64 ~1e-16 apart
+
+
+def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional[int]:
+    """model.loss_chunk: null, or a number of tokens for an objective that trains on the token loss, the network not
+    compiled whole."""
+    if chunk is None:
+        return None
+    check_number("model.loss_chunk", chunk, lambda v: v >= 1, "a number of tokens >= 1, or null for the plain loss",
+                 integer=True)  # fmt: skip
+    if not objective.trains_token_loss:
+        raise ConfigError(
+            f"model.loss_chunk={chunk}: model/objective={objective.name} reads the model's logits itself, not the "
+            "token loss; set model.loss_chunk=null."
+        )
+    if compile is True:
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with model.compile=true: a network compiled whole would trace its head's "
+            "chunks and the backward each takes inside the forward; set model.compile=blocks (each chunk's loss is "
+            "compiled by model.compile_loss) or model.loss_chunk=null."
+        )
+    return chunk
+
+
+class ChunkedLoss:
+    """The LM module's model.loss_chunk=N: its forward with the head computing the loss, and the head's probe, run
+    once before the first step (or evaluation) on every rank alike."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk, self.checked = chunk, False
+
+    def forward_loss(self, module: Any, batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[Any, torch.Tensor, Any]:
+        """(the model's output with `logits` None, sum of the batch's token losses, number of targets)."""
+        self.probe(module)  # a module used on its own (not by a Trainer) has had no on_fit_start
+        labels, head = batch["labels"], output_head(module.hf_model, self.chunk)
+        with head_computes_loss(head, labels, self.chunk, module.loss_function()):
+            out = module.lm_forward(batch, **kwargs)
+        loss_sum, out.logits = out.logits, None
+        return out, loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def probe(self, module: Any) -> None:
+        """check_head on the module's model, in eval mode, once."""
+        if not self.checked:
+            with probing(module):
+                check_head(
+                    module.hf_model, module.lm_forward, self.chunk, module.loss_function(), module.vocab_size,
+                    module.device,
+                )  # fmt: skip
+            self.checked = True
 
 
 def output_head(hf_model: nn.Module, chunk: int) -> nn.Module:
@@ -130,6 +180,14 @@ def check_head(
             f"model.loss_chunk={chunk}: {kind}'s forward fails with its head computing the loss "
             f"({type(error).__name__}: {first}); set model.loss_chunk=null."
         ) from None
+    _judge(hf_model, chunk, probe_chunk, logits, handed, seen)
+
+
+def _judge(
+    hf_model: nn.Module, chunk: int, probe_chunk: int, logits: torch.Tensor, handed: torch.Tensor, seen: dict
+) -> None:
+    """check_head's four tests on what its probe forwards saw, each failure one sentence."""
+    kind = type(hf_model).__name__
     out = seen["logits"]
     if logits.shape != out.shape or not torch.equal(logits.double(), out.double()):
         gap = (logits.double() - out.double()).abs().max().item() if logits.shape == out.shape else "shapes"

@@ -12,13 +12,31 @@ from transformers import PretrainedConfig
 from src.architectures.gpt2 import GPT2
 from src.models import init
 from src.models.causal_lm import CausalLMLitModule
+from src.models.spec import ModelSpec
 from src.utils.config import ConfigError, check_int
+
+
+class GPT2Spec(ModelSpec):
+    """GPT-2's own initialisation scale, and a pretrained model that is GPT-2."""
+
+    def check_pretrained(self, config: PretrainedConfig) -> PretrainedConfig:
+        if config.model_type != GPT2.model_type:
+            raise ConfigError(
+                f"model.pretrained={self.pretrained!r} is a {config.model_type!r} model and model=gpt2 "
+                f"builds GPT-2: use model=causal_lm model.pretrained={self.pretrained}."
+            )
+        return super().check_pretrained(config)
+
+    def fill(self, model: torch.nn.Module) -> init.Fill:
+        return GPT2.fill(model.config)
 
 
 class GPT2LitModule(CausalLMLitModule):
     """GPT-2's shape keys; every other option is CausalLMLitModule's (typed there once: src/utils/config.py checks a
     `model.*` key against both signatures). `model.config` may set any other GPT2Config field; `model.model_type`
     stays gpt2."""
+
+    spec_type = GPT2Spec
 
     def __init__(
         self,
@@ -55,14 +73,3 @@ class GPT2LitModule(CausalLMLitModule):
         super().__init__(
             vocab_size=vocab_size, seq_len=seq_len, model_type="gpt2", config=config, dropout=dropout, **options
         )
-
-    def check_pretrained(self, config: PretrainedConfig, seq_len: int) -> PretrainedConfig:
-        if config.model_type != GPT2.model_type:
-            raise ConfigError(
-                f"model.pretrained={self._pretrained!r} is a {config.model_type!r} model and model=gpt2 "
-                f"builds GPT-2: use model=causal_lm model.pretrained={self._pretrained}."
-            )
-        return super().check_pretrained(config, seq_len)
-
-    def fill(self, model: torch.nn.Module) -> init.Fill:
-        return GPT2.fill(model.config)

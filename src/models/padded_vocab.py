@@ -10,13 +10,61 @@ columns would leave the minimum), and for a pretrained model (its vocabulary is 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from src.utils.config import ArchitectureRefused
+from src.models.probe import probing, trainer_of
+from src.parallel import capabilities
+from src.utils.config import ArchitectureRefused, ConfigError, check_number
+
+
+def check_pad_vocab(multiple: Any, pretrained: Optional[str], loss_chunk: Optional[int]) -> Optional[int]:
+    """model.pad_vocab_multiple: null, or a row multiple for a model built from a config, its loss not chunked."""
+    if multiple is None:
+        return None
+    check_number("model.pad_vocab_multiple", multiple, lambda v: v >= 1, "a number of rows >= 1, or null",
+                 integer=True)  # fmt: skip
+    if pretrained:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with model.pretrained={pretrained}: a pretrained model keeps its "
+            "checkpoint's vocabulary; set model.pad_vocab_multiple=null."
+        )
+    if loss_chunk is not None:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with model.loss_chunk={loss_chunk}: the chunks call the head without "
+            "the padding's mask; set one of them to null."
+        )
+    return multiple
+
+
+class PaddedVocab:
+    """The LM module's model.pad_vocab_multiple: the rows the model is built with, the mask on its head's output, and
+    the probe that the mask holds in the logits, run once before step 1 on every rank alike."""
+
+    def __init__(self, multiple: Optional[int], vocab: int) -> None:
+        self.multiple, self.checked = multiple, False
+        self.rows = padded(vocab, multiple)
+        self.unpadded = vocab if self.rows != vocab else None  # what export-hf writes; None: nothing padded
+
+    def mask(self, model: nn.Module) -> None:
+        """The padded columns of `model`'s head output at the dtype's minimum."""
+        if self.unpadded is not None:
+            mask_padding(model.get_output_embeddings(), self.unpadded)
+
+    def probe(self, module: Any) -> None:
+        """A probe forward's padded columns are at the minimum (the model does not scale or cap its head's output)."""
+        if self.unpadded is None or self.checked:
+            return
+        trainer = trainer_of(module)  # the pipeline's stages (no whole forward) are refused by src/run/checks.py
+        if trainer is not None and not capabilities.of(trainer.strategy).can_generate:
+            return
+        with probing(module):
+            logits = module.lm_forward({"input_ids": torch.zeros(1, 8, dtype=torch.long, device=module.device)}).logits
+        check_masked(logits, self.unpadded, type(module.hf_model).__name__, self.multiple)
+        self.checked = True
 
 
 def padded(vocab: int, multiple: Optional[int]) -> int:

@@ -49,8 +49,9 @@ class Capabilities:
     under optimizer offload), or None."""
 
     own_loss: ClassVar[Optional[str]] = None
-    """Why the strategy computes the loss itself, where it does (the pipeline's schedule: the next-token loss on its
-    last stage): an objective with another loss is refused under it (an objective's `refused_under`)."""
+    """Why the strategy computes the loss itself, where it does (the pipeline's last stage, from each micro-batch's
+    logits and labels, through the objective's `loss_sum` and `n_targets`): an objective whose loss is not such a
+    sum is refused under it (an objective's `refused_under`)."""
 
     split_vocabulary: ClassVar[Optional[str]] = None
     """Why no rank holds the output layer's whole rows, where it is so (tensor parallel splits it over the

@@ -53,6 +53,11 @@ class Capabilities:
     logits and labels, through the objective's `loss_sum` and `n_targets`): an objective whose loss is not such a
     sum is refused under it (an objective's `refused_under`)."""
 
+    owns_step: ClassVar[bool] = False
+    """The strategy runs the whole training step itself (the pipeline: schedule, gradient sync, clipping, optimizer
+    and LR step): LitModule's `automatic_optimization` is False under it, so Lightning calls the strategy's
+    training_step and runs no backward or optimizer step of its own."""
+
     split_vocabulary: ClassVar[Optional[str]] = None
     """Why no rank holds the output layer's whole rows, where it is so (tensor parallel splits it over the
     vocabulary): an objective that reads a scalar head is refused under it."""

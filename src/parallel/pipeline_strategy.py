@@ -2,7 +2,7 @@
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
 so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
-and runs the optimizer step itself: the module is switched to manual optimization, and
+and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
 `training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
 own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/objectives/base.py), metrics,
 optimizer and LR schedule are.
@@ -50,6 +50,7 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"
+    owns_step = True  # training_step below: the module's automatic_optimization is False (LitModule)
     loads_sharded_checkpoints = True
     shards_parameters = True  # each stage holds its own blocks
 
@@ -72,10 +73,6 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         self.tensor_parallel_size = tensor_parallel_size
         self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
         self.pipeline: Pipeline | None = None
-
-    def connect(self, model) -> None:
-        super().connect(model)
-        model.automatic_optimization = False  # the step is ours (training_step below)
 
     def mesh_dims(self) -> dict[str, int]:
         return {"pipeline_parallel": self.pipeline_parallel_size, "tensor_parallel": self.tensor_parallel_size}

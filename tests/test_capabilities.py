@@ -62,3 +62,21 @@ def test_no_strategy_flag_is_read_with_a_guessed_default():
                 if "strategy" in ast.unparse(node.args[0]):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
+
+
+def test_a_strategy_that_owns_the_step_turns_lightnings_optimization_off():
+    """LitModule.automatic_optimization reads the `owns_step` of the strategy it trains under: False under the
+    pipeline (its own training_step runs the step), True under Lightning's own strategies and with no Trainer; a
+    module that turned it off keeps it off."""
+    import lightning as L
+
+    from src.models.gpt2 import GPT2LitModule
+
+    module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=8)
+    assert module.automatic_optimization and PipelineStrategy.owns_step and not capabilities.of(DDPStrategy).owns_step
+    for strategy, automatic in (("auto", True), (PipelineStrategy(), False)):
+        module.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu", strategy=strategy)
+        assert module.automatic_optimization is automatic
+    module.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
+    module.automatic_optimization = False
+    assert module.automatic_optimization is False

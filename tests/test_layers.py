@@ -159,6 +159,52 @@ def test_objectives_use_only_the_trained_modules_contract():
     assert not missing, f"CausalLMLitModule lacks {missing}"
 
 
+def test_an_objective_a_strategy_computes_gives_its_own_loss_and_metrics_through_it():
+    """A strategy that computes the loss itself (own_loss: the pipeline's last stage) asks the objective for each
+    micro-batch's `loss_sum` (from the logits and labels), the batch's `n_targets` and `add_sums` for evaluation: for
+    an objective that runs there, on a batch cut into two micro-batches (-100 labels included), they give its own
+    training loss and evaluation metrics; an objective refused there (`refused_under`) has none of the three."""
+    import lightning as L
+    import torch
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    from src.models.gpt2 import GPT2LitModule
+    from src.objectives.base import Objective
+
+    asked = ("loss_sum", "n_targets", "add_sums")
+    classes = [
+        get_object(OmegaConf.load(ROOT / "conf" / "model" / "objective" / f"{name}.yaml")._target_)
+        for name in OBJECTIVES[1:]
+    ]
+    runs = [c for c in classes if "own_loss" not in c.refused_under]
+    assert runs, "no objective runs under a strategy that computes its loss: the check is empty"
+    for cls in classes:
+        overridden = [m for m in asked if getattr(cls, m) is not getattr(Objective, m)]
+        assert overridden == (list(asked) if cls in runs else []), f"{cls.__name__} gives {overridden} of {asked}"
+    for cls in runs:
+        torch.manual_seed(0)
+        module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=8, objective=cls())
+        module.trainer = L.Trainer(logger=False, enable_checkpointing=False, log_every_n_steps=1000, accelerator="cpu")
+        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+        labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1)
+        labels[1, :9] = -100  # a prompt's labels
+        batch = {"input_ids": ids, "labels": labels}
+        objective = module.objective
+        with torch.no_grad():
+            own = module.training_step(batch, 0)  # no step table: the batch's own mean
+            logits = module.lm_forward(batch).logits
+            sums = [objective.loss_sum(module, logits[i : i + 2], labels[i : i + 2]) for i in (0, 2)]
+            asked_loss = sum(sums) / objective.n_targets(batch)
+            objective.evaluation_step(module, batch, objective.val_metrics)
+            objective.add_sums(objective.test_metrics, sum(sums), objective.n_targets(batch))
+        assert int(objective.n_targets(batch)) == 4 * 15 - 9
+        torch.testing.assert_close(asked_loss, own)
+        evaluated = objective.epoch_metrics("x", objective.val_metrics)
+        assert evaluated
+        torch.testing.assert_close(objective.epoch_metrics("x", objective.test_metrics), evaluated)
+
+
 STRATEGY_CLASS = re.compile(r"\b[A-Z]\w*Strategy\b")  # DDPStrategy, PipelineStrategy, FSDP2Strategy, ...
 
 

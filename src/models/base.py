@@ -67,6 +67,20 @@ class LitModule(L.LightningModule):
         self.first_nonfinite: Optional[torch.Tensor] = None
         self.nonfinite_reduced: Optional[torch.Tensor] = None
 
+    @property
+    def automatic_optimization(self) -> bool:
+        """Lightning runs backward and the optimizer step, unless the module turned that off or its strategy runs the
+        whole step itself (capabilities' `owns_step`: the pipeline)."""
+        try:
+            owned = capabilities.of(self.trainer.strategy).owns_step
+        except RuntimeError:  # not attached to a Trainer
+            owned = False
+        return super().automatic_optimization and not owned
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        L.LightningModule.automatic_optimization.fset(self, value)
+
     def blocks(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
         """The model's repeated blocks as (parent, name, block): the units FSDP shards and checkpoints."""
         return []

@@ -64,7 +64,8 @@ class Objective(nn.Module):
     # (data=prompts: GRPO samples the answers)
     batch_kind = "tokens"
     # the strategy capabilities (src/parallel/capabilities.py) that refuse it, each saying why where a strategy has
-    # it: own_loss (the pipeline's schedule computes the next-token loss on its last stage, and nothing else)
+    # it: own_loss (the pipeline's last stage computes the loss from each micro-batch's logits and labels alone,
+    # through `loss_sum` and `n_targets`, which an objective not refused under it gives)
     refused_under: tuple[str, ...] = ("own_loss",)
     generates = True  # whether the trained model writes text (callbacks.generate_text)
     # whether its loss adds a mixture-of-experts model's router load-balancing loss (model.router_aux_loss); an
@@ -104,6 +105,22 @@ class Objective(nn.Module):
 
     def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
         """Add a validation or test batch to `metrics` (val_metrics or test_metrics)."""
+        raise NotImplementedError
+
+    # ---- what a strategy that computes the loss itself asks (own_loss: the pipeline's last stage) ----
+
+    def loss_sum(self, module: TrainedModule, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The sum of a micro-batch's losses from the model's logits and its labels, with its gradient: the step's
+        loss is these sums over its micro-batches, divided by the step's targets (`n_targets`)."""
+        raise NotImplementedError
+
+    def n_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The number of a batch's targets: what its loss sums are divided by, added over the step (where the data
+        gives no table of them: LitModule.step_total) or over an evaluation."""
+        raise NotImplementedError
+
+    def add_sums(self, metrics: nn.ModuleDict, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
+        """Add an evaluation batch's loss sum and targets to `metrics` (what evaluation_step adds)."""
         raise NotImplementedError
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:

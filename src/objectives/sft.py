@@ -12,11 +12,12 @@ from torch import nn
 from src.objectives import moe
 from src.objectives.base import Objective, TrainedModule
 from src.objectives.loss import TokenMeanLoss
+from src.utils.labels import IGNORE_INDEX
 
 
 class SFT(Objective):
     name = "sft"
-    refused_under: tuple[str, ...] = ()  # the next-token loss: what the pipeline's schedule computes
+    refused_under: tuple[str, ...] = ()  # the pipeline's last stage computes it (loss_sum, n_targets)
     adds_router_loss = True
     trains_token_loss = True
 
@@ -57,7 +58,18 @@ class SFT(Objective):
         return metrics
 
     def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
-        metrics["loss"].update(*module.loss_and_count(batch))
+        self.add_sums(metrics, *module.loss_and_count(batch))
+
+    def loss_sum(self, module: TrainedModule, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token cross-entropy of the labels' targets (module.token_loss)."""
+        return module.token_loss(logits, labels)[0]
+
+    def n_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labelled tokens: every label but IGNORE_INDEX."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def add_sums(self, metrics: nn.ModuleDict, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
+        metrics["loss"].update(loss_sum, n_targets)
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
         loss = metrics["loss"].compute()

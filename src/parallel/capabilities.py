@@ -49,8 +49,14 @@ class Capabilities:
     under optimizer offload), or None."""
 
     own_loss: ClassVar[Optional[str]] = None
-    """Why the strategy computes the loss itself, where it does (the pipeline's schedule: the next-token loss on its
-    last stage): an objective with another loss is refused under it (an objective's `refused_under`)."""
+    """Why the strategy computes the loss itself, where it does (the pipeline's last stage, from each micro-batch's
+    logits and labels, through the objective's `loss_sum` and `n_targets`): an objective whose loss is not such a
+    sum is refused under it (an objective's `refused_under`)."""
+
+    owns_step: ClassVar[bool] = False
+    """The strategy runs the whole training step itself (the pipeline: schedule, gradient sync, clipping, optimizer
+    and LR step): LitModule's `automatic_optimization` is False under it, so Lightning calls the strategy's
+    training_step and runs no backward or optimizer step of its own."""
 
     split_vocabulary: ClassVar[Optional[str]] = None
     """Why no rank holds the output layer's whole rows, where it is so (tensor parallel splits it over the

@@ -9,9 +9,9 @@ the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of 
 stages r, r + P, r + 2P, ... (the order the interleaved schedule expects).
 
 Exactness (each checked against one process in tests/test_pipeline.py):
-* loss: every micro-batch's loss is its *summed* token cross-entropy times 1/N, N = the target tokens of
-  the whole global batch, with scale_grads=False: the gradients are those of the global token mean,
-  also with -100 labels (a per-micro-batch mean would weight micro-batches wrongly);
+* loss: every micro-batch's loss is the objective's *sum* of its losses (`loss_sum`, src/objectives/base.py) times
+  1/N, N = the targets of the whole global batch (its `n_targets`), with scale_grads=False: the gradients are those
+  of the mean over the global batch's targets (a per-micro-batch mean would weight micro-batches wrongly);
 * an MoE model's router loss: each micro-batch's adds router_aux_loss_coef x the sum of its sequences'
   load-balancing losses (each from the routing totals its stages carried: pipeline_stages.Routing) x 1/S, S = the
   sequences of the global batch, as one process averages it over the step's sequences;
@@ -29,8 +29,9 @@ gradient sums and the clipping norm below then work on each rank's DTensor shard
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,11 +141,11 @@ class Pipeline:
         schedule: str,
         n_microbatches: int,
         device: torch.device,
-        token_loss,
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         routing: Optional[Routing] = None,
         aux_coef: float = 0.0,
     ) -> None:
-        self.token_loss = token_loss  # (logits, labels) -> (sum of token losses, targets): the module's own
+        self.loss_sum = loss_sum  # (logits, labels) -> the sum of a micro-batch's losses: the objective's own
         self.routing, self.aux_coef = routing, aux_coef  # an MoE model's router loss, carried through the stages
         self.modules, self.indices, self.n_stages = stages, indices, n_stages
         self.group = mesh["pipeline_parallel"].get_group()
@@ -153,9 +154,9 @@ class Pipeline:
         self.has_first, self.has_last = 0 in indices, n_stages - 1 in indices
         # the last stage's tensor-parallel ranks all compute the loss: one of them reports it (sums count it once)
         self.reports_loss = self.has_last and mesh["tensor_parallel"].get_local_rank() == 0
-        self.scale = 1.0  # 1 / target tokens of the global batch while training; 1 in evaluation
+        self.scale = 1.0  # 1 / targets of the global batch while training; 1 in evaluation
         self.sequence_scale = 1.0  # 1 / sequences of the global batch (the router loss's mean)
-        self.token_losses: list[torch.Tensor] = []  # this run's micro-batches' token losses (x scale), last stage
+        self.losses: list[torch.Tensor] = []  # this run's micro-batches' loss sums (x scale), on the last stage
         self.routing_sums: list[torch.Tensor] = []  # and their [router loss sum, tokens per expert..., sequences]
         self._schedules: dict[tuple, object] = {}
         self.tie_group = self._tie_group(mesh)
@@ -176,17 +177,17 @@ class Pipeline:
         return mine
 
     def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's loss on the last stage: its summed token losses x scale (+ the router loss's share)."""
+        """A micro-batch's loss on the last stage: the sum of its losses x scale (+ the router loss's share)."""
         logits = output[0] if self.routing is not None else output
-        token = self.token_loss(logits, labels)[0] * self.scale
-        self.token_losses.append(token.detach().float())
+        loss = self.loss_sum(logits, labels) * self.scale
+        self.losses.append(loss.detach().float())
         if self.routing is None:
-            return token
+            return loss
         mask, hits, probs = output[1:]
         balance = self.routing.balance(mask, hits, probs)
         count = balance.new_tensor([mask.shape[0]])
         self.routing_sums.append(torch.cat([balance.detach().sum()[None], hits.detach().sum(0), count]))
-        return token + self.aux_coef * balance.sum() * self.sequence_scale
+        return loss + self.aux_coef * balance.sum() * self.sequence_scale
 
     def _schedule(self, training: bool, batch_shape: tuple[int, ...]):
         """One schedule per (mode, batch shape): stages size their send/receive buffers on the first step."""
@@ -217,9 +218,9 @@ class Pipeline:
         scale: float = 1.0,
         attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Runs the batch through the pipeline (each micro-batch's token loss: its summed token losses x `scale`);
-        returns the sum of those on the rank that reports the loss, 0 elsewhere (`stat_sums`: the router's)."""
-        self.scale, self.token_losses, self.routing_sums = scale, [], []
+        """Runs the batch through the pipeline (each micro-batch's loss: the sum of its losses x `scale`); returns
+        the sum of those on the rank that reports the loss, 0 elsewhere (`stat_sums`: the router's)."""
+        self.scale, self.losses, self.routing_sums = scale, [], []
         self.sequence_scale = 1.0 / (input_ids.shape[0] * dist.get_world_size(self.data_group))
         schedule = self._schedule(training, tuple(input_ids.shape))
         args = (input_ids,) if self.has_first else ()
@@ -233,11 +234,11 @@ class Pipeline:
             schedule.eval(*args, target=target, losses=losses)
         # a schedule's first step also calls the loss on empty tensors (torch infers its shapes so): the micro-batches'
         # calls are the last len(losses)
-        self.token_losses = self.token_losses[len(self.token_losses) - len(losses) :]
+        self.losses = self.losses[len(self.losses) - len(losses) :]
         self.routing_sums = self.routing_sums[len(self.routing_sums) - len(losses) :]
         if not losses or not self.reports_loss:
             return torch.zeros((), device=self.device)
-        return torch.stack(self.token_losses).sum()
+        return torch.stack(self.losses).sum()
 
     def stat_sums(self) -> Optional[torch.Tensor]:
         """An MoE model's [router loss sum, tokens per expert..., sequences] over this run's micro-batches, on the
@@ -259,7 +260,7 @@ class Pipeline:
 
     def sync_grads(self, params: list[nn.Parameter]) -> None:
         """Tied weights: sum over first and last stage; then every gradient summed over the data-parallel ranks
-        (each replica's loss is already its shard's share of the global batch's token mean: see `run`'s scale)."""
+        (each replica's loss is already its shard's share of the global batch's mean: see `run`'s scale)."""
         for p in self.tied_parameters():
             if p.grad is not None:
                 dist.all_reduce(local(p.grad), group=self.tie_group)
@@ -295,7 +296,8 @@ class Pipeline:
 def parallelize(
     module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
 ) -> Pipeline:
-    """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them."""
+    """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them,
+    its last stage computing the loss of the module's objective (`loss_sum`, src/objectives/base.py)."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank
@@ -333,4 +335,5 @@ def parallelize(
         f"{n_microbatches} micro-batches; this rank holds stages {indices}"
     )
     coef = float(getattr(hf, "router_aux_loss_coef", 0.0)) if routing is not None else 0.0
-    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, module.token_loss, routing, coef)
+    loss_sum = functools.partial(module.objective.loss_sum, module)
+    return Pipeline(stages, indices, n_stages, mesh, schedule, n_microbatches, device, loss_sum, routing, coef)

@@ -2,15 +2,16 @@
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
 so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
-and runs the optimizer step itself: the module is switched to manual optimization, and `training_step`
-here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's own
-training_step is not used; its metrics, optimizer and LR schedule are.
+and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
+`training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
+own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/objectives/base.py), metrics,
+optimizer and LR schedule are.
 
 Logging: the loss exists on the last stage only. Its ranks hold their data-parallel shard's share of
-the global token mean; one all-reduce (sum) over all ranks, others adding 0, gives every rank the
+the global batch's mean; one all-reduce (sum) over all ranks, others adding 0, gives every rank the
 global batch's loss, so rank 0 logs the real value (an MoE model's router statistics ride in the same
-all-reduce). Evaluation metrics are sums and counts
-(TokenMeanLoss): ranks without the last stage add (0, 0), so torchmetrics' sync over all ranks is exact.
+all-reduce). Evaluation metrics are sums and counts (the objective's `add_sums`): ranks without the last
+stage add (0, 0), so torchmetrics' sync over all ranks is exact.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (src/models/dropout.py, check_draws)
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
-    own_loss = "its schedule computes the next-token loss only"
+    own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"
+    owns_step = True  # training_step below: the module's automatic_optimization is False (LitModule)
     loads_sharded_checkpoints = True
     shards_parameters = True  # each stage holds its own blocks
 
@@ -72,10 +74,6 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         self.stages_per_rank, self.gradient_clip_val = stages_per_rank, gradient_clip_val
         self.pipeline: Pipeline | None = None
 
-    def connect(self, model) -> None:
-        super().connect(model)
-        model.automatic_optimization = False  # the step is ours (training_step below)
-
     def mesh_dims(self) -> dict[str, int]:
         return {"pipeline_parallel": self.pipeline_parallel_size, "tensor_parallel": self.tensor_parallel_size}
 
@@ -97,11 +95,11 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         module, pipe = self.lightning_module, self.pipeline
         optimizer = module.optimizers()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        # the global batch's target tokens, from the sampler order every rank shares (as token_mean_loss does
-        # under DDP): no collective, no host sync; counted and all-reduced only for a train set without counts
+        # the global batch's targets, from the sampler order every rank shares (as token_mean_loss does under
+        # DDP): no collective, no host sync; counted and all-reduced only for a train set without counts
         n_targets = module.step_total(batch_idx)
         if n_targets is None:
-            counted = (batch["labels"] != -100).sum()
+            counted = module.objective.n_targets(batch)
             dist.all_reduce(counted, group=pipe.data_group)
             n_targets = int(counted)
         optimizer.zero_grad()
@@ -124,10 +122,11 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         return loss
 
     def _evaluate(self, batch: dict[str, torch.Tensor], metrics) -> None:
+        objective = self.lightning_module.objective
         with torch.no_grad(), self.precision_plugin.val_step_context():
             loss = self.pipeline.run(batch["input_ids"], batch["labels"], False, 1.0, batch.get("attention_mask"))
-        count = (batch["labels"] != -100).sum() if self.pipeline.reports_loss else torch.zeros((), dtype=torch.int64)
-        metrics["loss"].update(loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
+        count = objective.n_targets(batch) if self.pipeline.reports_loss else torch.zeros((), dtype=torch.int64)
+        objective.add_sums(metrics, loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
 
     def validation_step(self, batch, batch_idx, *args: Any) -> None:
         self._evaluate(batch, self.lightning_module.val_metrics)

@@ -39,10 +39,10 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, label_targets
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import pad_collate, read_json_records
 from src.datamodules.packing import PackedRows, packed_collate, padding_share
+from src.datamodules.records import Items, RecordsDataModule, label_targets
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_sequence_data

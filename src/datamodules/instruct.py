@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, label_targets, padded_records
 from src.datamodules.corpus import CorpusError, hf_records, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
+from src.datamodules.records import Items, RecordsDataModule, label_targets, padded_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_sequence_data

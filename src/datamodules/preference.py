@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, padded_records
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
+from src.datamodules.records import Items, RecordsDataModule, padded_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
 from src.utils.config import ConfigError, check_prompt_len, check_sequence_data

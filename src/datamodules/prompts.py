@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, right_padded
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.preference import Message, Renderer, message
+from src.datamodules.records import Items, RecordsDataModule, right_padded
 from src.utils.config import check_prompt_len, check_sequence_data
 
 log = logging.getLogger(__name__)

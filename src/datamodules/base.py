@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from src.parallel.samplers import EvenBatches, ShardSampler, rank_and_world, train_sampler
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_int
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,10 @@ LANGUAGE_KINDS = ("tokens", "pairs", "prompts")  # the batch kinds of a language
 
 
 class ShardedDataModule(L.LightningDataModule):
-    """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
+    """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`.
+
+    The data.* keys every datamodule takes are typed and checked here, once: a subclass takes its own keys and
+    passes the rest on (`**shared`; src/utils/config.py's key check reads this signature through it)."""
 
     # what a batch holds, for a language model's objective (src/objectives/base.py): tokens (input ids and their
     # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
@@ -159,15 +162,18 @@ class ShardedDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        global_batch_size: int,
-        eval_batch_size: Optional[int],
-        num_workers: int,
-        seed: Optional[int],
+        global_batch_size: int = 32,
+        eval_batch_size: Optional[int] = None,
+        num_workers: int = 0,
+        seed: Optional[int] = 42,
         overfit_batches: int = 0,
     ) -> None:
         super().__init__()
+        check_int("data.global_batch_size", global_batch_size)
+        if eval_batch_size is not None:
+            check_int("data.eval_batch_size", eval_batch_size)
         if overfit_batches < 0:
-            raise ValueError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
+            raise ConfigError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.num_workers, self.seed, self.overfit_batches = num_workers, seed, overfit_batches
         self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()

@@ -4,16 +4,15 @@ targets)."""
 
 from __future__ import annotations
 
-from functools import cached_property
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import CorpusError
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.datamodules.tokens import TokenDataModule
 from src.utils.labels import IGNORE_INDEX
 
 
@@ -74,26 +73,22 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, u
     return n_train, n_val, n_test
 
 
-class RecordsDataModule(ShardedDataModule):
-    """Data read whole from one file of records (instruct, chat, preference, prompts): its tokenizer (data.tokenizer
-    and data.special_tokens), the vocabulary the model is built for, the records checked on rank 0 before any
-    rank's setup, and the cut of the usable items into train, val and test in file order."""
+class RecordsDataModule(TokenDataModule):
+    """Data read whole from one file of records (instruct, chat, preference, prompts): data.path (or hf:<name> and
+    its data.hf_split), data.special_tokens added to its tokenizer, the records checked on rank 0 before any rank's
+    setup, and the cut of the usable items into train, val and test in file order. Each subclass takes its own keys
+    and its seq_len's default, and passes the rest on (`**shared`)."""
 
-    batch_kind = "tokens"
-    pad_evaluation = True  # batches of one shape; the metrics leave the padding's ignored labels out
-    tokenizer_name: str
-    special_tokens: Sequence[str] = ()
-    path: str
-    val_fraction: float
-    test_fraction: float
-
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name, self.special_tokens)
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
+    def __init__(
+        self,
+        path: str,
+        hf_split: str = "train",
+        special_tokens: Sequence[str] = (),
+        global_batch_size: int = 8,
+        **shared: Any,
+    ) -> None:
+        super().__init__(global_batch_size=global_batch_size, **shared)
+        self.path, self.hf_split, self.special_tokens = path, hf_split, list(special_tokens)
 
     def records(self) -> list:
         """The file's records, parsed; a bad one raises its one sentence."""

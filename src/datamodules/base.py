@@ -186,7 +186,7 @@ class ShardedDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
-        world = rank_and_world()[1]
+        world = self.data_ranks()[1]
         if stage in (None, "fit"):
             self.batch_size = micro_batch_size(self.global_batch_size, world, accumulate)
         else:  # evaluating only (eval.py): there is no optimizer step, so the global batch need not divide
@@ -222,9 +222,14 @@ class ShardedDataModule(L.LightningDataModule):
         """The evaluation padding made from a real `sample`: the same inputs, every label ignored."""
         return ignore_labels(sample)
 
+    def data_ranks(self) -> tuple[int, int]:
+        """(this rank, the number of ranks) among those the data is dealt over: the data-parallel ranks of the
+        trainer's strategy (src/parallel/samplers.py rank_and_world); all ranks without a trainer."""
+        return rank_and_world(self.trainer)
+
     def samples_per_batch(self) -> int:
         """The samples one per-rank batch index stands for: micro-batch x data-parallel ranks."""
-        return self.batch_size * rank_and_world()[1]
+        return self.batch_size * self.data_ranks()[1]
 
     def step_targets(self, epoch: int, accumulate: int) -> Optional[tuple[Any, int]]:
         """(the target tokens of each optimizer step of `epoch`, over all ranks and accumulation micro-batches;
@@ -237,7 +242,7 @@ class ShardedDataModule(L.LightningDataModule):
             return None
         if self._target_counts is None or self._target_counts[0] is not dataset:
             self._target_counts = (dataset, dataset.target_counts())
-        sampler = train_sampler(dataset, self.seed or 0)  # the order the train loader reads
+        sampler = train_sampler(dataset, self.seed or 0, self.data_ranks())  # the order the train loader reads
         return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
@@ -246,7 +251,7 @@ class ShardedDataModule(L.LightningDataModule):
         indexed = self.batch_kind in LANGUAGE_KINDS
         dataset = Indexed(self.splits["train"]) if indexed else self.splits["train"]
         collate = IndexedCollate(self.collate_fn()) if indexed else self.collate_fn()
-        sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
+        sampler, batch = train_sampler(dataset, self.seed or 0, self.data_ranks()), self.batch_size
         sampler.skip = batches_done_this_epoch(self.trainer, len(sampler) // batch) * batch
         return ResumableLoader(
             dataset,
@@ -265,9 +270,9 @@ class ShardedDataModule(L.LightningDataModule):
         shards end with the padding item (ShardSampler)."""
         dataset, size = self.splits[split], self.eval_batch_size or self.batch_size
         if not self.pad_evaluation:
-            batches = {"batch_sampler": EvenBatches(len(dataset), size)}
+            batches = {"batch_sampler": EvenBatches(len(dataset), size, self.data_ranks())}
         else:
-            sampler = ShardSampler(len(dataset))
+            sampler = ShardSampler(len(dataset), self.data_ranks())
             if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
                 dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
             batches = {"batch_size": size, "sampler": sampler, "drop_last": False}

@@ -80,3 +80,32 @@ def test_a_strategy_that_owns_the_step_turns_lightnings_optimization_off():
     module.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
     module.automatic_optimization = False
     assert module.automatic_optimization is False
+
+
+def test_the_samplers_deal_the_data_over_the_mesh_the_trainers_strategy_declares():
+    """No module global: the data mesh is the strategy's own (`data_mesh`, which OwnMesh sets in setup_environment),
+    read from the trainer; a strategy without one (before setup, Lightning's own), or no trainer, deals the data over
+    all ranks (here one process)."""
+    from types import SimpleNamespace
+
+    from src.parallel.samplers import data_parallel_group, rank_and_world
+
+    class DataMesh:  # the data-parallel dim of a (2 data parallel x 2 tensor parallel) mesh, seen from global rank 3
+        def get_local_rank(self) -> int:
+            return 1
+
+        def size(self) -> int:
+            return 2
+
+        def get_group(self) -> str:
+            return "its data-parallel group"
+
+    ours = TensorParallelStrategy()
+    assert ours.data_mesh is None and rank_and_world(SimpleNamespace(strategy=ours)) == (0, 1)
+    ours.data_mesh = DataMesh()
+    trainer = SimpleNamespace(strategy=ours)
+    assert rank_and_world(trainer) == (1, 2) and data_parallel_group(trainer) == "its data-parallel group"
+    assert rank_and_world(SimpleNamespace(strategy=TensorParallelStrategy())) == (0, 1)  # one strategy's, not all
+    for stock in (DDPStrategy(), SingleDeviceStrategy(device="cpu")):
+        assert rank_and_world(SimpleNamespace(strategy=stock)) == (0, 1)
+    assert rank_and_world(None) == (0, 1) and data_parallel_group(None) is None

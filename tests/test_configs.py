@@ -285,6 +285,33 @@ def test_unknown_key_inside_a_target_node_fails_before_any_work(tmp_path):
     check_targets(compose_cfg(["model.compile_loss=true", "model.n_layer=2"], tmp=tmp_path))  # one of each: taken
 
 
+@pytest.mark.parametrize("data", ["text", "litdata", "instruct", "chat", "preference", "prompts", "table", "digits"])
+def test_a_datamodule_takes_its_own_keys_and_the_shared_ones_and_refuses_a_typo(data, tmp_path):
+    """Each datamodule types its own keys and passes the shared ones on (`**shared`) to the base that types them once
+    (tokens.py, base.py): the key check follows it, so a shared key is taken and a misspelt one refused in a sentence
+    naming the datamodule and the keys of every level."""
+    cfg = compose_cfg([f"data={data}", "data.eval_batch_size=2", "data.num_workers=0"], tmp=tmp_path)
+    check_targets(cfg.data, "data")
+    cfg = compose_cfg([f"data={data}", "+data.eval_batch_sise=2"], tmp=tmp_path)
+    target = cfg.data._target_.rsplit(".", 1)[1]
+    with pytest.raises(
+        ConfigError, match=rf"^Unknown config key 'data\.eval_batch_sise': .*{target} does not take"
+    ) as e:
+        check_targets(cfg.data, "data")
+    accepted = str(e.value).split("accepted keys are: ", 1)[1].rstrip(".").split(", ")
+    assert {"global_batch_size", "eval_batch_size", "num_workers", "seed", "overfit_batches"} <= set(accepted)
+    assert "shared" not in accepted and "\n" not in str(e.value)
+
+
+def test_a_subclass_that_inherits_a_datamodules_init_is_checked_as_strictly():
+    from src.datamodules.chat import ChatDataModule
+    from src.utils.config import accepted_parameters
+
+    keys = set(accepted_parameters(type("MyChat", (ChatDataModule,), {})))
+    assert {"path", "layout", "hf_split", "special_tokens", "tokenizer", "seq_len", "global_batch_size"} <= keys
+    assert "shared" not in keys  # no **kwargs left: a misspelt key is refused, as for ChatDataModule itself
+
+
 def test_unknown_top_level_key_in_a_yaml_fails(tmp_path):
     """A typo in a config file (not the command line) is caught by the dataclass schema."""
     exp = CONF / "experiment" / "_test_typo.yaml"

@@ -14,7 +14,7 @@ from conftest import worker_processes
 from torch import nn
 
 from src.parallel.gather import gather_shards
-from src.parallel.samplers import ShardSampler, train_sampler
+from src.parallel.samplers import ShardSampler, rank_and_world, train_sampler
 from src.parallel.sync_batchnorm import GlooSyncBatchNorm, SyncBatchNorm
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64
@@ -107,10 +107,10 @@ def test_syncbatchnorm_plugin_is_a_no_op_for_one_process_and_reverts():
 
 
 def gather_case(rank: int, world: int) -> list:
-    sampler = ShardSampler(10)
+    sampler = ShardSampler(10, rank_and_world(None))
     local = torch.tensor(list(sampler), dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
     real = local[[not sampler.is_padding(i) for i in sampler]]  # a caller may drop the padding first
-    return [gather_shards(local, 10).tolist(), gather_shards(real, 10).tolist()]
+    return [gather_shards(local, 10, None).tolist(), gather_shards(real, 10, None).tolist()]
 
 
 def test_gather_shards_returns_every_sample_once_in_dataset_order():
@@ -119,11 +119,10 @@ def test_gather_shards_returns_every_sample_once_in_dataset_order():
     assert all(results[r] == [expected, expected] for r in range(3))
 
 
-def shards_of(n: int, world: int, monkeypatch) -> list[list[int]]:
+def shards_of(n: int, world: int) -> list[list[int]]:
     shards = []
     for rank in range(world):
-        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, world))
-        sampler = ShardSampler(n)
+        sampler = ShardSampler(n, (rank, world))
         assert len(sampler) == len(list(sampler))
         assert all(sampler.is_padding(i) == (i == n) for i in sampler)  # padding is marked: index n
         shards.append(list(sampler))
@@ -131,15 +130,15 @@ def shards_of(n: int, world: int, monkeypatch) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("n,world", [(11, 3), (10, 3), (12, 3), (9, 4), (5, 5), (7, 1)])
-def test_shard_sampler_equal_lengths_every_real_index_once_padding_marked(monkeypatch, n, world):
+def test_shard_sampler_equal_lengths_every_real_index_once_padding_marked(n, world):
     """Equal shard lengths (FSDP / ZeRO-3 all-gather in every evaluation forward: a rank with a batch
     less would hang the others), each real index exactly once, the rest the padding index n."""
-    shards = shards_of(n, world, monkeypatch)
+    shards = shards_of(n, world)
     assert {len(s) for s in shards} == {-(-n // world)}
     real = [i for shard in shards for i in shard if i < n]
     assert sorted(real) == list(range(n))
     assert sum(i == n for shard in shards for i in shard) == -(-n // world) * world - n
-    assert shards_of(11, 3, monkeypatch) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]  # round-robin, padding last
+    assert shards_of(11, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]  # round-robin, padding last
 
 
 def test_padded_split_labels_are_ignored():
@@ -160,18 +159,16 @@ def test_padded_split_labels_are_ignored():
         ignore_labels((torch.arange(3), torch.arange(3), torch.arange(3)))  # which item is the labels?
 
 
-def test_shard_sampler_refuses_fewer_samples_than_ranks(monkeypatch):
-    monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (0, 4))
+def test_shard_sampler_refuses_fewer_samples_than_ranks():
     with pytest.raises(ConfigError, match="3 sample.*4 ranks"):
-        ShardSampler(3)
+        ShardSampler(3, (0, 4))
 
 
-def test_shuffling_new_each_epoch_same_on_restart_disjoint_across_ranks(monkeypatch):
+def test_shuffling_new_each_epoch_same_on_restart_disjoint_across_ranks():
     data = list(range(40))
 
     def order(rank: int, world: int, epoch: int, seed: int = 7) -> list[int]:
-        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, world))
-        sampler = train_sampler(data, seed)
+        sampler = train_sampler(data, seed, (rank, world))
         sampler.set_epoch(epoch)  # Lightning calls this at every epoch start
         return list(sampler)
 

@@ -268,8 +268,7 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
     corpus = Path(__file__).parent / "data" / "tiny_corpus.txt"
     seen = {}
     for rank in range(2):
-        monkeypatch.setattr("src.parallel.samplers.rank_and_world", lambda: (rank, 2))
-        monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda: (rank, 2))
+        monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda trainer: (rank, 2))
         dm = TextDataModule(
             path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2, cache_dir=str(tmp_path)
         )

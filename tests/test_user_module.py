@@ -143,30 +143,28 @@ def test_loaders_that_cannot_be_dealt_to_ranks_are_refused():
 
 
 def test_a_train_batch_that_does_not_divide_over_the_ranks_is_refused(monkeypatch):
-    monkeypatch.setattr(plain, "rank_and_world", lambda: (0, 4))
+    monkeypatch.setattr(plain, "rank_and_world", lambda trainer: (0, 4))
     make = lambda: DataLoader(TensorDataset(torch.arange(40.0)), batch_size=30, shuffle=True)  # noqa: E731
     with pytest.raises(ConfigError, match=r"has batch_size=30, which does not divide over 4 ranks: make it a multiple"):
         plain.sharded(make, type("Table", (), {"trainer": None})(), "train", 0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_even_batches_deal_every_sample_once_in_as_many_batches_on_every_rank(monkeypatch, world):
+def test_even_batches_deal_every_sample_once_in_as_many_batches_on_every_rank(world):
     for n in range(world, 40):
         longest, shortest = -(-n // world), n // world
         for batch in range(1, 9):
             ranks = []
             for rank in range(world):
-                monkeypatch.setattr(samplers, "rank_and_world", lambda: (rank, world))
-                ranks.append(list(samplers.EvenBatches(n, batch)))
+                ranks.append(list(samplers.EvenBatches(n, batch, (rank, world))))
             assert len({len(r) for r in ranks}) == 1, (n, batch, world)  # every rank as many batches
             dealt = [i for r in ranks for b in r for i in b]
             assert sorted(dealt) == list(range(n)), (n, batch, world)  # each sample once
             largest = max(batch, -(-longest // shortest))  # one batch per sample of the shortest shard at most
             assert all(0 < len(b) <= largest for r in ranks for b in r), (n, batch, world)
             assert len(ranks[0]) == min(-(-longest // batch), shortest)  # no more batches than needed
-    monkeypatch.setattr(samplers, "rank_and_world", lambda: (0, world + 1))
     with pytest.raises(ConfigError, match=f"cannot give each of {world + 1} ranks at least one"):
-        samplers.EvenBatches(world, 4)
+        samplers.EvenBatches(world, 4, (0, world + 1))
 
 
 def test_the_train_sampler_tells_which_samples_a_batch_holds():
@@ -184,7 +182,7 @@ def test_the_train_sampler_tells_which_samples_a_batch_holds():
     one = batches(1, 0, 4)
     two = list(zip(batches(2, 0, 2), batches(2, 1, 2)))
     assert [sorted(a + b) for a, b in two] == [sorted(b) for b in one]
-    assert np.array_equal(samplers.train_sampler(data, 0, shuffle=False).batch(2, 4), [8, 9, 10, 11])
+    assert np.array_equal(samplers.train_sampler(data, 0, (0, 1), shuffle=False).batch(2, 4), [8, 9, 10, 11])
 
 
 def test_the_parity_tool_refuses_a_failed_run_with_exit_2(tmp_path):

@@ -41,7 +41,7 @@ def batches(data: str, packing: bool, batch: int, seq_len: int, steps: int) -> l
     if len(rows) // batch < steps:
         raise SystemExit(f"{data}: {len(rows)} rows make {len(rows) // batch} batches of {batch}; ask fewer --steps")
     out = []
-    order = train_sampler(rows, seed=42).epoch_order(0)  # the order training reads them (1 process, data.seed)
+    order = train_sampler(rows, 42, (0, 1)).epoch_order(0)  # the order training reads them (1 process, data.seed)
     for k in range(steps):
         items = [rows[int(i)] for i in order[k * batch : (k + 1) * batch]]
         records = sum(int((item["position_ids"] == 0).sum()) if packing else 1 for item in items)

@@ -77,7 +77,7 @@ def replica_share(trainer) -> float:
     (rank 0's times the world size) count each model replica's batches and samples once, and device/mfu a
     device's work."""
 
-    return rank_and_world()[1] / max(trainer.world_size, 1)
+    return rank_and_world(trainer)[1] / max(trainer.world_size, 1)
 
 
 def _scaled(x: Any, share: float) -> Any:

@@ -5,18 +5,15 @@ samplers that give each rank its own samples in training and each sample exactly
 from __future__ import annotations
 
 import logging
-from functools import cached_property
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from src.datamodules.corpus import CorpusError
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.parallel.samplers import EvenBatches, ShardSampler, rank_and_world, train_sampler
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, check_int
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -143,68 +140,14 @@ def working_shapes(global_batch_size: int, world_size: int, accumulate: int) -> 
     return ", or ".join(options)
 
 
-class Items(Dataset):
-    """A split held in memory: a list of samples (records, pairs, prompts) and each one's number of targets, the
-    loss normaliser (LitModule.token_mean_loss): given (a record's label tokens), or one per sample (pairs, prompts:
-    the loss is a mean over them)."""
-
-    def __init__(self, items: list, targets: Optional[list[int]] = None) -> None:
-        self.items = items
-        self.targets = np.ones(len(items), dtype=np.int64) if targets is None else np.asarray(targets, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.items[i]
-
-    def target_counts(self) -> np.ndarray:
-        return self.targets
-
-
-def right_padded(rows: list[np.ndarray], value: int) -> torch.Tensor:
-    """(len(rows), longest) int64: each row from position 0, then `value` (right padding keeps each real token's
-    position)."""
-    out = torch.full((len(rows), max(len(row) for row in rows)), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.from_numpy(np.asarray(row))
-    return out
-
-
-def padded_records(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
-    """(input ids, labels) records as one right-padded batch: padding is `pad_id` in the inputs, never a target,
-    and masked out of attention."""
-    return {
-        "input_ids": right_padded([ids for ids, _ in rows], pad_id),
-        "labels": right_padded([labels for _, labels in rows], IGNORE_INDEX),
-        "attention_mask": right_padded([np.ones(len(ids), dtype=np.int64) for ids, _ in rows], 0),
-    }
-
-
-def label_targets(items: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
-    """Each (input ids, labels) record's target tokens."""
-    return [int((labels != IGNORE_INDEX).sum()) for _, labels in items]
-
-
-def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, unit: str) -> tuple[int, int, int]:
-    """(train, val, test) counts of `n` records in file order, val and test at least one each when asked for; one
-    sentence when no training record is left."""
-    n_val = max(1, round(n * val_fraction)) if val_fraction else 0
-    n_test = max(1, round(n * test_fraction)) if test_fraction else 0
-    n_train = n - n_val - n_test
-    if n_train < 1:
-        raise CorpusError(
-            f"{where}: {n} usable {unit}(s) are too few for a train split plus {n_val} val and {n_test} test "
-            f"{unit}(s): add {unit}s or lower data.val_fraction / data.test_fraction."
-        )
-    return n_train, n_val, n_test
-
-
 LANGUAGE_KINDS = ("tokens", "pairs", "prompts")  # the batch kinds of a language model's data (src/objectives/)
 
 
 class ShardedDataModule(L.LightningDataModule):
-    """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`."""
+    """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`.
+
+    The data.* keys every datamodule takes are typed and checked here, once: a subclass takes its own keys and
+    passes the rest on (`**shared`; src/utils/config.py's key check reads this signature through it)."""
 
     # what a batch holds, for a language model's objective (src/objectives/base.py): tokens (input ids and their
     # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
@@ -219,15 +162,18 @@ class ShardedDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        global_batch_size: int,
-        eval_batch_size: Optional[int],
-        num_workers: int,
-        seed: Optional[int],
+        global_batch_size: int = 32,
+        eval_batch_size: Optional[int] = None,
+        num_workers: int = 0,
+        seed: Optional[int] = 42,
         overfit_batches: int = 0,
     ) -> None:
         super().__init__()
+        check_int("data.global_batch_size", global_batch_size)
+        if eval_batch_size is not None:
+            check_int("data.eval_batch_size", eval_batch_size)
         if overfit_batches < 0:
-            raise ValueError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
+            raise ConfigError(f"data.overfit_batches={overfit_batches}: use 0 (off) or a number of global batches.")
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.num_workers, self.seed, self.overfit_batches = num_workers, seed, overfit_batches
         self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()
@@ -240,7 +186,7 @@ class ShardedDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches if trainer else 1
-        world = rank_and_world()[1]
+        world = self.data_ranks()[1]
         if stage in (None, "fit"):
             self.batch_size = micro_batch_size(self.global_batch_size, world, accumulate)
         else:  # evaluating only (eval.py): there is no optimizer step, so the global batch need not divide
@@ -276,9 +222,14 @@ class ShardedDataModule(L.LightningDataModule):
         """The evaluation padding made from a real `sample`: the same inputs, every label ignored."""
         return ignore_labels(sample)
 
+    def data_ranks(self) -> tuple[int, int]:
+        """(this rank, the number of ranks) among those the data is dealt over: the data-parallel ranks of the
+        trainer's strategy (src/parallel/samplers.py rank_and_world); all ranks without a trainer."""
+        return rank_and_world(self.trainer)
+
     def samples_per_batch(self) -> int:
         """The samples one per-rank batch index stands for: micro-batch x data-parallel ranks."""
-        return self.batch_size * rank_and_world()[1]
+        return self.batch_size * self.data_ranks()[1]
 
     def step_targets(self, epoch: int, accumulate: int) -> Optional[tuple[Any, int]]:
         """(the target tokens of each optimizer step of `epoch`, over all ranks and accumulation micro-batches;
@@ -291,7 +242,7 @@ class ShardedDataModule(L.LightningDataModule):
             return None
         if self._target_counts is None or self._target_counts[0] is not dataset:
             self._target_counts = (dataset, dataset.target_counts())
-        sampler = train_sampler(dataset, self.seed or 0)  # the order the train loader reads
+        sampler = train_sampler(dataset, self.seed or 0, self.data_ranks())  # the order the train loader reads
         return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
@@ -300,7 +251,7 @@ class ShardedDataModule(L.LightningDataModule):
         indexed = self.batch_kind in LANGUAGE_KINDS
         dataset = Indexed(self.splits["train"]) if indexed else self.splits["train"]
         collate = IndexedCollate(self.collate_fn()) if indexed else self.collate_fn()
-        sampler, batch = train_sampler(dataset, self.seed or 0), self.batch_size
+        sampler, batch = train_sampler(dataset, self.seed or 0, self.data_ranks()), self.batch_size
         sampler.skip = batches_done_this_epoch(self.trainer, len(sampler) // batch) * batch
         return ResumableLoader(
             dataset,
@@ -319,9 +270,9 @@ class ShardedDataModule(L.LightningDataModule):
         shards end with the padding item (ShardSampler)."""
         dataset, size = self.splits[split], self.eval_batch_size or self.batch_size
         if not self.pad_evaluation:
-            batches = {"batch_sampler": EvenBatches(len(dataset), size)}
+            batches = {"batch_sampler": EvenBatches(len(dataset), size, self.data_ranks())}
         else:
-            sampler = ShardSampler(len(dataset))
+            sampler = ShardSampler(len(dataset), self.data_ranks())
             if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
                 dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
             batches = {"batch_size": size, "sampler": sampler, "drop_last": False}
@@ -339,37 +290,3 @@ class ShardedDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.eval_loader("test")
-
-
-class RecordsDataModule(ShardedDataModule):
-    """Data read whole from one file of records (instruct, chat, preference, prompts): its tokenizer (data.tokenizer
-    and data.special_tokens), the vocabulary the model is built for, the records checked on rank 0 before any
-    rank's setup, and the cut of the usable items into train, val and test in file order."""
-
-    batch_kind = "tokens"
-    pad_evaluation = True  # batches of one shape; the metrics leave the padding's ignored labels out
-    tokenizer_name: str
-    special_tokens: Sequence[str] = ()
-    path: str
-    val_fraction: float
-    test_fraction: float
-
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name, self.special_tokens)
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.tokenizer.vocab_size}
-
-    def records(self) -> list:
-        """The file's records, parsed; a bad one raises its one sentence."""
-        raise NotImplementedError
-
-    def prepare_data(self) -> None:
-        self.records()  # bad records fail here, on rank 0 alone, rather than in every rank's setup()
-
-    def cut_splits(self, items: list, unit: str) -> dict[str, list]:
-        """`items` in file order as {"train", "val", "test"} (split_sizes' counts)."""
-        n_train, n_val, _ = split_sizes(len(items), self.val_fraction, self.test_fraction, self.path, unit)
-        return {"train": items[:n_train], "val": items[n_train : n_train + n_val], "test": items[n_train + n_val :]}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
@@ -39,13 +38,13 @@ from typing import Any, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, label_targets
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import pad_collate, read_json_records
 from src.datamodules.packing import PackedRows, packed_collate, padding_share
+from src.datamodules.records import Items, RecordsDataModule, label_targets
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
-from src.utils.config import ConfigError, check_sequence_data
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -248,34 +247,22 @@ class ChatDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
-        tokenizer: str = "bytes",
         seq_len: int = 1024,
         layout: str = "auto",
         chat_template: Optional[str] = None,
         train_on: str = "assistant",
         overlong: str = "turns",
         packing: bool = False,
-        global_batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-        seed: int = 42,
-        special_tokens: Sequence[str] = (),
-        overfit_batches: int = 0,
-        hf_split: str = "train",
+        **shared: Any,
     ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        super().__init__(path, seq_len=seq_len, **shared)
         for key, value, choices in (("layout", layout, LAYOUTS), ("train_on", train_on, TRAIN_ON)):
             if value not in choices:
                 raise ConfigError(f"data.{key}={value!r}: use one of {', '.join(choices)}.")
         if overlong not in OVERLONG:
             raise ConfigError(f"data.overlong={overlong!r}: use one of {', '.join(OVERLONG)}.")
-        self.path, self.tokenizer_name, self.seq_len, self.layout = path, tokenizer, seq_len, layout
-        self.chat_template, self.train_on, self.overlong, self.packing = chat_template, train_on, overlong, packing
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.special_tokens, self.hf_split = list(special_tokens), hf_split
+        self.layout, self.chat_template, self.train_on = layout, chat_template, train_on
+        self.overlong, self.packing = overlong, packing
         self.held_out: list[tuple[list[Message], Optional[list[dict]]]] = []
 
     @cached_property

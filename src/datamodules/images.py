@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -70,12 +70,9 @@ class ImageDataModule(ShardedDataModule):
         val_size: int = 200,
         test_size: int = 200,
         global_batch_size: int = 64,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        seed: int = 42,
-        overfit_batches: int = 0,
+        **shared: Any,
     ) -> None:
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        super().__init__(global_batch_size, **shared)
         if dataset not in ("digits", "mnist"):
             raise ValueError(f"data.dataset={dataset!r}: use digits or mnist.")
         self.dataset, self.path, self.val_size, self.test_size = dataset, path, val_size, test_size

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, label_targets, padded_records
 from src.datamodules.corpus import CorpusError, hf_records, utf8_lines, utf8_text
 from src.datamodules.packing import PackedRows, packed_collate
+from src.datamodules.records import Items, RecordsDataModule, label_targets, padded_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
-from src.utils.config import ConfigError, check_sequence_data
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -114,31 +113,18 @@ class InstructDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
-        tokenizer: str = "bytes",
         seq_len: int = 512,
         template: str = ALPACA,
         template_no_input: str = ALPACA_NO_INPUT,
         overlong: str = "truncate",
-        global_batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-        seed: int = 42,
-        special_tokens: Sequence[str] = (),
-        overfit_batches: int = 0,
         packing: bool = False,
-        hf_split: str = "train",
+        **shared: Any,
     ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        super().__init__(path, seq_len=seq_len, **shared)
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
-        self.path, self.tokenizer_name, self.seq_len = path, tokenizer, seq_len
         self.template, self.template_no_input, self.overlong = template, template_no_input, overlong
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.special_tokens = list(special_tokens)
-        self.packing, self.hf_split = packing, hf_split
+        self.packing = packing
 
     def records(self) -> list[dict]:
         return read_records(self.path, self.hf_split)

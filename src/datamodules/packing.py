@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import right_padded
+from src.datamodules.records import right_padded
 from src.datamodules.text import IGNORE_INDEX
 
 Record = tuple[np.ndarray, np.ndarray]  # (input_ids, labels), labels shifted

@@ -57,7 +57,7 @@ def sharded(make: Callable[[], Any], datamodule: Any, stage: str, seed: int) -> 
     where = f"{type(datamodule).__name__}.{stage}_dataloader()"
     loader = make()
     check_rebuildable(loader, where)
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(datamodule.trainer)
     if stage == "train":
         batch = loader.batch_size
         if batch % world:
@@ -66,7 +66,7 @@ def sharded(make: Callable[[], Any], datamodule: Any, stage: str, seed: int) -> 
                 f"{world} (each rank reads batch_size / {world} samples of each batch)."
             )
         micro = batch // world
-        sampler = train_sampler(loader.dataset, seed, shuffle=isinstance(loader.sampler, RandomSampler))
+        sampler = train_sampler(loader.dataset, seed, (rank, world), shuffle=isinstance(loader.sampler, RandomSampler))
         sampler.skip = batches_done_this_epoch(datamodule.trainer, len(sampler) // micro) * micro
         if rank == 0:
             log.info(
@@ -74,7 +74,7 @@ def sharded(make: Callable[[], Any], datamodule: Any, stage: str, seed: int) -> 
                 "sample(s) of each epoch's order are left out (a partial batch cannot be split over ranks)"
             )
         return ResumableLoader(loader.dataset, batch_size=micro, sampler=sampler, drop_last=True, **settings(loader))
-    batches = EvenBatches(len(loader.dataset), -(-loader.batch_size // world))
+    batches = EvenBatches(len(loader.dataset), -(-loader.batch_size // world), (rank, world))
     return DataLoader(loader.dataset, batch_sampler=batches, **settings(loader))
 
 

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, padded_records
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
+from src.datamodules.records import Items, RecordsDataModule, padded_records
 from src.datamodules.text import IGNORE_INDEX
 from src.datamodules.tokenizers import Tokenizer
-from src.utils.config import ConfigError, check_prompt_len, check_sequence_data
+from src.utils.config import ConfigError, check_prompt_len
 
 log = logging.getLogger(__name__)
 
@@ -136,28 +136,17 @@ class PreferenceDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
-        tokenizer: str = "bytes",
         seq_len: int = 512,
         max_prompt_len: Optional[int] = None,
         template: str = ALPACA_NO_INPUT,
         overlong: str = "truncate",
-        global_batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-        seed: int = 42,
-        overfit_batches: int = 0,
-        hf_split: str = "train",
+        **shared: Any,
     ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "the answers")
+        super().__init__(path, seq_len=seq_len, **shared)
+        self.max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "the answers")
         if overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong={overlong!r}: use truncate or drop.")
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
-        self.path, self.tokenizer_name, self.seq_len, self.max_prompt_len = path, tokenizer, seq_len, max_prompt_len
-        self.template, self.overlong, self.hf_split = template, overlong, hf_split
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.template, self.overlong = template, overlong
         self.counts: dict[str, int] = {}
         self.margins: Optional[np.ndarray] = None  # each usable pair's margin, by its number, when the records have one
 

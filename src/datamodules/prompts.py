@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import Items, RecordsDataModule, right_padded
 from src.datamodules.corpus import CorpusError
 from src.datamodules.instruct import ALPACA_NO_INPUT, read_json_records
 from src.datamodules.preference import Message, Renderer, message
-from src.utils.config import check_prompt_len, check_sequence_data
+from src.datamodules.records import Items, RecordsDataModule, right_padded
+from src.utils.config import check_prompt_len
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +60,14 @@ class PromptDataModule(RecordsDataModule):
     def __init__(
         self,
         path: str,
-        tokenizer: str = "bytes",
         seq_len: int = 256,
         max_prompt_len: Optional[int] = None,
         template: str = ALPACA_NO_INPUT,
-        global_batch_size: int = 8,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-        seed: int = 42,
-        overfit_batches: int = 0,
-        hf_split: str = "train",
+        **shared: Any,
     ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "completions")
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
-        self.path, self.tokenizer_name, self.seq_len, self.max_prompt_len = path, tokenizer, seq_len, max_prompt_len
-        self.template, self.hf_split = template, hf_split
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        super().__init__(path, seq_len=seq_len, **shared)
+        self.max_prompt_len = check_prompt_len(seq_len, max_prompt_len, "completions")
+        self.template = template
         self.texts: list[str] = []  # each prompt as the model reads it, by its number
         self.columns: list[dict[str, Any]] = []  # each record's other fields, by its number
 

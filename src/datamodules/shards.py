@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -32,10 +31,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import IGNORE_INDEX, ShardedDataModule
+from src.datamodules.base import IGNORE_INDEX
 from src.datamodules.text import split_blocks
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_sequence_data
+from src.datamodules.tokenizers import load_tokenizer
+from src.datamodules.tokens import TokenDataModule
+from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 PAD = -1  # fills a file's last block; never a token id
@@ -203,42 +203,13 @@ def chunk_cache(input_dir: str, cache_dir: Optional[str], meta: dict) -> Optiona
     return str(Path(cache_dir) / key)
 
 
-class LitDataModule(ShardedDataModule):
-    """`data=litdata`: train on shards built by `python -m src.tools.shards build` (see module docstring)."""
+class LitDataModule(TokenDataModule):
+    """`data=litdata`: train on shards built by `python -m src.tools.shards build` (see module docstring); no
+    data.special_tokens (the build tokenizes without them)."""
 
-    batch_kind = "tokens"
-    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
-
-    def __init__(
-        self,
-        input_dir: Optional[str] = None,
-        tokenizer: str = "bytes",
-        seq_len: int = 128,
-        global_batch_size: int = 32,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
-        cache_dir: Optional[str] = None,
-        seed: int = 42,
-        overfit_batches: int = 0,
-    ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
-        self.input_dir, self.tokenizer_name, self.seq_len = input_dir, tokenizer, seq_len
-        self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
-
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.vocab_size}
+    def __init__(self, input_dir: Optional[str] = None, cache_dir: Optional[str] = None, **shared: Any) -> None:
+        super().__init__(**shared)
+        self.input_dir, self.cache_dir = input_dir, cache_dir
 
     def check_meta(self) -> dict:
         """The shards must have been built for this seq_len and tokenizer: say which rebuild is needed."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -34,13 +34,9 @@ class TableDataModule(ShardedDataModule):
         label_column: str = "label",
         val_size: int = 57,
         test_size: int = 57,
-        global_batch_size: int = 32,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        seed: int = 42,
-        overfit_batches: int = 0,
+        **shared: Any,
     ) -> None:
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        super().__init__(**shared)
         if dataset not in (*BUNDLED, "csv"):
             raise ConfigError(f"data.dataset={dataset!r}: use one of {', '.join(BUNDLED)}, or csv with data.path.")
         if dataset == "csv" and not path:

@@ -11,18 +11,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from functools import cached_property
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from src.datamodules.base import ShardedDataModule
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokenizers import Tokenizer, load_tokenizer
-from src.utils.config import ConfigError, check_int, check_sequence_data
+from src.datamodules.tokens import TokenDataModule
+from src.utils.config import ConfigError, check_int
 from src.utils.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -111,38 +109,24 @@ def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tu
     return n_train, n_val, n_test
 
 
-class TextDataModule(ShardedDataModule):
-    batch_kind = "tokens"
-    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
-
+class TextDataModule(TokenDataModule):
     def __init__(
         self,
         path: Optional[str] = None,
         hf_dataset: Optional[str] = None,
         hf_split: str = "train",
         text_field: str = "text",
-        tokenizer: str = "bytes",
-        seq_len: int = 128,
-        global_batch_size: int = 32,
-        eval_batch_size: Optional[int] = None,
-        val_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-        num_workers: int = 0,
         cache_dir: str = ".cache/tokens",
-        seed: int = 42,
         special_tokens: Sequence[str] = (),
         mix: Optional[list[dict]] = None,
-        overfit_batches: int = 0,
         hf_streaming: bool = False,
         txt_chunk_chars: int = 1 << 18,
         cache_shared: bool = True,
+        **shared: Any,
     ) -> None:
-        check_sequence_data(seq_len, global_batch_size, eval_batch_size, val_fraction, test_fraction)
-        super().__init__(global_batch_size, eval_batch_size, num_workers, seed, overfit_batches)
+        super().__init__(**shared)
         self.path, self.hf_dataset, self.hf_split, self.text_field = path, hf_dataset, hf_split, text_field
-        self.tokenizer_name, self.seq_len = tokenizer, seq_len
-        self.val_fraction, self.test_fraction, self.cache_dir = val_fraction, test_fraction, cache_dir
-        self.special_tokens = list(special_tokens)
+        self.cache_dir, self.special_tokens = cache_dir, list(special_tokens)
         self.hf_streaming, self.txt_chunk_chars = hf_streaming, txt_chunk_chars
         check_int("data.txt_chunk_chars", txt_chunk_chars)
         # Who runs prepare_data (the cache build) while the other ranks wait at Lightning's barrier:
@@ -156,14 +140,6 @@ class TextDataModule(ShardedDataModule):
                 raise ConfigError(f"data.mix: weight={m['weight']!r} of {m['path']!r} must be a positive number.")
         if self.mix and (path or hf_dataset):
             raise ConfigError("Set data.mix or data.path / data.hf_dataset, not both.")
-
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_name, self.special_tokens)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     def tokens(self, path: Optional[str] = None) -> np.ndarray:
         corpus = Corpus.from_config(
@@ -183,11 +159,6 @@ class TextDataModule(ShardedDataModule):
                 split_blocks(count_blocks(len(tokens), self.seq_len), self.val_fraction, self.test_fraction)
             except CorpusError as e:
                 raise CorpusError(f"{path or self.path or self.hf_dataset or 'The embedded corpus'}: {e}") from None
-
-    @property
-    def model_kwargs(self) -> dict[str, int]:
-        """What the model must be built with to fit this data (train.py passes it to the model)."""
-        return {"vocab_size": self.vocab_size}
 
     def _splits_of(self, path: Optional[str]) -> dict[str, PackedBlocks]:
         tokens = self.tokens(path)

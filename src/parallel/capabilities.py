@@ -77,6 +77,11 @@ class Capabilities:
     """No rank holds the whole parameters between steps (FSDP2, tensor parallel, the pipeline, ZeRO-3): gathering
     them is collective, so generating text takes every rank, in lockstep (callbacks.generate_text)."""
 
+    data_mesh: Optional[Any] = None
+    """The 1-D device mesh the samplers deal the data over (the data-parallel dim of the strategy's own mesh, so that
+    the ranks of one pipeline or tensor-parallel group read the same samples), or None: over all ranks. Read through
+    src/parallel/samplers.py's `rank_and_world(trainer)`."""
+
     grads_whole: bool = False
     """Every rank holds every gradient whole (one device, DDP): callbacks.divergence can skip a step by zeroing them.
     Lightning's own one-device and DDP strategies declare it through `of`."""

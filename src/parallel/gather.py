@@ -1,8 +1,8 @@
 """Gather per-rank evaluation outputs into one tensor in dataset order, each sample exactly once.
 
 The all_gather pattern for custom metrics: collect predictions and targets in `validation_step`,
-then in `on_validation_epoch_end` call `gather_shards(torch.cat(preds), n_samples)` on every rank,
-with `n_samples = len(self.trainer.datamodule.splits["val"])`. It relies on `ShardSampler`'s
+then in `on_validation_epoch_end` call `gather_shards(torch.cat(preds), n_samples, self.trainer)` on every
+rank, with `n_samples = len(self.trainer.datamodule.splits["val"])`. It relies on `ShardSampler`'s
 round-robin deal (rank r holds samples r, r+W, ..., then padding up to ceil(n / W)), so the padding
 is dropped and no duplicates reach the result, unlike `LightningModule.all_gather` over a
 DistributedSampler, which pads with repeated samples.
@@ -10,19 +10,22 @@ DistributedSampler, which pads with repeated samples.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 
 from src.parallel.samplers import data_parallel_group, rank_and_world
 
 
-def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
+def gather_shards(local: torch.Tensor, n_samples: int, trainer: Optional[Any]) -> torch.Tensor:
     """The `n_samples` real rows of all ranks, in dataset order. A collective: call on every rank.
 
     `local` is this rank's rows (dim 0) in the order its ShardSampler gave them: either with the
-    padding row (every rank ceil(n / W) rows) or with the padding already dropped.
+    padding row (every rank ceil(n / W) rows) or with the padding already dropped. `trainer`: the one
+    whose strategy dealt the data (None: dealt over all ranks).
     """
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(trainer)
     per_rank, real = -(-n_samples // world), len(range(rank, n_samples, world))
     if local.shape[0] not in (per_rank, real):
         raise ValueError(
@@ -34,6 +37,6 @@ def gather_shards(local: torch.Tensor, n_samples: int) -> torch.Tensor:
     padded = local.new_zeros((per_rank, *local.shape[1:]))  # all_gather needs equal shapes
     padded[:real] = local[:real]
     shards = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(shards, padded, group=data_parallel_group())
+    dist.all_gather(shards, padded, group=data_parallel_group(trainer))
     # row k of rank r is sample k * W + r: interleave, then cut the padding off the end
     return torch.stack(shards, dim=1).reshape(world * per_rank, *local.shape[1:])[:n_samples]

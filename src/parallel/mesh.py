@@ -2,13 +2,14 @@
 
 The mesh always has the three named dims ("data_parallel", "pipeline_parallel", "tensor_parallel"),
 in that order (tensor parallel innermost: its ranks are neighbours, on one node), sizes from config
-and 1 for what is not used. Strategies build it once, then call `split_data_over(mesh)`: from then on
-the samplers (src/parallel/samplers.py) shard the data over the data-parallel ranks only, so every
-rank of one pipeline or tensor-parallel group reads the same samples.
+and 1 for what is not used. Strategies build it once (OwnMesh) and declare its data-parallel dim as their
+`data_mesh` (src/parallel/capabilities.py): the samplers (src/parallel/samplers.py) read it from the trainer's
+strategy and shard the data over the data-parallel ranks only, so every rank of one pipeline or tensor-parallel
+group reads the same samples.
 
     mesh = build_mesh(world_size, "cpu", pipeline_parallel=2)   # data_parallel = world_size / 2
     mesh["pipeline_parallel"].get_group()                       # this rank's pipeline group
-    split_data_over(mesh)
+    mesh["data_parallel"]                                       # what the samplers deal the data over
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ KEYS = {
     "pipeline_parallel": "trainer.strategy.pipeline_parallel_size",
     "tensor_parallel": "trainer.strategy.tensor_parallel_size",
 }
-
-_DATA_MESH: Optional[DeviceMesh] = None  # the 1-D data-parallel mesh of this process, once a strategy set it
 
 
 def mesh_sizes(
@@ -64,30 +63,13 @@ def build_mesh(world_size: int, device_type: str = "cpu", **sizes: Union[int, st
     return init_device_mesh(device_type, tuple(shape[d] for d in DIMS), mesh_dim_names=DIMS)
 
 
-def split_data_over(mesh: Optional[DeviceMesh]) -> None:
-    """From now on the samplers shard data over `mesh`'s data-parallel dim (None: over all ranks again)."""
-    global _DATA_MESH
-    _DATA_MESH = mesh["data_parallel"] if mesh is not None else None
-
-
-def data_rank_and_size() -> Optional[tuple[int, int]]:
-    """(this rank's data-parallel rank, data-parallel size), or None when no mesh was set (all ranks split data)."""
-    if _DATA_MESH is None:
-        return None
-    return _DATA_MESH.get_local_rank(), _DATA_MESH.size()
-
-
-def data_group():
-    """The process group of this rank's data-parallel dim, or None (the default group: all ranks)."""
-    return _DATA_MESH.get_group() if _DATA_MESH is not None else None
-
-
 class OwnMesh:
     """For a Lightning ModelParallelStrategy (listed before it among the bases): this module's mesh instead of
     Lightning's, which is built (every rank data parallel) and unused, since Lightning's has no pipeline dim.
     The strategy says its sizes in `mesh_dims()`; the samplers split data over the mesh's data-parallel dim."""
 
     mesh: Optional[DeviceMesh] = None
+    data_mesh: Optional[DeviceMesh] = None  # its data-parallel dim, the capability the samplers read (capabilities.py)
 
     def mesh_dims(self) -> dict[str, int]:
         return {}
@@ -100,8 +82,4 @@ class OwnMesh:
         self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
         self.mesh = build_mesh(self.world_size, self.root_device.type, **self.mesh_dims())
-        split_data_over(self.mesh)
-
-    def teardown(self) -> None:
-        split_data_over(None)
-        super().teardown()
+        self.data_mesh = self.mesh["data_parallel"]

@@ -1,6 +1,9 @@
 """Who sees which sample. We shard data ourselves (`trainer.use_distributed_sampler: false`) because
 Lightning's default for val/test is a `DistributedSampler` that pads every rank to the same length by
 repeating samples: 10 samples on 3 ranks become 12 evaluated, and the metrics count the repeats.
+
+The samplers take `ranks`, (this rank, the number of ranks) among those the data is dealt over: what
+`rank_and_world(trainer)` reads from the trainer's strategy.
 """
 
 from __future__ import annotations
@@ -13,22 +16,27 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
-from src.parallel.mesh import data_group, data_rank_and_size
+from src.parallel.capabilities import of
 from src.utils.config import ConfigError
 
 
-def data_parallel_group() -> Any:
-    """The process group over which samples are dealt (None: the default group, all ranks)."""
+def data_mesh(trainer: Optional[Any]) -> Optional[Any]:
+    """The mesh `trainer`'s strategy deals the data over (capabilities.py `data_mesh`: a pipeline or tensor-parallel
+    group reads the same samples), or None: all ranks, as without a trainer."""
+    return of(trainer.strategy).data_mesh if trainer is not None else None
 
-    return data_group()
+
+def data_parallel_group(trainer: Optional[Any]) -> Any:
+    """The process group over which the samples are dealt (None: the default group, all ranks)."""
+    mesh = data_mesh(trainer)
+    return mesh.get_group() if mesh is not None else None
 
 
-def rank_and_world() -> tuple[int, int]:
-    """The data-parallel rank and size: all ranks, unless a strategy split data over a mesh dim (mesh.py)."""
-
-    data = data_rank_and_size()
-    if data is not None:
-        return data
+def rank_and_world(trainer: Optional[Any]) -> tuple[int, int]:
+    """(this rank, the number of ranks) among those the data is dealt over (`data_mesh`'s, else all ranks)."""
+    mesh = data_mesh(trainer)
+    if mesh is not None:
+        return mesh.get_local_rank(), mesh.size()
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -89,15 +97,15 @@ class ResumableDistributedSampler(DistributedSampler):
         return np.add.reduceat(per_micro, np.arange(0, n_micro, accumulate)) if n_micro else per_micro
 
 
-def train_sampler(dataset, seed: int, shuffle: bool = True) -> ResumableDistributedSampler:
-    """One seeded permutation per epoch (shuffle=False: the dataset's order), shared by all ranks; rank r takes
-    positions r, r+W, r+2W, ...
+def train_sampler(dataset, seed: int, ranks: tuple[int, int], shuffle: bool = True) -> ResumableDistributedSampler:
+    """One seeded permutation per epoch (shuffle=False: the dataset's order), shared by all ranks; rank r of
+    `ranks` = (r, W) takes positions r, r+W, r+2W, ...
 
     So a global batch is the same samples whatever the device count (1 x 8 or 2 x 4 read the same 8),
     each epoch has a new order (Lightning calls `set_epoch`), and a restart with the same seed
     replays it. The tail that does not fill a whole round over all ranks is dropped.
     """
-    rank, world = rank_and_world()
+    rank, world = ranks
     return ResumableDistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
     )
@@ -115,8 +123,8 @@ class ShardSampler(Sampler[int]):
     once. Lightning's `DistributedSampler` pads too, but with repeated real samples, which count twice.
     """
 
-    def __init__(self, dataset_len: int) -> None:
-        self.rank, self.world = rank_and_world()
+    def __init__(self, dataset_len: int, ranks: tuple[int, int]) -> None:
+        self.rank, self.world = ranks
         if dataset_len < self.world:
             raise ConfigError(
                 f"An evaluation split of {dataset_len} sample(s) cannot give each of "
@@ -149,8 +157,8 @@ class EvenBatches(Sampler[list[int]]):
     batch holds a sample that is not real: a mean weighted by each batch's size (Lightning's `self.log` reduction,
     synced over ranks) and a torchmetrics metric count each sample once, whatever the module logs."""
 
-    def __init__(self, dataset_len: int, batch_size: int) -> None:
-        rank, world = rank_and_world()
+    def __init__(self, dataset_len: int, batch_size: int, ranks: tuple[int, int]) -> None:
+        rank, world = ranks
         longest, shortest = -(-dataset_len // world), dataset_len // world
         if shortest == 0:
             raise ConfigError(

@@ -124,16 +124,18 @@ def check_targets(cfg: Any, key: str = "") -> None:
 
 def accepted_parameters(obj: Any) -> dict[str, inspect.Parameter]:
     """The keyword parameters `obj` accepts. A class whose `__init__` passes `**kwargs` on to its base's accepts the
-    base's too (GPT2LitModule adds GPT-2's shape keys to CausalLMLitModule's options, typed once there)."""
+    base's too (GPT2LitModule adds GPT-2's shape keys to CausalLMLitModule's options, typed once there; each
+    datamodule adds its own keys to the shared ones of ShardedDataModule), and so does a subclass that inherits
+    such an `__init__`."""
     try:
         params = dict(inspect.signature(obj).parameters)
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return {}
     rest = [name for name, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
-    bases = [b for b in getattr(obj, "__mro__", ())[1:] if "__init__" in vars(b) and b is not object]
-    if rest and bases and "__init__" in vars(obj):
+    owners = [b for b in getattr(obj, "__mro__", ()) if "__init__" in vars(b) and b is not object]  # [its, base's]
+    if rest and len(owners) > 1:
         del params[rest[0]]
-        return {**params, **{k: v for k, v in accepted_parameters(bases[0]).items() if k not in params}}
+        return {**params, **{k: v for k, v in accepted_parameters(owners[1]).items() if k not in params}}
     return params
 
 
@@ -215,14 +217,3 @@ def check_prompt_len(seq_len: int, max_prompt_len: Optional[int], after: str) ->
             "below seq_len."
         )
     return max_prompt_len
-
-
-def check_sequence_data(
-    seq_len: Any, global_batch_size: Any, eval_batch_size: Any, val_fraction: Any, test_fraction: Any
-) -> None:
-    """The checks every sequence datamodule (text, instruct) makes of its shared data.* keys."""
-    check_int("data.seq_len", seq_len)
-    check_int("data.global_batch_size", global_batch_size)
-    if eval_batch_size is not None:
-        check_int("data.eval_batch_size", eval_batch_size)
-    check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)

@@ -1,0 +1,47 @@
+"""What every datamodule of token sequences shares (data=text, litdata, instruct, chat, preference, prompts): its
+tokenizer and the vocabulary the model is built for, and the data.* keys typed and checked here, once
+(data.tokenizer, seq_len, val_fraction, test_fraction); each subclass takes its own keys and passes the rest on
+(`**shared`), down to ShardedDataModule's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+from src.datamodules.base import ShardedDataModule
+from src.datamodules.tokenizers import Tokenizer, load_tokenizer
+from src.utils.config import check_fractions, check_int
+
+
+class TokenDataModule(ShardedDataModule):
+    batch_kind = "tokens"
+    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
+    special_tokens: Sequence[str] = ()  # added to a HF tokenizer's vocabulary (data.special_tokens, where taken)
+
+    def __init__(
+        self,
+        tokenizer: str = "bytes",
+        seq_len: int = 128,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        **shared: Any,
+    ) -> None:
+        super().__init__(**shared)
+        check_int("data.seq_len", seq_len)
+        check_fractions("data.val_fraction", val_fraction, "data.test_fraction", test_fraction)
+        self.tokenizer_name, self.seq_len = tokenizer, seq_len
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_name, self.special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        """What the model must be built with to fit this data (train.py passes it to the model)."""
+        return {"vocab_size": self.vocab_size}

@@ -263,7 +263,10 @@ def test_corpus_too_small_for_the_splits():
 
 def test_global_batch_must_divide():
     assert micro_batch_size(32, 2, 2) == 8
-    with pytest.raises(ConfigError, match=r"global_batch_size=10 does not divide into 4 device\(s\) x 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size=10 does not divide into 4 device\(s\) x trainer.accumulate_grad_batches=1 = 4",
+    ):
         micro_batch_size(10, 4, 1)
 
 

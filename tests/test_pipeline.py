@@ -296,7 +296,7 @@ def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, o
         ),
         (
             ["trainer.devices=8", "trainer.strategy.tensor_parallel_size=2", "trainer.strategy.n_microbatches=8"],
-            r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x n_microbatches=8 = 16",
+            r"global_batch_size=8 does not divide into 2 data-parallel replica\(s\) x trainer.strategy.n_microbatches=8 = 16",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else None,

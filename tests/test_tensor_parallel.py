@@ -132,7 +132,7 @@ def test_tp_checkpoint_resumes_exactly_and_exports_to_hf(tmp_path, one, tp):
         ),
         (
             ["trainer.devices=4", "data.global_batch_size=3"],
-            "does not divide into 2 data-parallel replica(s) x accumulate_grad_batches=1",
+            "does not divide into 2 data-parallel replica(s) x trainer.accumulate_grad_batches=1",
         ),
     ],
 )

@@ -111,32 +111,41 @@ def batches_done_this_epoch(trainer: Any, batches_per_epoch: int) -> int:
 
 
 def micro_batch_size(
-    global_batch_size: int, world_size: int, accumulate_grad_batches: int, ranks: Optional[str] = None
+    global_batch_size: int,
+    replicas: int,
+    split: int,
+    ranks: Optional[str] = None,
+    split_key: str = "trainer.accumulate_grad_batches",
 ) -> int:
-    """Per-device batch so that the optimizer always sees `global_batch_size` samples per step, or one sentence: the
+    """Per-replica batch so that the optimizer always sees `global_batch_size` samples per step, or one sentence: the
     one check of it, run before any rank starts (src/run/checks.py, `ranks` saying how the config lays them out) and
-    again in setup, where the world size is known for sure (torchrun, devices=-1)."""
-    per_step = world_size * accumulate_grad_batches
+    again in setup, where the world size is known for sure (torchrun, devices=-1). `replicas`: the data-parallel
+    ranks, each reading its own samples (all ranks, but a tensor-parallel or pipeline group reads the same ones);
+    `split`: the micro-batches each replica's share is cut into, `split_key` (accumulation steps, or the pipeline's
+    trainer.strategy.n_microbatches)."""
+    per_step = replicas * split
     if global_batch_size % per_step:
-        shapes = working_shapes(global_batch_size, world_size, accumulate_grad_batches)
+        shapes = working_shapes(global_batch_size, replicas, split, split_key)
         raise ConfigError(
-            f"data.global_batch_size={global_batch_size} does not divide into {ranks or f'{world_size} device(s)'} x "
-            f"{accumulate_grad_batches} accumulation step(s) = {per_step}: {shapes}."
+            f"data.global_batch_size={global_batch_size} does not divide into {ranks or f'{replicas} device(s)'} x "
+            f"{split_key}={split} = {per_step}: {shapes}."
         )
     return global_batch_size // per_step
 
 
-def working_shapes(global_batch_size: int, world_size: int, accumulate: int) -> str:
-    """The nearest device counts (at this accumulation) and accumulation values (on these devices) that divide the
-    global batch, so a resumed run keeps it: "use 2 or 4 device(s), or trainer.accumulate_grad_batches=3"."""
-    devices = [d for d in range(1, global_batch_size + 1) if global_batch_size % (d * accumulate) == 0]
-    nearest = sorted(sorted(devices, key=lambda d: (abs(d - world_size), d))[:2])
+def working_shapes(
+    global_batch_size: int, replicas: int, split: int, split_key: str = "trainer.accumulate_grad_batches"
+) -> str:
+    """The nearest replica counts (at this split) and splits (on these replicas) that divide the global batch, so a
+    resumed run keeps it: "use 2 or 4 device(s), or trainer.accumulate_grad_batches=3 on 5 device(s)"."""
+    devices = [d for d in range(1, global_batch_size + 1) if global_batch_size % (d * split) == 0]
+    nearest = sorted(sorted(devices, key=lambda d: (abs(d - replicas), d))[:2])
     options = [f"use {' or '.join(map(str, nearest))} device(s)"] if nearest else []
-    accumulations = [a for a in range(1, global_batch_size + 1) if global_batch_size % (world_size * a) == 0]
-    if accumulations:
-        best = min(accumulations, key=lambda a: (abs(a - accumulate), a))
-        options.append(f"trainer.accumulate_grad_batches={best} on {world_size} device(s)")
-    options.append(f"a data.global_batch_size that is a multiple of {world_size * accumulate}")
+    splits = [a for a in range(1, global_batch_size + 1) if global_batch_size % (replicas * a) == 0]
+    if splits:
+        best = min(splits, key=lambda a: (abs(a - split), a))
+        options.append(f"{split_key}={best} on {replicas} device(s)")
+    options.append(f"a data.global_batch_size that is a multiple of {replicas * split}")
     return ", or ".join(options)
 
 

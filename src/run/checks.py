@@ -256,20 +256,18 @@ def _check_global_batch(cfg: DictConfig) -> None:
             size = strategy.get(key, 1)
             model_parallel *= size if isinstance(size, int) and size > 0 else 1
     ranks = sizes[0] * sizes[1]
+    replicas, layout, key, split = (
+        ranks,
+        f"{sizes[0]} device(s) x {sizes[1]} node(s)",
+        "trainer.accumulate_grad_batches",
+        sizes[2],
+    )
     if model_parallel > 1 and ranks % model_parallel == 0:  # (a world size that does not divide: mesh.py says so)
-        data_parallel = ranks // model_parallel
-        # a replica's share of the batch is split into micro-batches: the pipeline's, or accumulation steps
-        key, split = "accumulate_grad_batches", sizes[2]
-        if isinstance(strategy.get("n_microbatches"), int):
-            key, split = "n_microbatches", strategy.n_microbatches
-        if batch % (data_parallel * split):
-            raise ConfigError(
-                f"data.global_batch_size={batch} does not divide into {data_parallel} data-parallel replica(s) x "
-                f"{key}={split} = {data_parallel * split}: pick a multiple of {data_parallel * split}, or change "
-                f"trainer.devices or {key}."
-            )
-        return
-    micro_batch_size(batch, ranks, sizes[2], ranks=f"{sizes[0]} device(s) x {sizes[1]} node(s)")
+        replicas = ranks // model_parallel
+        layout = f"{replicas} data-parallel replica(s)"
+        if isinstance(strategy.get("n_microbatches"), int):  # the pipeline cuts a replica's share into its own
+            key, split = "trainer.strategy.n_microbatches", strategy.n_microbatches
+    micro_batch_size(batch, replicas, split, ranks=layout, split_key=key)
 
 
 def _check_writable(key: str, path: Path) -> None:

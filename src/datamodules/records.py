@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.datamodules.corpus import CorpusError
-from src.datamodules.tokens import TokenDataModule
+from src.datamodules.tokens import TokenDataModule, split_counts
 from src.utils.labels import IGNORE_INDEX
 
 
@@ -62,9 +62,7 @@ def label_targets(items: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
 def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, unit: str) -> tuple[int, int, int]:
     """(train, val, test) counts of `n` records in file order, val and test at least one each when asked for; one
     sentence when no training record is left."""
-    n_val = max(1, round(n * val_fraction)) if val_fraction else 0
-    n_test = max(1, round(n * test_fraction)) if test_fraction else 0
-    n_train = n - n_val - n_test
+    n_train, n_val, n_test = split_counts(n, val_fraction, test_fraction)
     if n_train < 1:
         raise CorpusError(
             f"{where}: {n} usable {unit}(s) are too few for a train split plus {n_val} val and {n_test} test "

@@ -19,7 +19,7 @@ from torch.utils.data import ConcatDataset, Dataset
 
 from src.datamodules.corpus import Corpus, CorpusError
 from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokens import TokenDataModule
+from src.datamodules.tokens import TokenDataModule, split_counts
 from src.utils.config import ConfigError, check_int
 from src.utils.labels import IGNORE_INDEX
 
@@ -98,9 +98,7 @@ class WeightedMix(Dataset):
 
 def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
     """(train, val, test) block counts; val and test are contiguous at the end, so no block leaks."""
-    n_val = max(1, round(n_blocks * val_fraction)) if val_fraction > 0 else 0
-    n_test = max(1, round(n_blocks * test_fraction)) if test_fraction > 0 else 0
-    n_train = n_blocks - n_val - n_test
+    n_train, n_val, n_test = split_counts(n_blocks, val_fraction, test_fraction)
     if n_train < 1:
         raise CorpusError(
             f"The corpus makes only {n_blocks} block(s) of seq_len tokens: too few for a train split plus "

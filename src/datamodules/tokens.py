@@ -14,6 +14,14 @@ from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import check_fractions, check_int
 
 
+def split_counts(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
+    """(train, val, test) counts of `n` items cut in order, val and test at least one each when asked for (train may
+    come out below 1: the caller says so in its own words)."""
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
+    n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
+    return n - n_val - n_test, n_val, n_test
+
+
 class TokenDataModule(ShardedDataModule):
     batch_kind = "tokens"
     pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out

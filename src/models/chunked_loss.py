@@ -58,6 +58,24 @@ def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional
     return chunk
 
 
+def check_strategy(chunk: Optional[int], declared: Any, stage: Any) -> None:
+    """model.loss_chunk under a strategy (its capabilities, before any rank starts) that computes the loss elsewhere,
+    or where its equality with one process is not proven."""
+    if chunk is None:
+        return
+    if declared.own_loss:
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with trainer=pipeline: its schedule computes the loss from the last stage's "
+            "logits of every token; set model.loss_chunk=null, or train with trainer=fsdp."
+        )
+    if declared.zero_stages and stage == 3:
+        raise ConfigError(
+            f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
+            "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "
+            "backward that hands it on): use trainer=fsdp, or trainer.strategy.stage=2, or model.loss_chunk=null."
+        )
+
+
 class ChunkedLoss:
     """The LM module's model.loss_chunk=N: its forward with the head computing the loss, and the head's probe, run
     once before the first step (or evaluation) on every rank alike."""

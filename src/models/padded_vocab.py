@@ -40,6 +40,16 @@ def check_pad_vocab(multiple: Any, pretrained: Optional[str], loss_chunk: Option
     return multiple
 
 
+def check_strategy(multiple: Optional[int], declared: Any, name: str) -> None:
+    """model.pad_vocab_multiple where no rank runs the whole model (the strategy's capabilities, before any rank
+    starts): the probe that the padded columns stay masked needs a whole forward (the pipeline's stages)."""
+    if multiple is not None and not declared.can_generate:
+        raise ConfigError(
+            f"model.pad_vocab_multiple={multiple} with {name}: no rank runs the whole model, "
+            "so the padding's mask is not checked there; set model.pad_vocab_multiple=null."
+        )
+
+
 class PaddedVocab:
     """The LM module's model.pad_vocab_multiple: the rows the model is built with, the mask on its head's output, and
     the probe that the mask holds in the logits, run once before step 1 on every rank alike."""

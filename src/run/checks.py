@@ -112,8 +112,7 @@ def check_values(cfg: DictConfig) -> None:
                 "(model.scheduler) needs a length: set trainer.max_steps=N or trainer.max_epochs=N."
             )
     _check_objective(cfg)
-    _check_loss_chunk(cfg)
-    _check_pad_vocab(cfg)
+    _check_features(cfg)
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None:
         check_number("model.optimizer.lr", lr, lambda v: v > 0, "a positive learning rate, e.g. 3e-4")
@@ -207,39 +206,19 @@ def _check_objective(cfg: DictConfig) -> None:
             )
 
 
-def _check_loss_chunk(cfg: DictConfig) -> None:
-    """model.loss_chunk (src/models/chunked_loss.py) under a strategy that computes the loss elsewhere, or where its
-    equality with one process is not proven."""
-    chunk = OmegaConf.select(cfg, "model.loss_chunk", default=None)
+def _check_features(cfg: DictConfig) -> None:
+    """The LM module's features (src/models/) under the configured strategy, by its capabilities: model.loss_chunk
+    (chunked_loss.py) and model.pad_vocab_multiple (padded_vocab.py), each refusal in its feature's module."""
     strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
-    if chunk is None or not isinstance(strategy, DictConfig) or "_target_" not in strategy:
+    if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return
-    declared = capabilities.of(get_object(strategy._target_))
-    if declared.own_loss:
-        raise ConfigError(
-            f"model.loss_chunk={chunk} with trainer=pipeline: its schedule computes the loss from the last stage's "
-            "logits of every token; set model.loss_chunk=null, or train with trainer=fsdp."
-        )
-    if declared.zero_stages and strategy.get("stage") == 3:
-        raise ConfigError(
-            f"model.loss_chunk={chunk} with DeepSpeed ZeRO-3 is not proven equal to one process (no run here had "
-            "ZeRO-3 release the head's weight between the forward, where the chunks take its gradient, and the "
-            "backward that hands it on): use trainer=fsdp, or trainer.strategy.stage=2, or model.loss_chunk=null."
-        )
+    from src.models import chunked_loss, padded_vocab
 
-
-def _check_pad_vocab(cfg: DictConfig) -> None:
-    """model.pad_vocab_multiple (src/models/padded_vocab.py) where no rank runs the whole model: its probe that the
-    padded columns stay masked needs a whole forward (the pipeline's stages)."""
-    multiple = OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None)
-    strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
-    if multiple is None or not isinstance(strategy, DictConfig) or "_target_" not in strategy:
-        return
-    if not capabilities.of(get_object(strategy._target_)).can_generate:
-        raise ConfigError(
-            f"model.pad_vocab_multiple={multiple} with {str(strategy._target_).rsplit('.', 1)[-1]}: no rank runs the "
-            "whole model, so the padding's mask is not checked there; set model.pad_vocab_multiple=null."
-        )
+    declared, name = capabilities.of(get_object(strategy._target_)), str(strategy._target_).rsplit(".", 1)[-1]
+    chunked_loss.check_strategy(
+        OmegaConf.select(cfg, "model.loss_chunk", default=None), declared, strategy.get("stage")
+    )
+    padded_vocab.check_strategy(OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None), declared, name)
 
 
 def _check_global_batch(cfg: DictConfig) -> None:

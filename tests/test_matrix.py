@@ -51,6 +51,12 @@ RUN = [
     "test=true",
     "model.scheduler.num_warmup_steps=1",
     "model.optimizer.lr=1e-3",
+    # Adam's eps 1e-6 (the config's 1e-8): Adam divides each gradient by its own root mean square, so where a gradient
+    # is at eps's scale (the rows of tokens no sample holds get only the softmax's faint pull) the fp32 rounding of
+    # the sum over ranks moves the update by up to lr x rounding / eps. The GRPO cells ended 1.13e-5 apart with 1e-8
+    # on a Xeon (family 6 model 207), 6.9e-8 with 1e-6, against the 1e-5 below; a different model moves a weight
+    # by ~lr (1e-3) a step.
+    "model.optimizer.eps=1e-6",
     # the step-3 checkpoint beside last.ckpt, for the resume
     "+callbacks.mid={_target_:lightning.pytorch.callbacks.ModelCheckpoint,dirpath:${paths.output_dir}/checkpoints,"
     "filename:'mid_{step}',auto_insert_metric_name:false,every_n_train_steps:3,save_top_k:-1,monitor:null}",
@@ -408,8 +414,8 @@ def table(results: dict[tuple[str, str, str], str]) -> str:
         "`TEST_ALL_ARCHITECTURES=1 TEST_MATRIX_RESULTS=RESULTS.jsonl python -m pytest tests/test_matrix.py`",
         "(tests/test_matrix.py says what a cell runs). **equal**: 2 ranks trained, validated (twice, over an",
         "uneven split), tested, resumed from the step-3 checkpoint on 1 process (ZeRO: on 2), evaluated by eval.py on",
-        "1 process and exported, every value within 1e-5 of 1 process (fp32). A numbered cell was refused before step 1;",
-        "its sentence is below the table. The default suite runs "
+        "1 process and exported, every value within 1e-5 of 1 process (fp32, AdamW's eps at 1e-6: tests/test_matrix.py",
+        "says why). A numbered cell was refused before step 1; its sentence is below the table. The default suite runs "
         + ", ".join("-".join(c) for c in sorted(SAMPLE))
         + ".",
         "",

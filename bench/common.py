@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 
@@ -150,6 +151,10 @@ class StepTimer(L.Callback):
 
     def __init__(self, warmup: int, out: str) -> None:
         self.warmup, self.out, self.times = warmup, out, []
+        self.start: Optional[float] = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = clock()
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.times.append(clock())
@@ -157,7 +162,7 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         data = trainer.datamodule
         items = data.batch_size * getattr(data, "seq_len", 1)  # tokens; samples for image data
-        report(self.times, self.warmup, items, self.out)
+        report(self.times, self.warmup, items, self.out, start=self.start)
 
 
 def peak_gpu_mib() -> float:
@@ -167,9 +172,13 @@ def peak_gpu_mib() -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if os.environ.get("BENCH_DEVICE") == "cuda" else 0.0
 
 
-def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> None:
+def report(times: list[float], warmup: int, tokens_per_step: int, out: str, start: Optional[float] = None) -> None:
+    """The run's figures as JSON in `out`: the median step after `warmup` steps, and with `start` (the clock when
+    training started) `warmup_extra_s`, what the warm-up steps took beyond as many median steps (compiling, autotuning,
+    the allocator's first steps): what a compiled way must save back before it pays."""
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     median = statistics.median(steps)
+    extra = {} if start is None else {"warmup_extra_s": times[warmup] - start - (warmup + 1) * median}
     with open(out, "w") as f:
         json.dump(
             {
@@ -178,6 +187,7 @@ def report(times: list[float], warmup: int, tokens_per_step: int, out: str) -> N
                 "steps_s": steps,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "peak_gpu_mib": peak_gpu_mib(),
+                **extra,
             },
             f,
         )

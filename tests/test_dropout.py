@@ -4,6 +4,7 @@ its own random numbers is refused before step 1."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -88,6 +89,54 @@ def test_a_compiled_keyed_dropout_draws_the_eager_masks_and_compiles_once():
         ones = torch.ones_like(x)
         assert torch.equal(*(torch.autograd.grad(y, x, ones)[0] for y in (got, want)))
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels
+def test_the_dropout_kernel_gives_the_eager_values_with_one_graph_per_rank():
+    """compile_dropout (src/models/dropout.py, use_kernel): keyed dropout as one compiled kernel per tensor gives the
+    eager ops' values bit for bit, forward and backward, at two probabilities: hidden states in fp32 (then another
+    length, then a transposed input) and attention weights in bf16 (4 dims). Forward and backward share one graph per
+    tensor rank: a new length, other strides and another p do not recompile (p a Python float in the graph, inductor's
+    cache served p=0.3's masks at p=0.05). The same values, so every proof that eager keyed dropout trains the same
+    model on any layout holds for the kernel (and test_the_dropout_kernel_trains_like_the_eager_ops_on_two_ranks)."""
+    from torch._dynamo.utils import counters
+
+    from src.models import dropout
+
+    torch._dynamo.reset()
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    inputs = [
+        torch.randn(4, 12, 20, generator=generator),
+        torch.randn(4, 15, 20, generator=generator),
+        torch.randn(4, 20, 13, generator=generator).transpose(1, 2),
+        torch.randn(4, 2, 9, 9, generator=generator).bfloat16(),
+    ]
+    dropout.set_keys(dropout.row_keys(torch.tensor([3, 1, 4, 1]), 4, step=5, seed=9))
+    try:
+        for x, p in itertools.product(inputs, (0.3, 0.05)):
+            outs = []
+            for kernel in (False, True):
+                dropout.use_kernel(kernel)
+                leaf = x.detach().requires_grad_()
+                y = dropout.KeyedDropout(p, "h.0.attn")(leaf)
+                y.backward(torch.arange(y.numel(), dtype=y.dtype).view(y.shape) / y.numel())
+                outs.append((y, leaf.grad))
+            (y0, g0), (y1, g1) = outs
+            assert torch.equal(y0, y1) and torch.equal(g0, g1) and (y1 == 0).any(), (tuple(x.shape), p)
+    finally:
+        dropout.use_kernel(False)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_compile_dropout_auto_is_the_kernel_on_a_gpu_only():
+    from src.models.dropout import wants_kernel
+    from src.utils.config import ConfigError
+
+    assert wants_kernel("auto", torch.device("cuda")) and not wants_kernel("auto", torch.device("cpu"))
+    assert wants_kernel(True, torch.device("cpu")) and not wants_kernel(False, torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"compile_dropout='yes': use true, false or auto"):
+        wants_kernel("yes", torch.device("cpu"))
 
 
 def gpt2(**options):
@@ -279,6 +328,20 @@ def test_dropout_trains_the_same_model_on_any_layout(tmp_path, reference):
         assert_same_series(a, b, "train/loss", 1e-5)
         assert_same_series(a, b, "val/loss", 1e-5)
         within(max_param_diff(a["params"], b["params"]), 1e-5, "params")
+
+
+@pytest.mark.slow  # two ranks compile the kernels
+def test_the_dropout_kernel_trains_like_the_eager_ops_on_two_ranks(tmp_path, reference):
+    """compile_dropout=true through train.py on 2 DDP ranks: the model that 1 process trains with the eager ops (the
+    run above), and the run's log says the kernel ran."""
+    from test_parity import GPT2, assert_same_series, max_param_diff
+
+    one = reference(GPT2 + RUN)
+    ddp = train(tmp_path, "kernel", ["trainer=ddp", "trainer.devices=2", "compile_dropout=true"])
+    assert_same_series(one, ddp, "train/loss", 1e-5)
+    within(max_param_diff(one["params"], ddp["params"]), 1e-5, "params")
+    (log,) = (tmp_path / "kernel" / "train" / "runs").glob("*/train.log")
+    assert "Dropout keyed by sample, as one compiled kernel per tensor (compile_dropout=true)" in log.read_text()
 
 
 @pytest.mark.slow

@@ -96,6 +96,7 @@ CASES = {  # name: (overrides, fragments the one error line must contain)
     "negative_lr": (["model.optimizer.lr=-1"], ["model.optimizer.lr=-1"]),
     "heads_do_not_divide": (["model.n_head=3"], ["model.n_head=3"]),
     "compile_loss_yes": (["model.compile_loss=yes"], ["model.compile_loss='yes'", "true, false or auto"]),
+    "compile_dropout_yes": (["compile_dropout=yes"], ["compile_dropout='yes'", "true, false or auto"]),
     "missing_path": (["data.path={bad}/missing.txt"], ["missing.txt", "does not exist"]),
     "empty_file": (["data.path={bad}/empty.txt"], ["empty.txt", "empty"]),
     "dir_without_text": (["data.path={bad}/notext"], ["notext", "no .txt or .jsonl"]),

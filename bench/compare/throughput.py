@@ -349,6 +349,7 @@ def main() -> None:
     print(
         f"{'shape':<10}{'way':<18}{'step ms':>9}{'tokens/s':>11}{'peak RSS MiB':>14}"
         + ("  peak GPU MiB    MFU" if gpu else "")
+        + "  warm-up s"  # train.py's ways: the warm-up steps beyond as many median steps (compiling: what it must repay)
     )
     for shape, ways in results.items():
         ways = {w: runs for w, runs in ways.items() if any(runs)}  # a way that failed in every round has no line
@@ -363,6 +364,7 @@ def main() -> None:
                 f"{shape:<10}{way:<18}{m['step_s'] * 1e3:9.1f}{m['tokens_per_s']:11.0f}{m['peak_rss_mib']:14.0f}"
                 + (f"{m['peak_gpu_mib']:14.0f}" if gpu else "")
                 + (f"{mfu:7.1%}" if mfu is not None else "")
+                + (f"{m['warmup_extra_s']:11.1f}" if "warmup_extra_s" in m else "")
             )
         from src.utils.machine import fastest_attention
 

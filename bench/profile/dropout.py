@@ -38,11 +38,15 @@ def op_ways(rows: int, seq: int, width: int, device: torch.device) -> dict:
     def torch_way():
         F.dropout(x, 0.1, training=True).sum().backward()
 
-    def keyed_way():
-        keyed.set_keys(keys)
-        module(x).sum().backward()
+    def keyed_way(kernel: bool):
+        def run():
+            keyed.use_kernel(kernel)
+            keyed.set_keys(keys)
+            module(x).sum().backward()
 
-    return {"torch": torch_way, "keyed": keyed_way}
+        return run
+
+    return {"torch": torch_way, "keyed": keyed_way(False), "kernel": keyed_way(True)}
 
 
 def step_ways(rows: int, seq: int, width: int, layers: int, device: torch.device) -> dict:
@@ -61,14 +65,17 @@ def step_ways(rows: int, seq: int, width: int, layers: int, device: torch.device
     ids = torch.randint(0, 8192, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
     keys = keyed.row_keys(torch.arange(rows, device=device), rows, step=0, seed=0)
 
-    def way(m):
+    def way(m, kernel: bool = False):
         def run():
+            keyed.use_kernel(kernel)
             keyed.set_keys(keys)
             m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
         return run
 
-    return {"torch": way(model(0.1, False)), "keyed": way(model(0.1, True)), "none": way(model(0.0, False))}
+    keyed_model = model(0.1, True)
+    return {"torch": way(model(0.1, False)), "keyed": way(keyed_model), "kernel": way(keyed_model, kernel=True),
+            "none": way(model(0.0, False))}  # fmt: skip
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ or report another model on N ranks than on 1, made exact from outside the module
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -38,6 +39,8 @@ from torchmetrics import Metric
 from src.models import dropout as keyed
 from src.parallel.samplers import ResumableDistributedSampler
 from src.utils.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class SyncedByDefault:
@@ -124,10 +127,12 @@ class RandomDraws(TorchFunctionMode):
 
 
 class UserModule(L.Callback):
-    """Applies the module doc's rules to the trained module; `seed`: the run's (keys the dropout masks)."""
+    """Applies the module doc's rules to the trained module; `seed`: the run's (keys the dropout masks);
+    `compile_dropout`: how keyed dropout runs (src/models/dropout.py, wants_kernel)."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self, seed: int, compile_dropout: Any = "auto") -> None:
+        keyed.wants_kernel(compile_dropout, torch.device("cpu"))  # a bad value fails here, before the run
+        self.seed, self.compile_dropout = seed, compile_dropout
         self.keys_dropout = False
         self.batch_size: Optional[int] = None  # the current batch's, between a batch's start and end hooks
         self.probe: Optional[RandomDraws] = None  # on N ranks, around the first training step's forward
@@ -137,6 +142,11 @@ class UserModule(L.Callback):
         if not isinstance(pl_module.log, SyncedByDefault):
             pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size)
             pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size)
+        kernel = keyed.wants_kernel(self.compile_dropout, trainer.strategy.root_device)
+        keyed.use_kernel(kernel)
+        if stage == "fit" and keyed.has_dropout(pl_module):
+            way = "one compiled kernel per tensor" if kernel else "eager tensor ops"
+            log.info(f"Dropout keyed by sample, as {way} (compile_dropout={str(self.compile_dropout).lower()})")
         if getattr(pl_module, "exact_by_itself", False):
             return
         for module in pl_module.modules():

@@ -5,7 +5,8 @@ torch's dropout draws from the device's generator, so the same sample gets anoth
 of 2, or in another micro-batch: a run with dropout trains another model on every layout. Here every `nn.Dropout` of
 the trained model is replaced by `KeyedDropout` (`key_dropouts`), which hashes (row key, module, element position)
 with a 32-bit integer finaliser and keeps the elements whose hash is at least p x 2^32: plain tensor ops, on any
-device and under torch.compile. A row's key (`row_keys`) mixes the seed, the step and its sample index; an element's
+device and under torch.compile, or (`use_kernel`, the run's `compile_dropout`: `wants_kernel`) one kernel per tensor
+compiled by inductor, with the same values. A row's key (`row_keys`) mixes the seed, the step and its sample index; an element's
 position is its index along each dimension, so a row right-padded to another width keeps its mask. The LM module
 sets the keys before each training forward (`set_keys`); a training forward without keys is an error, not a silent
 draw from torch's generator.
@@ -24,11 +25,12 @@ keying (`key_model`, `keys_of`), its probe (`check_draws`) and its refusals live
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -79,11 +81,16 @@ def set_keys(keys: Optional[torch.Tensor]) -> None:
 
 def keyed_mask(shape: torch.Size, keys: torch.Tensor, salt: int, p: float) -> torch.Tensor:
     """Keep (True) or drop for each element of a tensor of `shape` whose dim 0 holds the keyed rows."""
+    return _hash(shape, keys, salt) >= int(p * 2**32)
+
+
+def _hash(shape: torch.Size, keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """Each element's hash in [0, 2^32): its row's key and salt, then its index along each dimension."""
     h = _mix(keys.view(-1, *([1] * (len(shape) - 1))) ^ salt)
     for dim in range(1, len(shape)):
         index = torch.arange(shape[dim], device=keys.device).view(*([1] * dim), -1, *([1] * (len(shape) - dim - 1)))
         h = _mix(h ^ index)
-    return h >= int(p * 2**32)
+    return h
 
 
 class KeyedDropout(nn.Module):
@@ -186,7 +193,74 @@ def _keyed(x: torch.Tensor, p: float, salt: int, name: str) -> torch.Tensor:
         )
     if p == 1:
         return torch.zeros_like(x)
-    return x * keyed_mask(x.shape, keys, salt, p).to(x.dtype) * (1 / (1 - p))
+    if _kernel[0] and not torch.compiler.is_compiling():  # (a compiled network fuses the eager expression itself)
+        return _KeyedKernel.apply(x, keys ^ salt, p)
+    return _masked(x, keys ^ salt, p)
+
+
+def _masked(x: torch.Tensor, salted: torch.Tensor, p: float) -> torch.Tensor:
+    """x times its keyed mask (the row keys already salted by the module) and 1 / (1 - p)."""
+    return x * keyed_mask(x.shape, salted, 0, p).to(x.dtype) * (1 / (1 - p))
+
+
+# whether _keyed runs its mask as one compiled kernel (use_kernel)
+_kernel: list[bool] = [False]
+
+
+def _kernel_masked(x: torch.Tensor, salted: torch.Tensor, threshold: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """_masked's values with p as two 0-d tensors (the threshold p x 2^32 and 1 / (1 - p), in float64), x times the
+    scale in x's opmath type (float32, or float64 for float64), as eager `x * (1 / (1 - p))` computes. (Passed as a
+    Python float, p became a graph input whose int(p x 2^32) inductor's cache kept from the first p for every other,
+    pytorch/pytorch#197889: tests/test_dropout.py.)"""
+    h = _hash(x.shape, salted, 0)
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return ((x * (h >= threshold).to(x.dtype)).to(opmath) * scale.to(opmath)).to(x.dtype)
+
+
+@functools.cache
+def _compiled_masked() -> Callable:
+    return torch.compile(_kernel_masked, dynamic=True)  # sizes dynamic: a new sequence length does not recompile
+
+
+@functools.cache
+def _constants(p: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's p, once per probability and device (no copy to the GPU each call)."""
+    threshold = torch.tensor(int(p * 2**32), dtype=torch.int64, device=device)
+    return threshold, torch.tensor(1 / (1 - p), dtype=torch.float64, device=device)
+
+
+class _KeyedKernel(torch.autograd.Function):
+    """_masked as one fused kernel forward and one backward (the gradient is the output's times the same mask, drawn
+    again from the keys): inductor's loop on a CPU, a Triton kernel on a GPU. The backward keeps the row keys, not
+    the mask (eagerly autograd keeps the mask in the input's dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, salted: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.save_for_backward(salted)
+        ctx.p = p
+        # x detached and contiguous, as the backward's gradient: one graph for both
+        return _compiled_masked()(x.detach().contiguous(), salted, *_constants(p, x.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (salted,) = ctx.saved_tensors
+        return _compiled_masked()(grad.contiguous(), salted, *_constants(ctx.p, grad.device)), None, None
+
+
+def use_kernel(compiled: bool) -> None:
+    """Keyed dropout from here on as one compiled kernel per tensor (True) or eager tensor ops (False): the same
+    masks and values either way (tests/test_dropout.py)."""
+    _kernel[0] = compiled
+
+
+def wants_kernel(setting: Any, device: torch.device) -> bool:
+    """compile_dropout (conf/train.yaml): true, false, or auto = the kernel on a GPU, eager tensor ops elsewhere. On a
+    2-core Xeon the kernel takes 0.3x torch's dropout and the eager ops 0.9-1.4x, but inductor compiles each tensor rank
+    (hidden states, attention weights) in 15-20 s the first time on a machine (docs/performance.md): a short CPU run
+    would spend more on compiling than it saves."""
+    if setting not in (True, False, "auto"):
+        raise ConfigError(f"compile_dropout={setting!r}: use true, false or auto.")
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def keyed_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):

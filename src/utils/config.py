@@ -71,6 +71,7 @@ class TrainConfig(RunConfig):
     ckpt_path: Optional[str] = None
     resume: Optional[str] = None
     optimized_metric: Optional[str] = "val/loss"
+    compile_dropout: Any = "auto"
 
 
 @dataclass

@@ -7,7 +7,8 @@
 #            template) and BENCH_VARIANTS (name=overrides; default: each block and the head compiled, blocks:
 #            model.compile=blocks; the whole model and its loss, compile: model.compile=true; each of eager and compile
 #            with the vocabulary padded to 64 rows, pad and compile_pad) against nanoGPT's own train.py compiled (as it
-#            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU and the ratios, one round (5.6 min
+#            comes, and with GPT-2's biases and vocabulary): step ms, tokens/s, MFU, the warm-up's extra seconds (what
+#            compiling costs, for a model.compile default) and the ratios, one round (5.6 min
 #            with three variants on an H200, 2026-11-27; ~7 with these four). TF32's default for fp32 runs:
 #            BENCH_VARIANTS="fp32=trainer.precision=32-true tf32=trainer.precision=32-true,float32_matmul_precision=high"
 #            torch.compile's modes (CUDA graphs against the idle GPU time a step; autotuned kernels):
@@ -19,8 +20,8 @@
 #            callback's MFU beside it (~1.5 min)
 #   lane     test_gpu.txt: make test-gpu's tests (tests/test_gpu.py), under 8 minutes by the issue; LANE_ARGS="-k X"
 #            picks some
-#   dropout  dropout.txt: keyed dropout against torch's on the GPU (bench.profile.dropout, GPT-2 124M's width, context 1024
-#            and 2048; ~1 min)
+#   dropout  dropout.txt: keyed dropout, eager ops and the compiled kernel (compile_dropout: auto takes the kernel on a
+#            GPU), against torch's on the GPU (bench.profile.dropout, GPT-2 124M's width, context 1024 and 2048; ~1 min)
 #   llama    llama.txt: Llama-3.2-1B's shape (GPT-2's vocabulary, context 2048, batch 8), the template eager and
 #            compiled against HF Trainer compiled (not in the default stages: a session of its own, ~6 min)
 # Run on an H200 on 2026-11-27 (docs/results/gpu_*.jsonl, docs/performance.md; the first run's outputs: ../shared/gpu/).

@@ -8,12 +8,14 @@ import logging
 import os
 from pathlib import Path
 
+import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.files import problem
 from src.datamodules.base import micro_batch_size
 from src.launch.choices import CONF
+from src.models.dropout import wants_kernel
 from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int, check_number
 from src.utils.errors import CheckpointError, PathNotFound
@@ -113,6 +115,8 @@ def check_values(cfg: DictConfig) -> None:
             )
     _check_objective(cfg)
     _check_features(cfg)
+    if cfg.get("compile_dropout") is not None:  # before the data is built (train.py's UserModule applies it)
+        wants_kernel(cfg.compile_dropout, torch.device("cpu"))
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
     if lr is not None:
         check_number("model.optimizer.lr", lr, lambda v: v > 0, "a positive learning rate, e.g. 3e-4")

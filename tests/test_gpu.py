@@ -69,15 +69,17 @@ def test_a_recipe_trains_on_one_gpu(tmp_path, name, args):
 
 
 def test_keyed_dropout_on_a_gpu_is_the_same_with_accumulation_and_compiled(tmp_path):
-    """Dropout 0.1 everywhere (src/models/dropout.py: masks hashed from seed, step, sample and module) on the GPU, fp32:
-    1 x 8 = 1 x 4 x accumulation 2 = the same compiled (inductor's kernels hash the same integers), every step."""
+    """Dropout 0.1 everywhere (src/models/dropout.py: masks hashed from seed, step, sample and module) on the GPU, fp32,
+    as one compiled kernel a tensor (compile_dropout=auto on a GPU): 1 x 8 = 1 x 4 x accumulation 2 = the eager ops
+    (compile_dropout=false) = the model compiled (inductor's kernels hash the same integers), every step."""
     base = ["model.dropout=0.1", "trainer.precision=32-true"] + GPU
     one = gpt2_run(tmp_path, "one", base)
     accumulated = gpt2_run(
         tmp_path, "acc", base + ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=12"]
     )
+    eager_ops = gpt2_run(tmp_path, "eager_ops", base + ["compile_dropout=false"])
     compiled = gpt2_run(tmp_path, "compiled", base + ["model.compile=true"])
-    for other in (accumulated, compiled):
+    for other in (accumulated, eager_ops, compiled):
         assert max(abs(a - b) for a, b in zip(losses(one), losses(other))) < TOL, (losses(one), losses(other))
 
 

@@ -155,6 +155,8 @@ def test_dropout_bench_times_keyed_against_torchs_dropout():
     ways = r"torch [\d.]+ ms \(1\.00x torch\), keyed [\d.]+ ms \([\d.]+x torch\), kernel [\d.]+ ms \([\d.]+x torch\)"
     assert re.search(rf"^op \(2 x 8 x 64\): {ways}$", out.stdout, re.M), out.stdout
     assert re.search(rf"^step \(2 x 8 x 64\): {ways}, none [\d.]+ ms", out.stdout, re.M), out.stdout
+    kept = dict(re.findall(r"(\w+) ([\d.]+) MiB", out.stdout.split("kept for the backward:")[1]))
+    assert set(kept) == {"torch", "keyed", "kernel", "none"} and float(kept["kernel"]) < float(kept["keyed"]), kept
 
 
 @pytest.mark.slow

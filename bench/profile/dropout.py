@@ -6,7 +6,8 @@
 KeyedDropout. `step`: forward + backward of a GPT-2 (the width, `--layers` blocks of 64-wide heads) with dropout 0.1
 everywhere: transformers' own (nn.Dropout modules, SDPA's dropout), the template's keyed (modules keyed, attention
 through the model's eager function with its dropout keyed), and no dropout. Ways are interleaved round by round;
-each figure is the median of the rounds after the first. Prints ms and the ratio to torch's.
+each figure is the median of the rounds after the first. Prints ms and the ratio to torch's, and what each step
+way keeps for its backward (MiB of saved storages: the kernel keeps no mask).
 """
 
 from __future__ import annotations
@@ -99,6 +100,21 @@ def main() -> None:
         median = {way: statistics.median(t[1:]) for way, t in times.items()}
         shown = ", ".join(f"{way} {ms:.1f} ms ({ms / median['torch']:.2f}x torch)" for way, ms in median.items())
         print(f"{name} ({args.rows} x {args.seq} x {args.width}): {shown}")
+    saved = {way: saved_mib(fn) for way, fn in ways.items()}  # the step's ways
+    print("step, kept for the backward: " + ", ".join(f"{way} {mib:.3f} MiB" for way, mib in saved.items()))
+
+
+def saved_mib(fn) -> float:
+    """MiB of the storages autograd keeps for the backward while `fn` runs (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values()) / 2**20
 
 
 if __name__ == "__main__":

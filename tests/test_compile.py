@@ -195,6 +195,37 @@ def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it()
         GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile="model")
 
 
+def test_compile_auto_is_decided_from_the_run_before_the_model_is_built(tmp_path, monkeypatch):
+    """model.compile=auto (the default: src/models/compiling.py auto_compile, written into the config by
+    src/run/checks.py before anything reads it): false on this CPU, true wherever a compile_mode asks for it; with a GPU
+    (torch.cuda.is_available patched: the decision, not a GPU run) true from AUTO_MIN_STEPS training steps or a run
+    bounded by epochs, false below, blocks with model.loss_chunk (a network compiled whole is refused with it), true
+    under FSDP2 (each block: its own rule), false under the pipeline (whose own check refuses model.compile)."""
+    from test_configs import compose_cfg
+
+    from src.models.compiling import AUTO_MIN_STEPS
+    from src.run.checks import check_values
+
+    def resolved(overrides: list[str]):
+        cfg = compose_cfg(["trainer.precision=32-true", *overrides], tmp=tmp_path)
+        assert cfg.model.compile == "auto" or "model.compile=false" in overrides
+        check_values(cfg)
+        return cfg.model.compile
+
+    long = [f"trainer.max_steps={AUTO_MIN_STEPS}"]
+    assert resolved(long) is False  # no GPU here
+    assert resolved(["model.compile_mode=max-autotune-no-cudagraphs"]) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolved(long) is True
+    assert resolved(["trainer.max_steps=-1", "trainer.max_epochs=1"]) is True
+    assert resolved([f"trainer.max_steps={AUTO_MIN_STEPS - 1}"]) is False
+    assert resolved([*long, "trainer.accelerator=cpu"]) is False
+    assert resolved([*long, "model.loss_chunk=1024"]) == "blocks"
+    assert resolved([*long, "trainer=fsdp", "trainer.devices=2"]) is True
+    assert resolved([*long, "trainer=pipeline", "trainer.devices=2", "model.n_layer=2"]) is False
+    assert resolved([*long, "model.compile=false"]) is False
+
+
 def test_compile_mode_is_torch_compiles_and_a_mode_without_compile_is_one_sentence():
     """model.compile_mode reaches torch.compile: reduce-overhead asks inductor for CUDA graphs, which it skips on a CPU
     and counts in torch's own counters (without the mode: no skip counted, tests/test_compile.py's other graphs). A mode

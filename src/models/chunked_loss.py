@@ -49,7 +49,7 @@ def check_loss_chunk(chunk: Any, objective: Objective, compile: Any) -> Optional
             f"model.loss_chunk={chunk}: model/objective={objective.name} reads the model's logits itself, not the "
             "token loss; set model.loss_chunk=null."
         )
-    if compile is True:
+    if compile is True:  # (model.compile=auto compiles blocks where a chunk is set: src/models/compiling.py)
         raise ConfigError(
             f"model.loss_chunk={chunk} with model.compile=true: a network compiled whole would trace its head's "
             "chunks and the backward each takes inside the forward; set model.compile=blocks (each chunk's loss is "

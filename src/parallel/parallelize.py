@@ -104,10 +104,11 @@ def compile_region(compile: Union[bool, str], whole_model: bool) -> Optional[str
     """What model.compile compiles: None, "model" (each network whole: its head and the matmuls between blocks in the
     graph too, where inductor pads a vocabulary such as GPT-2's 50257 to an aligned width) or "blocks" (each block,
     what FSDP2 and tensor parallel's per-block hooks and DTensors, and the pipeline's stages, allow; see
-    `compiled_parts`)."""
-    if compile not in (True, False, "blocks"):
-        raise ConfigError(f"model.compile={compile!r}: use true (the largest correct region), blocks or false.")
-    if not compile:
+    `compiled_parts`). "auto" is decided from the run before the model is built (src/run/checks.py,
+    src/models/compiling.py `auto_compile`); a module made outside a run compiles nothing for it."""
+    if compile not in (True, False, "blocks", "auto"):
+        raise ConfigError(f"model.compile={compile!r}: use true (the largest correct region), blocks, false or auto.")
+    if not compile or compile == "auto":
         return None
     return "model" if compile is True and whole_model else "blocks"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import get_object
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoint.files import problem
 from src.datamodules.base import micro_batch_size
 from src.launch.choices import CONF
+from src.models import compiling
 from src.models.dropout import wants_kernel
 from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int, check_number
@@ -92,6 +94,7 @@ def check_top_level_keys(cfg: DictConfig) -> None:
 
 def check_values(cfg: DictConfig) -> None:
     """Values whose failure would come late or from deep inside a library."""
+    resolve_auto_compile(cfg)
     for key in ("data.seq_len", "data.global_batch_size"):  # others interpolate them: name them before they resolve
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None:
@@ -208,6 +211,36 @@ def _check_objective(cfg: DictConfig) -> None:
                 f"model/objective={name} does not run under trainer={trainer_option(cfg)} ({why}); use "
                 "trainer=ddp, fsdp or deepspeed."
             )
+
+
+def resolve_auto_compile(cfg: DictConfig) -> None:
+    """model.compile=auto becomes true, blocks or false for this run (src/models/compiling.py, auto_compile), in the
+    config itself, before anything reads it: the same on every rank (the same config, the same kind of device)."""
+    if OmegaConf.select(cfg, "model.compile", default=None) != "auto":
+        return
+    trainer = cfg.trainer
+    on_gpu = trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    steps = trainer.get("max_steps", -1) if cfg.get("train", False) else None
+    strategy = trainer.get("strategy")
+    check = None
+    if isinstance(strategy, DictConfig) and "_target_" in strategy:
+        check = capabilities.of(get_object(strategy._target_)).check_config
+
+    def accepts(region: Any) -> bool:  # the strategy's own checks, with model.compile set to `region`
+        if check is None:
+            return True
+        trial = cfg.copy()
+        trial.model.compile = region
+        try:
+            check(trial)
+        except ConfigError:
+            return False
+        return True
+
+    chunk = OmegaConf.select(cfg, "model.loss_chunk", default=None)
+    cfg.model.compile = compiling.auto_compile(on_gpu, steps, cfg.model.get("compile_mode"), chunk, accepts)
+    where = "a GPU" if on_gpu else "no GPU"
+    log.info(f"model.compile=auto: {str(cfg.model.compile).lower()} ({where}, {steps} training steps)")
 
 
 def _check_features(cfg: DictConfig) -> None:

@@ -98,6 +98,21 @@ def test_cuda_graphs_train_what_the_eager_model_trains(tmp_path):
 
 
 @CUDA_ITSELF
+def test_compile_auto_compiles_a_long_training_run_on_this_gpu(tmp_path):
+    """model.compile=auto (the default, src/models/compiling.py) on a real GPU: the whole network for a training run of
+    AUTO_MIN_STEPS steps, nothing for the lane's short runs (tests/test_compile.py decides each case on a CPU)."""
+    from test_configs import compose_cfg
+
+    from src.models.compiling import AUTO_MIN_STEPS
+    from src.run.checks import check_values
+
+    for steps, want in ((AUTO_MIN_STEPS, True), (6, False)):
+        cfg = compose_cfg([f"trainer.max_steps={steps}", *GPU], tmp=tmp_path)
+        check_values(cfg)
+        assert cfg.model.compile is want, (steps, cfg.model.compile)
+
+
+@CUDA_ITSELF
 def test_fp16_skips_an_overflow_step_and_logs_it(tmp_path):
     """trainer.precision=16-mixed (Lightning's GradScaler on CUDA): step 3's gradients overflow (one inf, the loss
     finite, tests/helpers/divergence.py). That update is skipped (the weights after step 3 are those before it),

@@ -129,6 +129,51 @@ def test_the_dropout_kernel_gives_the_eager_values_with_one_graph_per_rank():
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+@pytest.mark.slow  # inductor compiles C++ kernels
+def test_the_dropout_kernel_keys_a_forwards_own_functional_dropout_as_the_eager_ops_do(monkeypatch):
+    """Seed-OSS draws its residual dropout with F.dropout inside its own forward (keyed through its modules' hooks) and
+    its attention dropout in the keyed eager attention: with the kernel (each of those calls through it, counted) its
+    training logits and gradients are the eager ops', bit for bit (GPT-2's modules and LoRA's through train.py: the
+    two-rank run above)."""
+    from src.models import dropout
+    from src.models.causal_lm import CausalLMLitModule
+
+    applied = []
+    apply = dropout._KeyedKernel.apply
+    monkeypatch.setattr(dropout._KeyedKernel, "apply", lambda *args: applied.append(1) or apply(*args))
+
+    config, fields = tiny_or_skip("seed_oss")
+    torch.manual_seed(0)
+    module = CausalLMLitModule(vocab_size=config.vocab_size, seq_len=16, model_type="seed_oss", config=fields,
+                               dropout=0.2)  # fmt: skip
+    assert dropout.calls_functional_dropout(
+        next(m for m in module.hf_model.modules() if "Attention" in type(m).__name__)
+    )
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    try:
+        for kernel in (False, True):
+            dropout.use_kernel(kernel)
+            module.model.zero_grad()
+            logits = dropout_forward(module, ids, [3, 4])
+            logits.square().mean().backward()
+            runs.append((logits.detach(), [p.grad.clone() for p in module.model.parameters() if p.grad is not None]))
+    finally:
+        dropout.use_kernel(False)
+    (eager, eager_grads), (kernel, kernel_grads) = runs
+    layers = config.num_hidden_layers
+    assert len(applied) >= 2 * layers, (len(applied), layers)  # each layer: its residual and attention dropouts
+    assert torch.equal(eager, kernel) and all(map(torch.equal, eager_grads, kernel_grads))
+
+
+def dropout_forward(module, ids, index):
+    from src.models import dropout
+
+    module.train()
+    dropout.set_keys(dropout.row_keys(torch.as_tensor(index), ids.shape[0], 0, module.base_seed))
+    return module.model(input_ids=ids, use_cache=False).logits
+
+
 def test_compile_dropout_auto_is_the_kernel_on_a_gpu_only():
     from src.models.dropout import wants_kernel
     from src.utils.config import ConfigError

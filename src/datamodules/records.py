@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.corpus import CorpusError
 from src.datamodules.tokens import TokenDataModule, split_counts
 from src.utils.labels import IGNORE_INDEX
 
@@ -62,13 +61,11 @@ def label_targets(items: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
 def split_sizes(n: int, val_fraction: float, test_fraction: float, where: str, unit: str) -> tuple[int, int, int]:
     """(train, val, test) counts of `n` records in file order, val and test at least one each when asked for; one
     sentence when no training record is left."""
-    n_train, n_val, n_test = split_counts(n, val_fraction, test_fraction)
-    if n_train < 1:
-        raise CorpusError(
-            f"{where}: {n} usable {unit}(s) are too few for a train split plus {n_val} val and {n_test} test "
-            f"{unit}(s): add {unit}s or lower data.val_fraction / data.test_fraction."
-        )
-    return n_train, n_val, n_test
+    return split_counts(
+        n, val_fraction, test_fraction,
+        lambda n_val, n_test: f"{where}: {n} usable {unit}(s) are too few for a train split plus {n_val} val and "
+        f"{n_test} test {unit}(s): add {unit}s or lower data.val_fraction / data.test_fraction.",
+    )  # fmt: skip
 
 
 class RecordsDataModule(TokenDataModule):

@@ -98,13 +98,11 @@ class WeightedMix(Dataset):
 
 def split_blocks(n_blocks: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
     """(train, val, test) block counts; val and test are contiguous at the end, so no block leaks."""
-    n_train, n_val, n_test = split_counts(n_blocks, val_fraction, test_fraction)
-    if n_train < 1:
-        raise CorpusError(
-            f"The corpus makes only {n_blocks} block(s) of seq_len tokens: too few for a train split plus "
-            f"{n_val} val and {n_test} test block(s). Use more text or a smaller data.seq_len."
-        )
-    return n_train, n_val, n_test
+    return split_counts(
+        n_blocks, val_fraction, test_fraction,
+        lambda n_val, n_test: f"The corpus makes only {n_blocks} block(s) of seq_len tokens: too few for a train "
+        f"split plus {n_val} val and {n_test} test block(s). Use more text or a smaller data.seq_len.",
+    )  # fmt: skip
 
 
 class TextDataModule(TokenDataModule):

@@ -7,18 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 from src.datamodules.base import ShardedDataModule
+from src.datamodules.corpus import CorpusError
 from src.datamodules.tokenizers import Tokenizer, load_tokenizer
 from src.utils.config import check_fractions, check_int
 
 
-def split_counts(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    """(train, val, test) counts of `n` items cut in order, val and test at least one each when asked for (train may
-    come out below 1: the caller says so in its own words)."""
+def split_counts(
+    n: int, val_fraction: float, test_fraction: float, too_few: Callable[[int, int], str]
+) -> tuple[int, int, int]:
+    """(train, val, test) counts of `n` items cut in order, val and test at least one each when asked for; a
+    CorpusError of the caller's sentence `too_few(n_val, n_test)` when no training item is left."""
     n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
     n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
+    if n - n_val - n_test < 1:
+        raise CorpusError(too_few(n_val, n_test))
     return n - n_val - n_test, n_val, n_test
 
 

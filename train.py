@@ -15,6 +15,7 @@ if __name__ == "__main__":
 
 import hydra
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
@@ -62,7 +63,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     if cfg.train:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics.update(trainer.callback_metrics)
-    if cfg.test:
+    if cfg.test and is_overridden("test_step", model):  # (a module without test_step is not tested)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
         metrics.update(trainer.callback_metrics)

@@ -107,3 +107,13 @@ def test_transformers_experts_expert_parallel_switch():
     experts = MixtralExperts(MixtralConfig(hidden_size=8, intermediate_size=8, num_local_experts=2))
     assert experts._is_expert_parallel is False, "transformers' experts have no _is_expert_parallel switch"
     assert experts.num_experts == 2
+
+
+def test_transformers_attention_implementation_of_a_built_model():
+    """src/models/dropout.py key_module reads a user's transformers model's `config._attn_implementation` (what it
+    was built with: sdpa, eager, flash_attention_2...) to key its attention dropout or refuse a kernel's own."""
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    assert model.config._attn_implementation in ("sdpa", "eager"), "PretrainedConfig._attn_implementation is gone"

@@ -25,10 +25,10 @@ from src.utils.config import ConfigError
 from tests.helpers.plain_lightning import write_configs
 
 
-def parity(tmp_path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def parity(tmp_path, *args: str, check: bool = True, steps: int = 12) -> subprocess.CompletedProcess:
     conf = write_configs(tmp_path / "conf")
     return run_script(
-        "-m", ["src.tools.parity", "--steps", "12", f"hydra.searchpath=[file://{conf}]", *args], check=check
+        "-m", ["src.tools.parity", "--steps", str(steps), f"hydra.searchpath=[file://{conf}]", *args], check=check
     )
 
 
@@ -204,3 +204,78 @@ def test_the_throughput_callback_counts_any_batch():
     assert _batch_size((torch.zeros(4, 2), torch.zeros(4))) == 4
     tokens = {"input_ids": torch.zeros(2, 7), "attention_mask": torch.ones(2, 7)}
     assert _batch_size(tokens) == 2 and int(_num_items(tokens)) == 14
+
+
+ENCODERS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "modernbert", "vit"]
+
+
+def encoder(kind: str) -> torch.nn.Module:
+    """A tiny transformers classifier of `kind` with every dropout of its config at 0.1, in float64."""
+    import transformers
+
+    from tests.helpers.plain_lightning import encoder_sizes
+
+    torch.manual_seed(0)
+    if kind == "vit":
+        sizes = {k: v for k, v in encoder_sizes("bert").items() if k != "max_position_embeddings"}
+        config = transformers.ViTConfig(**sizes, image_size=8, patch_size=4, num_channels=1, num_labels=3)
+    else:
+        config = transformers.AutoConfig.for_model(kind, **encoder_sizes(kind), vocab_size=60, num_labels=3)
+    for field in vars(config):
+        if "dropout" in field and isinstance(getattr(config, field), float):
+            setattr(config, field, 0.1)
+    auto = (
+        transformers.AutoModelForImageClassification
+        if kind == "vit"
+        else transformers.AutoModelForSequenceClassification
+    )
+    return auto.from_config(config).double().train()  # SDPA where the family has it
+
+
+@pytest.mark.parametrize("kind", ENCODERS)
+def test_a_transformers_models_own_dropouts_are_keyed_by_sample(kind):
+    """Hidden, attention (SDPA's dropout_p, eager attention's F.dropout) and classifier dropout of an encoder a user's
+    module holds: the logits of a training forward depend on each row's key only, not on torch's generator or on
+    which rows share the batch (2 rows + 2 rows = 4 rows: what 2 ranks and 1 process compute), in float64."""
+    from src.models import dropout as keyed
+
+    model = encoder(kind)
+    inputs = torch.randn(4, 1, 8, 8, dtype=torch.float64) if kind == "vit" else torch.randint(3, 60, (4, 10))
+    name = "pixel_values" if kind == "vit" else "input_ids"
+    keys = keyed.row_keys(torch.arange(4), 4, step=3, seed=0)
+
+    def logits(rows: slice, generator_seed: int) -> torch.Tensor:
+        torch.manual_seed(generator_seed)
+        keyed.set_keys(keys[rows])
+        return model(**{name: inputs[rows]}).logits
+
+    unkeyed = [logits(slice(0, 4), seed) for seed in (1, 2)]
+    assert not torch.equal(*unkeyed)  # torch's generator: another mask for another state (what keying removes)
+    assert keyed.key_module(model) > 0
+    whole = logits(slice(0, 4), 1)
+    assert torch.equal(whole, logits(slice(0, 4), 2)), kind  # no draw from the generator is left
+    halves = torch.cat([logits(slice(0, 2), 3), logits(slice(2, 4), 4)])
+    torch.testing.assert_close(halves, whole, rtol=1e-12, atol=1e-12)  # a row's mask does not depend on its batch
+    with torch.no_grad():
+        assert not torch.allclose(model.eval()(**{name: inputs}).logits, whole)  # the dropouts do drop in training
+    keyed.set_keys(None)
+
+
+def test_attention_that_drops_inside_its_kernel_is_one_sentence():
+    from src.models import dropout as keyed
+
+    model = encoder("bert")
+    model.config._attn_implementation = "flash_attention_2"  # what a CUDA user may build; its kernel draws the mask
+    with pytest.raises(
+        ConfigError, match=r"draws its attention dropout inside its kernel .* attn_implementation='sdpa'"
+    ):
+        keyed.key_module(model)
+
+
+@pytest.mark.slow
+def test_a_plain_module_around_a_transformers_encoder_with_its_dropouts_is_exact_on_2_ranks(tmp_path):
+    """BERT in a plain LightningModule, hidden and attention dropout 0.1, SDPA, AdamW: it was refused at the first
+    training step ("draws random numbers of its own (scaled_dot_product_attention)")."""
+    proc = parity(tmp_path, "experiment=plain_encoder", "trainer=ddp", steps=6)
+    assert "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
+    assert {"train/loss", "val/loss", "val/acc"} <= values(proc.stdout).keys()

@@ -13,12 +13,14 @@ or report another model on N ranks than on 1, made exact from outside the module
   Lightning logs the value of the rank's own batch. Here every metric of the module syncs its batch's states before
   that value is computed (torchmetrics' `dist_sync_on_step`): the global batch's value. Epoch values were synced
   already.
-- `nn.Dropout`: each rank draws its masks from its own generator, so a sample gets another mask on every layout.
-  Here each becomes a KeyedDropout (src/models/dropout.py), and a training batch's masks are keyed by the run's
-  seed, the step and its samples' dataset indices, read from the training sampler: the masks one process draws. A
-  Any other random number a training step draws itself (`torch.randn`, `F.dropout`, a Tensor's `normal_`) would
-  come from each rank's generator too: on N ranks the first training step that draws one is refused in one sentence
-  naming it.
+- dropout: each rank draws its masks from its own generator, so a sample gets another mask on every layout. Here
+  each `nn.Dropout` becomes a KeyedDropout, a transformers model's attention dropout (SDPA's `dropout_p`, eager
+  attention's) and the `F.dropout` a module's own forward calls are keyed the same way (src/models/dropout.py
+  key_module), and a training batch's masks are keyed by the run's seed, the step and its samples' dataset indices,
+  read from the training sampler: the masks one process draws. Any other random number a training step draws
+  itself (`torch.randn`, a Tensor's `normal_`, attention that drops inside its kernel) would come from each rank's
+  generator too: on N ranks the first training step that draws one is refused in one sentence naming it, before
+  its backward and any optimizer step.
   A module that does the last two itself (`exact_by_itself`: the LM, which keys its dropout by each row's sample and updates
   its metrics without a per-step value) is left as it is.
 """
@@ -152,8 +154,7 @@ class UserModule(L.Callback):
         for module in pl_module.modules():
             if isinstance(module, Metric):
                 module.dist_sync_on_step = True
-        keyed.key_dropouts(pl_module)
-        self.keys_dropout = keyed.has_dropout(pl_module)
+        self.keys_dropout = keyed.key_module(pl_module) > 0 or keyed.has_dropout(pl_module)
 
     def batch_started(self, batch: Any) -> None:
         try:

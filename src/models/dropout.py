@@ -171,8 +171,11 @@ def key_functional_dropouts(model: nn.Module) -> int:
     entered and left by forward hooks); the number of such modules. nn.Dropout modules are KeyedDropout instead."""
     n = 0
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Dropout, KeyedDropout)) or not calls_functional_dropout(module):
+        if isinstance(module, (nn.Dropout, KeyedDropout)) or "keyed_functional" in module.__dict__:
+            continue  # (keyed already: a second setup of the same module)
+        if not calls_functional_dropout(module):
             continue
+        module.keyed_functional = True
         module.keyed_salt, module.keyed_name = zlib.crc32(name.encode()), name
         module.register_forward_pre_hook(_enter)
         module.register_forward_hook(_leave, always_call=True)
@@ -312,6 +315,42 @@ def key_attention(model: nn.Module, implementation: str) -> bool:
         module.keyed_salt, module.keyed_name = zlib.crc32(name.encode()), name
     model.set_attn_implementation(f"keyed_{implementation}")
     return True
+
+
+def key_module(module: nn.Module) -> int:
+    """Every dropout of a user's module keyed per sample, as the LM's are: its nn.Dropout modules, the attention
+    dropout of each transformers model inside it whose config holds a dropout probability (BERT's, RoBERTa's,
+    ViT's...), and the functional dropout its modules' own forwards call (a forward that calls F.dropout). The number
+    keyed (modules with p > 0, attention, functional); one sentence for attention that draws its dropout inside a
+    kernel no key reaches (FlashAttention, flex)."""
+    n = key_dropouts(module)
+    for name, model in _transformers_models(module):
+        fields = {k: v for k, v in config_fields(model.config, PROBABILITY_FIELD).items() if v}
+        if not fields or getattr(sys.modules[type(model).__module__], "eager_attention_forward", None) is None:
+            continue  # no dropout, or attention of its own (DeBERTa's nn.Dropout on the probabilities: keyed above)
+        implementation = model.config._attn_implementation  # private: tests/test_private_names.py
+        if implementation.startswith("keyed_"):
+            continue  # keyed already (a second setup of the same module)
+        if not key_attention(model, implementation):
+            raise ConfigError(
+                f"{name or 'the module'} ({type(model).__name__}) has dropout ({_names(fields)}) and attention "
+                f"{implementation!r}, which draws its attention dropout inside its kernel from each rank's generator: "
+                "build it with attn_implementation='sdpa' or 'eager' (keyed per sample), or set its attention dropout to 0."
+            )
+        n += 1
+    return n + key_functional_dropouts(module)
+
+
+def _transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models (PreTrainedModel) inside `module`, with their names."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        inside = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(child, PreTrainedModel) and not inside:
+            found.append((name, child))
+    return found
 
 
 def has_dropout(model: nn.Module) -> bool:

@@ -91,12 +91,92 @@ class PlainMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class PlainTokens(L.LightningDataModule):
+    """A text-classification task on token ids, as a user's own: 256 train, 61 val (uneven on 2 ranks), 61 test rows
+    of 12 tokens; the label is which third of the vocabulary most of a row's tokens come from."""
+
+    def __init__(self, batch_size: int = 16, vocab: int = 60, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.vocab, self.num_workers = batch_size, vocab, num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, self.vocab, (378, 12), generator=g)
+        labels = torch.bucketize(ids.float().mean(1), torch.tensor([self.vocab / 3 + 6, 2 * self.vocab / 3 - 4]))
+        self.sets = {"train": (0, 256), "val": (256, 317), "test": (317, 378)}
+        self.sets = {k: TensorDataset(ids[a:b], labels[a:b]) for k, (a, b) in self.sets.items()}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["train"], batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["val"], batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["test"], batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+class PlainEncoder(L.LightningModule):
+    """A transformers encoder fine-tuned as a classifier in a plain LightningModule: a small random config of
+    `model_type` (bert, roberta, distilbert...) with its hidden and attention dropouts, SDPA attention."""
+
+    def __init__(self, model_type: str = "bert", dropout: float = 0.1, lr: float = 1e-3, vocab: int = 60) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        import transformers
+
+        config = transformers.AutoConfig.for_model(
+            model_type, **encoder_sizes(model_type), vocab_size=vocab, num_labels=3
+        )
+        for field in vars(config):
+            if "dropout" in field and isinstance(getattr(config, field), float):
+                setattr(config, field, dropout)
+        self.encoder = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids=ids).logits
+
+    def training_step(self, batch, batch_idx):
+        ids, y = batch
+        loss = nn.functional.cross_entropy(self(ids), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        ids, y = batch
+        logits = self(ids)
+        self.log("val/loss", nn.functional.cross_entropy(logits, y))
+        self.val_acc(logits, y)
+        self.log("val/acc", self.val_acc)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def encoder_sizes(model_type: str) -> dict:
+    """A tiny encoder of any family: two layers of width 32."""
+    if model_type == "distilbert":
+        return {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64, "max_position_embeddings": 64}
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    if model_type == "modernbert":  # its special tokens default to ids past a tiny vocabulary
+        sizes.update(dict.fromkeys(("pad_token_id", "eos_token_id", "bos_token_id", "cls_token_id", "sep_token_id"), 0))
+    return {**sizes, "max_position_embeddings": 64}
+
+
 def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
         "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\n",
         "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\n",
+        "model/plain_encoder.yaml": "_target_: tests.helpers.plain_lightning.PlainEncoder\nmodel_type: bert\ndropout: 0.1\nlr: 1.0e-3\nvocab: 60\n",
+        "data/plain_tokens.yaml": "_target_: tests.helpers.plain_lightning.PlainTokens\nbatch_size: 16\nvocab: 60\nnum_workers: 0\n",
+        "experiment/plain_encoder.yaml": (
+            "# @package _global_\ndefaults:\n  - override /data: plain_tokens\n  - override /model: plain_encoder\n"
+            "optimized_metric: val/acc\ncallbacks:\n  generate_text: null\n  model_checkpoint:\n"
+            "    monitor: val/acc\n    mode: max\ntrainer:\n  precision: 32-true\n"
+        ),
         "experiment/plain.yaml": (
             "# @package _global_\ndefaults:\n  - override /data: plain_table\n  - override /model: plain_mlp\n"
             "optimized_metric: val/acc\ncallbacks:\n  generate_text: null\n  model_checkpoint:\n"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from src.datamodules.seeded import SeededItems
 from src.parallel.samplers import EvenBatches, ShardSampler, rank_and_world, train_sampler
 from src.utils.config import ConfigError, check_int
 from src.utils.labels import IGNORE_INDEX
@@ -257,10 +258,13 @@ class ShardedDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # a language model's dict batches carry their samples' indices (`sample_index`: the LM keys its dropout by
         # them); any other batch is the user's as collated (src/callbacks/user_module.py reads the sampler instead)
+        # any other Dataset's own random draws (augmentation) are keyed by (seed, epoch, sample): datamodules/seeded.py
         indexed = self.batch_kind in LANGUAGE_KINDS
-        dataset = Indexed(self.splits["train"]) if indexed else self.splits["train"]
+        split = self.splits["train"]
+        dataset = Indexed(split) if indexed else SeededItems(split, self.seed or 0)
         collate = IndexedCollate(self.collate_fn()) if indexed else self.collate_fn()
         sampler, batch = train_sampler(dataset, self.seed or 0, self.data_ranks()), self.batch_size
+        sampler.with_epoch = not indexed
         sampler.skip = batches_done_this_epoch(self.trainer, len(sampler) // batch) * batch
         return ResumableLoader(
             dataset,
@@ -285,6 +289,8 @@ class ShardedDataModule(L.LightningDataModule):
             if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
                 dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
             batches = {"batch_size": size, "sampler": sampler, "drop_last": False}
+        if self.batch_kind not in LANGUAGE_KINDS:  # a Dataset's own random draws keyed by sample (seeded.py)
+            dataset = SeededItems(dataset, self.seed or 0)
         return DataLoader(
             dataset,
             **batches,

@@ -10,6 +10,8 @@ template's samplers, on 1 process as on N, so that both read the same batches:
   each of the W ranks reads batch_size / W of it, from one seeded permutation an epoch that all ranks share
   (`shuffle=True`), or in the dataset's order: global batch k is the same samples on any W. The last partial batch
   is dropped (it cannot be split over the ranks), and a run resumed mid-epoch trains on exactly the rest of it.
+- random augmentation the Dataset draws in `__getitem__` (torch, numpy, Python's `random`): keyed by (seed, epoch,
+  sample), so each sample is augmented alike on any layout (src/datamodules/seeded.py).
 - evaluation: each sample once over all ranks, every rank the same number of batches, and no padding
   (src/parallel/samplers.py EvenBatches): a loss logged with `self.log` and a torchmetrics metric count each sample
   once.
@@ -30,6 +32,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from src.datamodules.base import ResumableLoader, ShardedDataModule, batches_done_this_epoch
+from src.datamodules.seeded import SeededItems
 from src.parallel.samplers import EvenBatches, rank_and_world, train_sampler
 from src.utils.config import ConfigError
 
@@ -67,15 +70,18 @@ def sharded(make: Callable[[], Any], datamodule: Any, stage: str, seed: int) -> 
             )
         micro = batch // world
         sampler = train_sampler(loader.dataset, seed, (rank, world), shuffle=isinstance(loader.sampler, RandomSampler))
+        sampler.with_epoch = True  # (epoch, index): the Dataset's own random draws keyed by them (seeded.py)
         sampler.skip = batches_done_this_epoch(datamodule.trainer, len(sampler) // micro) * micro
         if rank == 0:
             log.info(
                 f"{where}: {world} rank(s) x {micro} samples a batch; the last {len(loader.dataset) % batch} "
                 "sample(s) of each epoch's order are left out (a partial batch cannot be split over ranks)"
             )
-        return ResumableLoader(loader.dataset, batch_size=micro, sampler=sampler, drop_last=True, **settings(loader))
+        return ResumableLoader(
+            SeededItems(loader.dataset, seed), batch_size=micro, sampler=sampler, drop_last=True, **settings(loader)
+        )
     batches = EvenBatches(len(loader.dataset), -(-loader.batch_size // world), (rank, world))
-    return DataLoader(loader.dataset, batch_sampler=batches, **settings(loader))
+    return DataLoader(SeededItems(loader.dataset, seed), batch_sampler=batches, **settings(loader))
 
 
 def check_rebuildable(loader: Any, where: str) -> None:

@@ -8,6 +8,7 @@ The samplers take `ranks`, (this rank, the number of ranks) among those the data
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -48,6 +49,7 @@ class ResumableDistributedSampler(DistributedSampler):
     counts the restored batches on top)."""
 
     skip = 0  # indices of this rank's next pass to leave out; reset after one pass
+    with_epoch = False  # deal (epoch, index) pairs: what keys a Dataset's random augmentation (datamodules/seeded.py)
 
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
         """The epoch's permutation as every rank computes it, the dropped tail removed (what
@@ -67,6 +69,8 @@ class ResumableDistributedSampler(DistributedSampler):
         skip, self.skip = self.skip, 0
         # Read lazily from the array: a list of the epoch's indices would be ~44 bytes a sample in RAM
         # (a 2 GB corpus at seq_len 128: 15 M blocks, 0.7 GB per rank)
+        if self.with_epoch:
+            return zip(itertools.repeat(self.epoch), map(int, indices[skip:]))
         return map(int, indices[skip:])
 
     def batch(self, batch_idx: int, batch_size: int) -> np.ndarray:

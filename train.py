@@ -48,7 +48,7 @@ def train(cfg: DictConfig) -> Optional[float]:
         StepsInProgressBar(),
         ResumeAnywhere(allow_new_batch=cfg.get("resume_with_new_batch", False)),  # resume on another N or strategy
         TrackerRuns(),  # MLflow / W&B: the run's id in every checkpoint
-        UserModule(cfg.seed or 0, cfg.compile_dropout),  # the module's self.log reduced over ranks, dropout keyed
+        UserModule(cfg.seed or 0, cfg.compile_dropout, cfg.get("optimized_metric")),  # self.log synced, dropout keyed
     ]
     ckpt_path = resume_from(cfg) if cfg.train else None  # ckpt_path=, or resume=auto's newest checkpoint
     loggers = trackers.loggers(cfg.logger, ckpt_path)  # a tracker continues the run the checkpoint was logged to

@@ -315,3 +315,63 @@ def test_a_datasets_random_draws_are_keyed_by_seed_epoch_and_sample():
     assert [epoch for epoch, _ in sampler] == [5, 5, 5] and sorted(i for _, i in sampler) == sorted(
         list(sampler.batch(0, 3))
     )
+
+
+def _stack(tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
+    """Lightning's all_gather on N ranks: equal shapes stacked into (world, ...)."""
+    out = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, tensor.contiguous())
+    return torch.stack(out)
+
+
+def _gather_case(rank: int, world: int) -> dict:
+    from src.callbacks.epoch_end import RowsInOrder
+
+    shard = [i for batch in samplers.EvenBatches(11, 2, (rank, world)) for i in batch]  # this rank's rows, in order
+    rows = torch.tensor([[i, 10 * i] for i in shard])
+    gather = RowsInOrder(_stack, lambda: len(shard))
+    out = {"rows": gather({"x": rows})["x"], "scalar": gather(torch.tensor(float(rank)))}
+    try:
+        gather(torch.zeros(rank + 1, 3))  # uneven and not the epoch's rows
+    except ConfigError as error:
+        out["error"] = str(error)
+    return out
+
+
+def test_all_gather_of_an_epochs_uneven_rows_is_every_row_in_dataset_order():
+    """11 evaluation rows on 3 ranks (4, 4, 3): what `self.all_gather` returns on 1 process (every row, in order),
+    where gloo aborted ("op.preamble.length <= op.nbytes"); another tensor keeps Lightning's (world, ...) stacking,
+    and shapes that are neither are one sentence."""
+    from tests.test_distributed import run_ranks
+
+    for rank, out in run_ranks(3, _gather_case).items():
+        assert torch.equal(out["rows"], torch.tensor([[i, 10 * i] for i in range(11)])), rank
+        assert torch.equal(out["scalar"], torch.tensor([0.0, 1.0, 2.0]))
+        assert "self.all_gather got tensors of shapes [[1, 3], [2, 3], [3, 3]] on the 3 ranks" in out["error"]
+
+
+@pytest.mark.slow
+def test_an_epoch_metric_from_the_epochs_gathered_rows_is_exact_on_2_ranks(tmp_path):
+    """Predictions collected in validation_step, self.all_gather'ed in on_validation_epoch_end (57 rows: 29 and 28 on
+    2 ranks), an accuracy logged: equal to 1 process."""
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.epoch_metric=gathered", steps=4)
+    assert "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
+    assert "val/acc_epoch" in values(proc.stdout)
+
+
+@pytest.mark.slow
+def test_an_epoch_metric_of_each_ranks_own_rows_is_named_and_refused_when_selected_by(tmp_path):
+    """The same accuracy from each rank's own rows (the mean of two shards' accuracies): named in the sanity
+    validation, before step 1; refused in one sentence where the checkpoints select by it, nothing saved."""
+    conf = write_configs(tmp_path / "conf")
+    args = [f"hydra.searchpath=[file://{conf}]", "experiment=plain", "trainer=ddp", "model.epoch_metric=own"]
+    proc = run_script(
+        "train.py",
+        [*args, "trainer.max_steps=2", "callbacks.model_checkpoint.monitor=val/acc_epoch", f"paths.log_dir={tmp_path}"],
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sentence = "val/acc_epoch, logged from on_validation_epoch_end, differs between the ranks"
+    assert sentence in proc.stderr and "the metric the run selects by" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.rglob("*.ckpt"))

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.overrides import TorchFunctionMode
 from torchmetrics import Metric
 
+from src.callbacks.epoch_end import PerRankValues, RowsInOrder
 from src.models import dropout as keyed
 from src.parallel.samplers import ResumableDistributedSampler
 from src.utils.config import ConfigError
@@ -48,13 +49,16 @@ log = logging.getLogger(__name__)
 class SyncedByDefault:
     """`log` (a module's bound log or log_dict) with sync_dist=True where the call does not set it, and the batch size
     as a float: the call's, else `batch_size()` (the current batch's; None outside a batch, where Lightning weights
-    each call alike)."""
+    each call alike). `check` sees each call's arguments by name first."""
 
-    def __init__(self, log: Callable[..., Any], batch_size: Callable[[], Optional[int]]) -> None:
-        self.log, self.batch_size, self.signature = log, batch_size, inspect.signature(log)
+    def __init__(
+        self, log: Callable[..., Any], batch_size: Callable[[], Optional[int]], check: Callable[[dict], None]
+    ) -> None:
+        self.log, self.batch_size, self.check, self.signature = log, batch_size, check, inspect.signature(log)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         given = self.signature.bind_partial(*args, **kwargs).arguments
+        self.check(given)
         if "sync_dist" not in given:
             kwargs["sync_dist"] = True
         size = given.get("batch_size", self.batch_size())
@@ -132,18 +136,24 @@ class UserModule(L.Callback):
     """Applies the module doc's rules to the trained module; `seed`: the run's (keys the dropout masks);
     `compile_dropout`: how keyed dropout runs (src/models/dropout.py, wants_kernel)."""
 
-    def __init__(self, seed: int, compile_dropout: Any = "auto") -> None:
+    def __init__(self, seed: int, compile_dropout: Any = "auto", optimized_metric: Optional[str] = None) -> None:
         keyed.wants_kernel(compile_dropout, torch.device("cpu"))  # a bad value fails here, before the run
         self.seed, self.compile_dropout = seed, compile_dropout
         self.keys_dropout = False
+        self.rows = {"train": 0, "validation": 0, "test": 0}  # rows the running epoch's batches held, per loop
+        self.loop = "train"
+        self.epoch_end: Optional[str] = None  # the epoch-end hook running, between the callbacks' and the next hook
+        self.optimized_metric = optimized_metric
+        self.per_rank: Optional[PerRankValues] = None
         self.batch_size: Optional[int] = None  # the current batch's, between a batch's start and end hooks
         self.probe: Optional[RandomDraws] = None  # on N ranks, around the first training step's forward
         self.probed = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not isinstance(pl_module.log, SyncedByDefault):
-            pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size)
-            pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size)
+            self.per_rank = PerRankValues(lambda: self.monitored(trainer))
+            pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size, self.check_epoch_end)
+            pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size, self.check_epoch_end)
         kernel = keyed.wants_kernel(self.compile_dropout, trainer.strategy.root_device)
         keyed.use_kernel(kernel)
         if stage == "fit" and keyed.has_dropout(pl_module):
@@ -151,16 +161,66 @@ class UserModule(L.Callback):
             log.info(f"Dropout keyed by sample, as {way} (compile_dropout={str(self.compile_dropout).lower()})")
         if getattr(pl_module, "exact_by_itself", False):
             return
+        if not isinstance(pl_module.all_gather, RowsInOrder):
+            pl_module.all_gather = RowsInOrder(pl_module.all_gather, lambda: self.rows[self.loop])
         for module in pl_module.modules():
             if isinstance(module, Metric):
                 module.dist_sync_on_step = True
         self.keys_dropout = keyed.key_module(pl_module) > 0 or keyed.has_dropout(pl_module)
 
-    def batch_started(self, batch: Any) -> None:
+    def monitored(self, trainer: L.Trainer) -> set[str]:
+        """The metrics something selects by: the checkpoints', early stopping's and a sweep's (optimized_metric)."""
+        callbacks = [*trainer.checkpoint_callbacks, *trainer.early_stopping_callbacks]
+        return {c.monitor for c in callbacks if getattr(c, "monitor", None)} | {self.optimized_metric} - {None}
+
+    def check_epoch_end(self, given: dict) -> None:
+        """A value logged from an epoch-end hook on N ranks (src/callbacks/epoch_end.py), unless sync_dist=False."""
+        if self.epoch_end is None or given.get("sync_dist") is False or self.per_rank is None:
+            return
+        items = given["dictionary"].items() if "dictionary" in given else [(given["name"], given.get("value"))]
+        for name, value in items:
+            self.per_rank.check(self.epoch_end, name, value)
+
+    def epoch_started(self, loop: str) -> None:
+        self.loop, self.rows[loop], self.epoch_end = loop, 0, None
+
+    def epoch_ending(self, loop: str, hook: str) -> None:
+        self.loop, self.epoch_end = loop, hook
+
+    def loop_ended(self, *args: Any) -> None:
+        self.epoch_end = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.epoch_started("train")
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.epoch_started("validation")
+
+    def on_test_epoch_start(self, trainer, pl_module) -> None:
+        self.epoch_started("test")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.epoch_ending("train", "on_train_epoch_end")
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self.epoch_ending("validation", "on_validation_epoch_end")
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        self.epoch_ending("test", "on_test_epoch_end")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.loop_ended()
+        self.loop = "train"  # (validation inside a training epoch: back to its rows)
+
+    on_test_end = on_train_end = loop_ended
+
+    def batch_started(self, batch: Any, loop: str) -> None:
         try:
             self.batch_size = extract_batch_size(batch)
         except MisconfigurationException:  # no tensor in it: Lightning's own default (1) then
             self.batch_size = None
+        self.rows[loop] += self.batch_size or 0
+        self.loop, self.epoch_end = loop, None
 
     def batch_ended(self, *args: Any) -> None:
         self.batch_size = None
@@ -176,17 +236,17 @@ class UserModule(L.Callback):
     def on_validation_batch_start(
         self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self.batch_started(batch)
+        self.batch_started(batch, "validation")
 
     def on_test_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.batch_started(batch)
+        self.batch_started(batch, "test")
 
     on_train_batch_end = on_validation_batch_end = on_test_batch_end = batch_ended
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.batch_started(batch)
+        self.batch_started(batch, "train")
         self.key_dropout(trainer, pl_module, batch_idx)
         if not self.probed and trainer.world_size > 1 and not getattr(pl_module, "exact_by_itself", False):
             self.probed, self.probe = True, RandomDraws(type(pl_module).__name__)

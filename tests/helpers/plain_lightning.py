@@ -65,10 +65,17 @@ class Jitter(Dataset):
 
 class PlainMLP(L.LightningModule):
     def __init__(
-        self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2, noise: float = 0.0, rank_own: bool = False
+        self,
+        hidden: int = 64,
+        dropout: float = 0.0,
+        lr: float = 1e-2,
+        noise: float = 0.0,
+        rank_own: bool = False,
+        epoch_metric: str = "none",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (predictions, targets) of the epoch's batches
         self.net = nn.Sequential(
             nn.Linear(30, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2)
         )
@@ -99,6 +106,17 @@ class PlainMLP(L.LightningModule):
         self.val_acc(logits, y)
         self.log("val/acc", self.val_acc)
         self.log("val/n", float(len(y)), reduce_fx="sum")
+        self.outputs.append((logits.argmax(1), y))
+
+    def on_validation_epoch_end(self):
+        """Lightning's documented habit: the epoch's predictions collected in a list, an accuracy from them here;
+        epoch_metric=own: this rank's rows; gathered: every rank's, with self.all_gather."""
+        if self.hparams.epoch_metric != "none":
+            preds, targets = (torch.cat(t) for t in zip(*self.outputs))
+            if self.hparams.epoch_metric == "gathered":
+                preds, targets = self.all_gather(preds), self.all_gather(targets)
+            self.log("val/acc_epoch", (preds == targets).float().mean())
+        self.outputs.clear()
 
     def test_step(self, batch, batch_idx):
         x, y = batch
@@ -188,7 +206,7 @@ def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
-        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\n",
+        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\nepoch_metric: none\n",
         "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\naugment: 0.0\n",
         "model/plain_encoder.yaml": "_target_: tests.helpers.plain_lightning.PlainEncoder\nmodel_type: bert\ndropout: 0.1\nlr: 1.0e-3\nvocab: 60\n",
         "data/plain_tokens.yaml": "_target_: tests.helpers.plain_lightning.PlainTokens\nbatch_size: 16\nvocab: 60\nnum_workers: 0\n",

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.overrides import TorchFunctionMode
 from torchmetrics import Metric
 
+from src.callbacks.cancelled_bias import CancelledBiases
 from src.callbacks.epoch_end import PerRankValues, RowsInOrder
 from src.models import dropout as keyed
 from src.parallel.samplers import ResumableDistributedSampler
@@ -145,6 +146,7 @@ class UserModule(L.Callback):
         self.epoch_end: Optional[str] = None  # the epoch-end hook running, between the callbacks' and the next hook
         self.optimized_metric = optimized_metric
         self.per_rank: Optional[PerRankValues] = None
+        self.cancelled = CancelledBiases()  # biases a BatchNorm cancels, watched over the fit's first batch
         self.batch_size: Optional[int] = None  # the current batch's, between a batch's start and end hooks
         self.probe: Optional[RandomDraws] = None  # on N ranks, around the first training step's forward
         self.probed = False
@@ -167,6 +169,13 @@ class UserModule(L.Callback):
             if isinstance(module, Metric):
                 module.dist_sync_on_step = True
         self.keys_dropout = keyed.key_module(pl_module) > 0 or keyed.has_dropout(pl_module)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not getattr(pl_module, "exact_by_itself", False):  # (after the strategy: its SyncBatchNorm is watched)
+            self.cancelled.watch(pl_module, announce=trainer.is_global_zero)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.cancelled.hold()
 
     def monitored(self, trainer: L.Trainer) -> set[str]:
         """The metrics something selects by: the checkpoints', early stopping's and a sweep's (optimized_metric)."""
@@ -225,6 +234,7 @@ class UserModule(L.Callback):
     def batch_ended(self, *args: Any) -> None:
         self.batch_size = None
         self.end_probe()
+        self.cancelled.stop_watching()
 
     def end_probe(self, *args: Any) -> None:
         if self.probe is not None:

@@ -72,12 +72,18 @@ class PlainMLP(L.LightningModule):
         noise: float = 0.0,
         rank_own: bool = False,
         epoch_metric: str = "none",
+        optimizer: str = "sgd",
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (predictions, targets) of the epoch's batches
         self.net = nn.Sequential(
-            nn.Linear(30, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2)
+            nn.Linear(30, hidden, bias=bias),
+            nn.BatchNorm1d(hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, 2),
         )
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
@@ -126,6 +132,8 @@ class PlainMLP(L.LightningModule):
         self.log("test/acc", self.test_acc)
 
     def configure_optimizers(self):
+        if self.hparams.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
@@ -206,7 +214,7 @@ def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
-        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\nepoch_metric: none\n",
+        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\nepoch_metric: none\noptimizer: sgd\nbias: true\n",
         "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\naugment: 0.0\n",
         "model/plain_encoder.yaml": "_target_: tests.helpers.plain_lightning.PlainEncoder\nmodel_type: bert\ndropout: 0.1\nlr: 1.0e-3\nvocab: 60\n",
         "data/plain_tokens.yaml": "_target_: tests.helpers.plain_lightning.PlainTokens\nbatch_size: 16\nvocab: 60\nnum_workers: 0\n",

@@ -204,3 +204,112 @@ def test_the_throughput_callback_counts_any_batch():
     assert _batch_size((torch.zeros(4, 2), torch.zeros(4))) == 4
     tokens = {"input_ids": torch.zeros(2, 7), "attention_mask": torch.ones(2, 7)}
     assert _batch_size(tokens) == 2 and int(_num_items(tokens)) == 14
+
+
+@pytest.mark.slow
+def test_parity_names_the_bias_before_a_batchnorm_that_adam_moves_apart(tmp_path):
+    """nn.Linear(bias=True) before BatchNorm1d, trained by AdamW: the norm cancels the bias, whose gradient is rounding
+    (1e-8 against 0.09 for the layer's weight), rounded differently on 2 ranks, and Adam makes full steps of it: the
+    train loss agrees, val/loss (BatchNorm's running mean follows the bias) does not. The tool names the first step
+    and, from both runs' last checkpoints, the bias and why."""
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.adamw=true", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^parity: val/loss differs at step \d+: ", proc.stderr, re.MULTILINE), proc.stderr
+    train = re.search(r"^train/loss\s+\d+\s+\S+\s+(\S+)\s+(\S+)$", proc.stdout, re.MULTILINE)
+    assert float(train.group(1)) <= float(train.group(2)), proc.stdout  # the training loss agrees
+    assert re.search(r"^parity: the final weights differ most in net\.0\.bias \(max \|diff\| ", proc.stderr, re.M)
+    assert "net.0.bias is the bias of the layer before net.1, a BatchNorm" in proc.stderr, proc.stderr
+
+
+def parity_values(*pairs: tuple[str, int, float]) -> dict[tuple[str, int], float]:
+    return {(name, step): value for name, step, value in pairs}
+
+
+@pytest.mark.parametrize("value", [0.137, 1.0, 250.0])
+def test_the_parity_tolerance_passes_half_of_one_and_fails_ten(value):
+    """Around a value below 1, at 1 and above (relative there): half a tolerance agrees, ten do not."""
+    from src.tools.parity import first_difference, tolerance
+
+    one = parity_values(("val/loss", 3, value))
+    assert first_difference(one, parity_values(("val/loss", 3, value + tolerance(value) / 2))) is None
+    differs = first_difference(one, parity_values(("val/loss", 3, value + 10 * tolerance(value))))
+    assert differs is not None and differs.startswith("val/loss differs at step 3: "), differs
+
+
+def test_the_parity_tolerance_is_below_the_smallest_difference_a_run_showed():
+    """val/loss of test_parity_names_the_bias_before_a_batchnorm_that_adam_moves_apart, as measured (12 steps): 1
+    process and 2 ranks 3.9e-5 apart, what the tool exists to catch; a tolerance loosened 10x lets it through."""
+    from src.tools.parity import first_difference
+
+    one, many = (
+        parity_values(("val/loss", 11, 0.08979792892932892)),
+        parity_values(("val/loss", 11, 0.08983700722455978)),
+    )
+    assert first_difference(one, many).startswith("val/loss differs at step 11")
+
+
+def test_parity_names_nan_and_a_value_one_run_logged_first_by_step():
+    from src.tools.parity import first_difference
+
+    nan = float("nan")
+    assert first_difference(parity_values(("a", 0, 1.0)), parity_values(("a", 0, nan))).startswith(
+        "a differs at step 0"
+    )
+    assert first_difference(parity_values(("a", 0, nan)), parity_values(("a", 0, nan))).startswith(
+        "a differs at step 0"
+    )
+    both = ("a", 0, 1.0)
+    assert first_difference(parity_values(both, ("z", 2, 1.0)), parity_values(both)) == (
+        "z at step 2 was logged on 1 process only"
+    )
+    assert first_difference(parity_values(both), parity_values(both, ("b", 1, 1.0), ("a", 5, 3.0))) == (
+        "b at step 1 was logged on N ranks only"
+    )
+
+
+def test_parity_localises_the_weights_that_differ_in_the_last_checkpoints(tmp_path):
+    """Two runs' last.ckpt: the weight that differs most is named with its max |diff|; a bias before a BatchNorm with
+    why; equal weights said to agree (the runs logged differently)."""
+    from src.tools.parity import localise
+
+    def write(run: str, state: dict) -> None:
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        torch.save({"state_dict": state, "epoch": 0}, tmp_path / run / "checkpoints" / "last.ckpt")
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    state = net.state_dict()
+    for case, (name, delta) in enumerate([("0.bias", 0.02), ("3.weight", 0.02), ("3.weight", 0.0)]):
+        moved = {k: v + delta if k == name else v.clone() for k, v in state.items()}
+        write(f"one{case}", state)
+        write(f"many{case}", moved)
+        lines = localise(tmp_path / f"one{case}", tmp_path / f"many{case}")
+        if not delta:
+            assert lines == ["the final weights agree (largest |diff| 0): the runs logged, not trained, differently"]
+            continue
+        assert re.match(rf"the final weights differ most in {re.escape(name)} \(max \|diff\| 0\.02\)", lines[0]), lines
+        hinted = [line for line in lines[1:] if "a BatchNorm" in line]
+        assert [line.split(" is ")[0] for line in hinted] == (["0.bias"] if name == "0.bias" else []), lines
+    assert localise(tmp_path / "nothing", tmp_path / "many0") == [
+        "the final weights were not compared: a run wrote no checkpoint"
+    ]
+
+
+@pytest.mark.parametrize("order", ["steps-first", "steps-between", "steps-last"])
+def test_the_parity_tool_takes_steps_and_overrides_in_any_order(order, monkeypatch):
+    from src.tools import parity
+
+    runs = []
+
+    def run(overrides, log_dir):
+        runs.append(overrides)
+        return {("train/loss", 0): 1.0}
+
+    monkeypatch.setattr(parity, "run", run)
+    given = {
+        "steps-first": ["--steps", "3", "experiment=x", "trainer=ddp", "model.k=v"],
+        "steps-between": ["experiment=x", "trainer=ddp", "--steps", "3", "model.k=v"],
+        "steps-last": ["experiment=x", "trainer=ddp", "model.k=v", "--steps", "3"],
+    }[order]
+    assert parity.main(given) == 0
+    for overrides in runs:
+        assert {"experiment=x", "model.k=v", "trainer.max_steps=3"} <= set(overrides), overrides

@@ -45,7 +45,13 @@ class PlainTable(L.LightningDataModule):
 
 class PlainMLP(L.LightningModule):
     def __init__(
-        self, hidden: int = 64, dropout: float = 0.0, lr: float = 1e-2, noise: float = 0.0, rank_own: bool = False
+        self,
+        hidden: int = 64,
+        dropout: float = 0.0,
+        lr: float = 1e-2,
+        noise: float = 0.0,
+        rank_own: bool = False,
+        adamw: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -88,6 +94,8 @@ class PlainMLP(L.LightningModule):
         self.log("test/acc", self.test_acc)
 
     def configure_optimizers(self):
+        if self.hparams.adamw:  # the bias before the BatchNorm: Adam turns its rounding-level gradient into steps
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
@@ -95,7 +103,7 @@ def write_configs(conf: Path) -> Path:
     """conf/model/plain_mlp.yaml, conf/data/plain_table.yaml and conf/experiment/plain.yaml under `conf` (a dir
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
-        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\n",
+        "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\nadamw: false\n",
         "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\n",
         "experiment/plain.yaml": (
             "# @package _global_\ndefaults:\n  - override /data: plain_table\n  - override /model: plain_mlp\n"

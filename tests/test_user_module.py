@@ -118,6 +118,54 @@ def test_a_strategy_the_module_cannot_take_is_one_sentence_before_any_rank(tmp_p
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank started
 
 
+@pytest.mark.parametrize(
+    "args,sentence",
+    [
+        (
+            ["trainer=ddp", "data.batch_size=31"],
+            "data.batch_size=31, the batch of PlainTable.train_dataloader(), does not divide over 2 ranks "
+            "(trainer.devices=2 x trainer.num_nodes=1): make it a multiple of 2",
+        ),
+        (["debug=overfit"], "data.overfit_batches=4 (debug=overfit) deals the first batches of the template's"),
+    ],
+    ids=["batch-31-on-2-ranks", "overfit"],
+)
+def test_a_plain_datamodules_config_it_cannot_run_is_one_sentence_before_any_rank(tmp_path, args, sentence):
+    """The plain loader's batch the ranks do not divide (it was refused on each rank, after they started), and
+    debug=overfit, whose data.overfit_batches a plain LightningDataModule does not take (it was "Unknown config key
+    'data.overfit_batches'", without a why)."""
+    conf = write_configs(tmp_path / "conf")
+    proc = run_script(
+        "train.py",
+        [f"hydra.searchpath=[file://{conf}]", f"paths.log_dir={tmp_path / 'logs'}", "experiment=plain", *args],
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank started
+
+
+def test_the_plain_checks_before_any_rank_refuse_only_what_cannot_run(tmp_path):
+    """What plain.check_config lets through: a batch the ranks divide, any batch on 1 process, a device count known
+    only when the ranks start, and the template's datamodules (debug=overfit is theirs)."""
+    import shutil
+
+    from test_configs import CONF, compose_cfg
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    write_configs(conf)
+    for args in (["trainer=ddp", "data.batch_size=32"], ["data.batch_size=31"], ["trainer=ddp", "trainer.devices=auto",
+                 "data.batch_size=31"], ["debug=overfit", "experiment=mlp_table", "trainer=ddp"]):  # fmt: skip
+        overrides = args if "experiment=mlp_table" in args else ["experiment=plain", *args]
+        plain.check_config(compose_cfg(overrides, tmp=tmp_path, conf=conf))
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=31, the batch of PlainTable\.train_dataloader\(\)"):
+        plain.check_config(
+            compose_cfg(["experiment=plain", "trainer=ddp", "data.batch_size=31"], tmp=tmp_path, conf=conf)
+        )
+
+
 def loader_refusal(loader: DataLoader) -> str:
     with pytest.raises(ConfigError) as error:
         plain.check_rebuildable(loader, "Table.train_dataloader()")

@@ -340,6 +340,9 @@ def test_parity_localises_the_weights_that_differ_in_the_last_checkpoints(tmp_pa
     assert localise(tmp_path / "nothing", tmp_path / "many0") == [
         "the final weights were not compared: a run wrote no checkpoint"
     ]
+    write("own", {**state, "hyper": ConfigError("an object weights_only refuses")})
+    (lines,) = localise(tmp_path / "one0", tmp_path / "own")
+    assert lines.startswith("the final weights were not compared: a checkpoint could not be read (")  # no traceback
 
 
 @pytest.mark.parametrize("order", ["steps-first", "steps-between", "steps-last"])

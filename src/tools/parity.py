@@ -106,7 +106,10 @@ def batchnorm_after(name: str, state: dict) -> Optional[str]:
 
 def localise(one_dir: Path, many_dir: Path) -> list[str]:
     """Where two runs' final weights differ most, and why when it can be told from the model's structure."""
-    one, many = final_weights(one_dir), final_weights(many_dir)
+    try:
+        one, many = final_weights(one_dir), final_weights(many_dir)
+    except Exception as e:  # e.g. an object of the module's own in the checkpoint, which weights_only refuses
+        return [f"the final weights were not compared: a checkpoint could not be read ({str(e).splitlines()[0][:200]})"]
     if one is None or many is None:
         return ["the final weights were not compared: a run wrote no checkpoint"]
     diffs = largest_differences(one, many)

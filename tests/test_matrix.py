@@ -339,8 +339,8 @@ def checked_before_any_rank(kind: str, objective: str, strategy: str, tmp: Path,
 
     for seeded in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # prepare seeds: the test process gets its own back
         monkeypatch.delenv(seeded, raising=False)
-    args = cell_args(kind, objective, tmp) + STRATEGIES[strategy][0]
-    cfg = compose_cfg(args + [f"paths.cache_dir={tmp / 'cache'}", "extras.print_config=false"], tmp=tmp)
+    args = QUIET + [f"paths.cache_dir={tmp / 'cache'}"] + cell_args(kind, objective, tmp) + STRATEGIES[strategy][0]
+    cfg = compose_cfg(args, tmp=tmp)  # the cell's 2-rank run, as train() starts it
     try:
         with torch.random.fork_rng():
             prepare(cfg)

@@ -145,17 +145,18 @@ def compose_and_instantiate(group: str, option: str, tmp_path: Path, conf: Path 
         return
     check_machine(cfg.trainer)
     datamodule = instantiate(cfg.data)
+    told = getattr(datamodule, "model_kwargs", {})  # as train.py: a plain LightningDataModule tells the model nothing
     # shapes only (GPT-2 xl would need 6 GB of real memory); pretrained weights must really load
     with contextlib.nullcontext() if cfg.model.get("pretrained") else torch.device("meta"):
-        model = instantiate(cfg.model, **datamodule.model_kwargs)
+        model = instantiate(cfg.model, **told)
     callbacks = instantiate_group(cfg.callbacks, "callbacks")
     loggers = instantiate_group(cfg.logger, "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     assert trainer.max_steps == (1 if cfg.trainer.get("fast_dev_run") else cfg.trainer.max_steps)
     assert trainer.num_devices == cfg.trainer.devices
-    if hasattr(model, "config"):
+    if hasattr(model, "config") and "vocab_size" in told:  # a language model and the tokens it reads
         assert datamodule.seq_len <= model.config.max_position_embeddings
-        assert model.config.vocab_size == datamodule.model_kwargs["vocab_size"]
+        assert model.config.vocab_size == told["vocab_size"]
 
 
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
@@ -250,6 +251,22 @@ def test_a_users_model_data_and_experiment_compose_without_editing_this_file(tmp
     assert partners("model", "mlp", conf) == partners("data", "table", conf) == ["experiment=mlp_table"]
     assert partners("model", "convnet", conf) == ["experiment=convnet_digits"]  # the template's pairs unchanged
     for group, option in [("model", "mlp"), ("data", "table"), ("experiment", "mlp_table")]:
+        compose_and_instantiate(group, option, tmp_path / group, conf=conf)
+
+
+def test_a_plain_lightning_datamodule_without_model_kwargs_composes_without_editing_this_file(tmp_path, monkeypatch):
+    """A LightningDataModule and LightningModule as Lightning's docs teach them (tests/helpers/plain_lightning.py): the
+    datamodule tells the model nothing (no `model_kwargs`, which train.py does not ask for either), and its option,
+    the model's and their experiment compose and instantiate through the same discovery as the template's."""
+    import shutil
+
+    from tests.helpers.plain_lightning import write_configs
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    write_configs(conf)
+    assert partners("data", "plain_table", conf) == partners("model", "plain_mlp", conf) == ["experiment=plain"]
+    for group, option in [("model", "plain_mlp"), ("data", "plain_table"), ("experiment", "plain")]:
         compose_and_instantiate(group, option, tmp_path / group, conf=conf)
 
 

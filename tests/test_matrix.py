@@ -329,6 +329,39 @@ def test_every_cell_has_a_documented_outcome():
     assert outcomes[("chat-packed", "sft", "pipeline")].startswith("data.packing=true with trainer=pipeline")
 
 
+def checked_before_any_rank(kind: str, objective: str, strategy: str, tmp: Path, monkeypatch) -> Optional[str]:
+    """What train.py's checks before any rank starts (src/run/job.py prepare) say of a cell's 2-rank config: None,
+    or the sentence that refuses it."""
+    from test_configs import compose_cfg
+
+    from src.run.job import prepare
+    from src.utils.config import ConfigError
+
+    for seeded in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # prepare seeds: the test process gets its own back
+        monkeypatch.delenv(seeded, raising=False)
+    args = QUIET + [f"paths.cache_dir={tmp / 'cache'}"] + cell_args(kind, objective, tmp) + STRATEGIES[strategy][0]
+    cfg = compose_cfg(args, tmp=tmp)  # the cell's 2-rank run, as train() starts it
+    try:
+        with torch.random.fork_rng():
+            prepare(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind,objective,strategy", cells(), ids=["-".join(cell) for cell in cells()])
+def test_every_documented_outcome_holds_at_the_checks_before_any_rank(kind, objective, strategy, tmp_path, monkeypatch):
+    """docs/matrix.md's outcome of every cell, in the default suite (the full tier alone runs the cells): an `equal`
+    cell passes the checks train.py runs before any rank starts, a refused one is refused there with its sentence. A
+    cell made refused by mistake (one more entry in an objective's `refused_under`) fails here."""
+    expected = documented()[(kind, objective, strategy)]
+    sentence = checked_before_any_rank(kind, objective, strategy, tmp_path, monkeypatch)
+    if expected == EQUAL:
+        assert sentence is None, f"docs/matrix.md says equal, and the checks refuse the cell: {sentence}"
+    else:
+        assert sentence == expected, f"docs/matrix.md says {expected!r}; the checks said {sentence!r}"
+
+
 def record(cell: tuple[str, str, str], outcome: str) -> None:
     """TEST_MATRIX_RESULTS=FILE: one JSON line per finished cell, what docs/matrix.md is generated from."""
     path = os.environ.get("TEST_MATRIX_RESULTS")

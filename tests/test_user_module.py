@@ -119,6 +119,54 @@ def test_a_strategy_the_module_cannot_take_is_one_sentence_before_any_rank(tmp_p
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank started
 
 
+@pytest.mark.parametrize(
+    "args,sentence",
+    [
+        (
+            ["trainer=ddp", "data.batch_size=31"],
+            "data.batch_size=31, the batch of PlainTable.train_dataloader(), does not divide over 2 ranks "
+            "(trainer.devices=2 x trainer.num_nodes=1): make it a multiple of 2",
+        ),
+        (["debug=overfit"], "data.overfit_batches=4 (debug=overfit) deals the first batches of the template's"),
+    ],
+    ids=["batch-31-on-2-ranks", "overfit"],
+)
+def test_a_plain_datamodules_config_it_cannot_run_is_one_sentence_before_any_rank(tmp_path, args, sentence):
+    """The plain loader's batch the ranks do not divide (it was refused on each rank, after they started), and
+    debug=overfit, whose data.overfit_batches a plain LightningDataModule does not take (it was "Unknown config key
+    'data.overfit_batches'", without a why)."""
+    conf = write_configs(tmp_path / "conf")
+    proc = run_script(
+        "train.py",
+        [f"hydra.searchpath=[file://{conf}]", f"paths.log_dir={tmp_path / 'logs'}", "experiment=plain", *args],
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sentence in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank started
+
+
+def test_the_plain_checks_before_any_rank_refuse_only_what_cannot_run(tmp_path):
+    """What plain.check_config lets through: a batch the ranks divide, any batch on 1 process, a device count known
+    only when the ranks start, and the template's datamodules (debug=overfit is theirs)."""
+    import shutil
+
+    from test_configs import CONF, compose_cfg
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    write_configs(conf)
+    for args in (["trainer=ddp", "data.batch_size=32"], ["data.batch_size=31"], ["trainer=ddp", "trainer.devices=auto",
+                 "data.batch_size=31"], ["debug=overfit", "experiment=mlp_table", "trainer=ddp"]):  # fmt: skip
+        overrides = args if "experiment=mlp_table" in args else ["experiment=plain", *args]
+        plain.check_config(compose_cfg(overrides, tmp=tmp_path, conf=conf))
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=31, the batch of PlainTable\.train_dataloader\(\)"):
+        plain.check_config(
+            compose_cfg(["experiment=plain", "trainer=ddp", "data.batch_size=31"], tmp=tmp_path, conf=conf)
+        )
+
+
 def loader_refusal(loader: DataLoader) -> str:
     with pytest.raises(ConfigError) as error:
         plain.check_rebuildable(loader, "Table.train_dataloader()")
@@ -424,3 +472,115 @@ def test_a_bias_before_batchnorm_under_adamw_trains_the_same_model_on_2_ranks(tm
     loss equal); held at zero, every value is equal."""
     proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.optimizer=adamw", steps=20)
     assert "equal on 1 process and N ranks" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_parity_names_the_weights_that_differ_after_a_run_that_is_not_exact(tmp_path):
+    """A Dataset augmenting from a generator of its own (not the global ones the template keys): each rank's copy
+    draws its own noise, the 2-rank run trains another model. The tool names the first value that differs and, from
+    both runs' last checkpoints, the weights that differ most."""
+    args = ["experiment=plain", "trainer=ddp", "data.augment=0.3", "data.own_rng=true"]
+    proc = parity(tmp_path, *args, check=False, steps=8)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^parity: \S+ differs at step \d+: ", proc.stderr, re.MULTILINE), proc.stderr
+    assert re.search(r"^parity: the final weights differ most in net\.\S+ \(max \|diff\| ", proc.stderr, re.M), (
+        proc.stderr
+    )
+
+
+def parity_values(*pairs: tuple[str, int, float]) -> dict[tuple[str, int], float]:
+    return {(name, step): value for name, step, value in pairs}
+
+
+@pytest.mark.parametrize("value", [0.137, 1.0, 250.0])
+def test_the_parity_tolerance_passes_half_of_one_and_fails_ten(value):
+    """Around a value below 1, at 1 and above (relative there): half a tolerance agrees, ten do not."""
+    from src.tools.parity import first_difference, tolerance
+
+    one = parity_values(("val/loss", 3, value))
+    assert first_difference(one, parity_values(("val/loss", 3, value + tolerance(value) / 2))) is None
+    differs = first_difference(one, parity_values(("val/loss", 3, value + 10 * tolerance(value))))
+    assert differs is not None and differs.startswith("val/loss differs at step 3: "), differs
+
+
+def test_the_parity_tolerance_is_below_the_smallest_difference_a_run_showed():
+    """val/loss of the plain module with a bias before its BatchNorm under AdamW before that bias was held at zero
+    (src/callbacks/cancelled_bias.py), as measured (12 steps): 1 process and 2 ranks 3.9e-5 apart, what the tool
+    exists to catch; a tolerance loosened 10x lets it through."""
+    from src.tools.parity import first_difference
+
+    one, many = (
+        parity_values(("val/loss", 11, 0.08979792892932892)),
+        parity_values(("val/loss", 11, 0.08983700722455978)),
+    )
+    assert first_difference(one, many).startswith("val/loss differs at step 11")
+
+
+def test_parity_names_nan_and_a_value_one_run_logged_first_by_step():
+    from src.tools.parity import first_difference
+
+    nan = float("nan")
+    assert first_difference(parity_values(("a", 0, 1.0)), parity_values(("a", 0, nan))).startswith(
+        "a differs at step 0"
+    )
+    assert first_difference(parity_values(("a", 0, nan)), parity_values(("a", 0, nan))).startswith(
+        "a differs at step 0"
+    )
+    both = ("a", 0, 1.0)
+    assert first_difference(parity_values(both, ("z", 2, 1.0)), parity_values(both)) == (
+        "z at step 2 was logged on 1 process only"
+    )
+    assert first_difference(parity_values(both), parity_values(both, ("b", 1, 1.0), ("a", 5, 3.0))) == (
+        "b at step 1 was logged on N ranks only"
+    )
+
+
+def test_parity_localises_the_weights_that_differ_in_the_last_checkpoints(tmp_path):
+    """Two runs' last.ckpt: the weight that differs most is named with its max |diff|; a bias before a BatchNorm with
+    why; equal weights said to agree (the runs logged differently)."""
+    from src.tools.parity import localise
+
+    def write(run: str, state: dict) -> None:
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        torch.save({"state_dict": state, "epoch": 0}, tmp_path / run / "checkpoints" / "last.ckpt")
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    state = net.state_dict()
+    for case, (name, delta) in enumerate([("0.bias", 0.02), ("3.weight", 0.02), ("3.weight", 0.0)]):
+        moved = {k: v + delta if k == name else v.clone() for k, v in state.items()}
+        write(f"one{case}", state)
+        write(f"many{case}", moved)
+        lines = localise(tmp_path / f"one{case}", tmp_path / f"many{case}")
+        if not delta:
+            assert lines == ["the final weights agree (largest |diff| 0): the runs logged, not trained, differently"]
+            continue
+        assert re.match(rf"the final weights differ most in {re.escape(name)} \(max \|diff\| 0\.02\)", lines[0]), lines
+        hinted = [line for line in lines[1:] if "a BatchNorm" in line]
+        assert [line.split(" is ")[0] for line in hinted] == (["0.bias"] if name == "0.bias" else []), lines
+    assert localise(tmp_path / "nothing", tmp_path / "many0") == [
+        "the final weights were not compared: a run wrote no checkpoint"
+    ]
+    write("own", {**state, "hyper": ConfigError("an object weights_only refuses")})
+    (lines,) = localise(tmp_path / "one0", tmp_path / "own")
+    assert lines.startswith("the final weights were not compared: a checkpoint could not be read (")  # no traceback
+
+
+@pytest.mark.parametrize("order", ["steps-first", "steps-between", "steps-last"])
+def test_the_parity_tool_takes_steps_and_overrides_in_any_order(order, monkeypatch):
+    from src.tools import parity
+
+    runs = []
+
+    def run(overrides, log_dir):
+        runs.append(overrides)
+        return {("train/loss", 0): 1.0}
+
+    monkeypatch.setattr(parity, "run", run)
+    given = {
+        "steps-first": ["--steps", "3", "experiment=x", "trainer=ddp", "model.k=v"],
+        "steps-between": ["experiment=x", "trainer=ddp", "--steps", "3", "model.k=v"],
+        "steps-last": ["experiment=x", "trainer=ddp", "model.k=v", "--steps", "3"],
+    }[order]
+    assert parity.main(given) == 0
+    for overrides in runs:
+        assert {"experiment=x", "model.k=v", "trainer.max_steps=3"} <= set(overrides), overrides

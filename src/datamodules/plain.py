@@ -127,3 +127,42 @@ def settings(loader: DataLoader) -> dict[str, Any]:
     if loader.num_workers:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return kwargs
+
+
+def check_config(cfg: Any) -> None:
+    """Before any rank starts, what the config tells of a plain LightningDataModule (`cfg.data`'s target): a
+    `data.overfit_batches` it does not take (debug=overfit), and a train `batch_size` that the ranks do not divide
+    (sharded() checks the loader's own again, on each rank). Nothing for the template's datamodules."""
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    from src.utils.config import accepted_parameters
+
+    data = OmegaConf.select(cfg, "data", default=None)
+    try:
+        module = get_object(data._target_)
+    except Exception:  # no data, no target or one that does not import: the key check says which
+        return
+    if not isinstance(module, type) or not issubclass(module, L.LightningDataModule):
+        return
+    if issubclass(module, ShardedDataModule):
+        return
+    name, takes = module.__name__, accepted_parameters(module)
+    if "overfit_batches" in data and "overfit_batches" not in takes:
+        raise ConfigError(
+            f"data.overfit_batches={data.overfit_batches} (debug=overfit) deals the first batches of the template's "
+            f"datamodules (src/datamodules/base.py), and {name} is a plain LightningDataModule that does not take it: "
+            f"drop debug=overfit and set trainer.limit_train_batches=N (shuffle=False in {name}.train_dataloader() "
+            "reads the same N batches every epoch), or build it on ShardedDataModule (docs/your-model.md)."
+        )
+    batch, devices, nodes = data.get("batch_size"), cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    counts = (batch, devices, nodes)
+    if not cfg.get("train", False) or "batch_size" not in takes or not all(type(n) is int and n > 0 for n in counts):
+        return  # no training, no batch_size key, or a count known only when the ranks start (auto, -1)
+    if batch % (devices * nodes):
+        world = devices * nodes
+        raise ConfigError(
+            f"data.batch_size={batch}, the batch of {name}.train_dataloader(), does not divide over {world} ranks "
+            f"(trainer.devices={devices} x trainer.num_nodes={nodes}): make it a multiple of {world} (each rank "
+            f"reads batch_size / {world} samples of each batch)."
+        )

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.convert import as_pretrained, is_checkpoint, read_config
+from src.datamodules import plain
 from src.run.checks import check_machine, check_top_level_keys, check_values
 from src.utils.config import ConfigError, check_targets, flatten
 from src.utils.logging import quiet_console
@@ -54,6 +55,7 @@ def prepare(cfg: DictConfig) -> None:
 
     quiet_console()
     check_top_level_keys(cfg)
+    plain.check_config(cfg)  # a plain LightningDataModule's overfit and batch: before the key check's general word
     check_targets(cfg)
     check_values(cfg)
     check_machine(cfg.trainer)

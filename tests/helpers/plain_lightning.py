@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 class PlainTable(L.LightningDataModule):
     """scikit-learn's breast_cancer table (569 rows, 30 features, 2 classes): 455 train, 57 val, 57 test rows."""
 
-    def __init__(self, batch_size: int = 32, num_workers: int = 0, augment: float = 0.0) -> None:
+    def __init__(self, batch_size: int = 32, num_workers: int = 0, augment: float = 0.0, own_rng: bool = False) -> None:
         super().__init__()
-        self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
+        self.batch_size, self.num_workers, self.augment, self.own_rng = batch_size, num_workers, augment, own_rng
 
     def setup(self, stage: str | None = None) -> None:
         from sklearn.datasets import load_breast_cancer
@@ -31,7 +31,7 @@ class PlainTable(L.LightningDataModule):
         y = torch.tensor(y)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[order], y[order]
-        self.train_set = Jitter(TensorDataset(x[:455], y[:455]), self.augment)
+        self.train_set = Jitter(TensorDataset(x[:455], y[:455]), self.augment, self.own_rng)
         self.val_set = TensorDataset(x[455:512], y[455:512])
         self.test_set = TensorDataset(x[512:], y[512:])
 
@@ -49,14 +49,19 @@ class Jitter(Dataset):
     """Random augmentation as vision pipelines draw it, in `__getitem__`: noise from torch's, numpy's and Python's
     global generators (in the main process or a loader worker)."""
 
-    def __init__(self, data: Dataset, scale: float) -> None:
+    def __init__(self, data: Dataset, scale: float, own_rng: bool = False) -> None:
         self.data, self.scale = data, scale
+        self.rng = (
+            np.random.default_rng(0) if own_rng else None
+        )  # a generator of its own: each rank's copy advances alone
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
         x, y = self.data[i]
+        if self.scale and self.rng is not None:
+            return x + self.scale * torch.from_numpy(self.rng.normal(size=x.shape).astype(np.float32)), y
         if self.scale:
             numpy_noise = torch.from_numpy(np.random.normal(size=x.shape).astype(np.float32))
             x = x + self.scale * (torch.randn_like(x) + numpy_noise) * random.uniform(0.5, 1.5)
@@ -215,7 +220,7 @@ def write_configs(conf: Path) -> Path:
     given to train.py as `hydra.searchpath=[file://<conf>]`), as a user adds them; returns `conf`."""
     for group, text in {
         "model/plain_mlp.yaml": "_target_: tests.helpers.plain_lightning.PlainMLP\nhidden: 64\ndropout: 0.0\nlr: 1.0e-2\nnoise: 0.0\nrank_own: false\nepoch_metric: none\noptimizer: sgd\nbias: true\n",
-        "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\naugment: 0.0\n",
+        "data/plain_table.yaml": "_target_: tests.helpers.plain_lightning.PlainTable\nbatch_size: 32\nnum_workers: 0\naugment: 0.0\nown_rng: false\n",
         "model/plain_encoder.yaml": "_target_: tests.helpers.plain_lightning.PlainEncoder\nmodel_type: bert\ndropout: 0.1\nlr: 1.0e-3\nvocab: 60\n",
         "data/plain_tokens.yaml": "_target_: tests.helpers.plain_lightning.PlainTokens\nbatch_size: 16\nvocab: 60\nnum_workers: 0\n",
         "experiment/plain_encoder.yaml": (

@@ -584,3 +584,16 @@ def test_the_parity_tool_takes_steps_and_overrides_in_any_order(order, monkeypat
     assert parity.main(given) == 0
     for overrides in runs:
         assert {"experiment=x", "model.k=v", "trainer.max_steps=3"} <= set(overrides), overrides
+
+
+@pytest.mark.slow
+def test_a_refusal_inside_the_parity_check_is_its_one_sentence(tmp_path):
+    """What the suite's parity runs (tests/test_experiments.py) show for an experiment refused on N ranks: the
+    refusal's sentence on one line, exit 2 (it was the last 4000 characters of the ranks' output)."""
+    conf = write_configs(tmp_path / "conf")
+    args = ["--steps", "2", f"hydra.searchpath=[file://{conf}]", "experiment=plain", "trainer=ddp", "model.noise=0.5"]
+    proc = run_script("-m", ["src.tools.parity", *args], check=False, env={"HYDRA_FULL_ERROR": "0"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("parity: ")]
+    assert re.search(r" refused: (Rank \d: )?PlainMLP's training step draws random numbers of its own \(randn_like\)", line)
+    assert "Traceback" not in proc.stderr

@@ -127,8 +127,9 @@ class RandomDraws(TorchFunctionMode):
             name = getattr(func, "__name__", str(func))
             raise ConfigError(
                 f"{self.module}'s training step draws random numbers of its own ({name}), from each rank's generator: "
-                "on N ranks it would train another model than on 1. Use nn.Dropout (keyed by sample for you, "
-                "src/models/dropout.py), key the draws by sample the same way, or train on 1 device."
+                "on N ranks it would train another model than on 1. Use dropout (nn.Dropout or F.dropout in a forward: "
+                "keyed by sample for you), draw augmentation in the Dataset's __getitem__ (keyed by sample too), "
+                "or train on 1 device."
             )
         return func(*args, **kwargs)
 

@@ -45,6 +45,10 @@ def run(overrides: list[str], log_dir: Path) -> dict[tuple[str, int], float]:
     command = [sys.executable, str(ROOT / "train.py"), *overrides, f"paths.log_dir={log_dir}", "logger=csv"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, errors="replace")
     if proc.returncode != 0:
+        refusals = [line.split("[ERROR] - ", 1)[1] for line in proc.stderr.splitlines() if "[ERROR] - " in line]
+        if proc.returncode == 2 and refusals:  # a refusal is its one sentence (every rank logs the same)
+            print(f"parity: train.py {' '.join(overrides)} refused: {refusals[-1]}", file=sys.stderr)
+            raise SystemExit(2)
         sys.stderr.write(proc.stderr[-4000:])
         print(f"parity: train.py {' '.join(overrides)} failed (exit {proc.returncode}), see above", file=sys.stderr)
         raise SystemExit(2)

@@ -175,14 +175,17 @@ def buildable(target: str, named: set[str]) -> bool:
         return True
     if not target.startswith("src."):
         return False
-    import lightning as L
-    from hydra.utils import get_class
+    import importlib
 
-    try:
-        cls = get_class(target)
-    except Exception:  # noqa: BLE001  (not importable, or not a class: not buildable)
+    import lightning as L
+
+    module, _, name = target.rpartition(".")
+    try:  # not hydra's get_class, which logs an ERROR line of its own for a name that is not a class
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
         return False
-    return cls.__module__.startswith("src.") and issubclass(cls, (L.LightningDataModule, torch.nn.Module))
+    kinds = (L.LightningDataModule, torch.nn.Module)
+    return isinstance(cls, type) and cls.__module__.startswith("src.") and issubclass(cls, kinds)
 
 
 def check_targets(config: Any, what: Any) -> None:
@@ -198,8 +201,8 @@ def check_targets(config: Any, what: Any) -> None:
             if target is not None and not (isinstance(target, str) and buildable(target, named)):
                 raise CheckpointError(
                     f"{what}'s stored config names _target_: {target!r}, which is no class or function conf/ names "
-                    f"nor a model, data or objective class under src/, and building it could run any code: load it "
-                    f"only if you trust whoever wrote it, with {OPT_IN}."
+                    f"nor a module or datamodule class under src/, and building it could run any code: load it only "
+                    f"if you trust whoever wrote it, with {OPT_IN}."
                 )
             stack.extend(node.values())
         elif isinstance(node, list):

@@ -12,6 +12,7 @@ for a user's own checkpoint that holds other types: only for a file whose writer
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import re
@@ -61,13 +62,13 @@ DEEPSPEED = (
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
 OPT_IN = "trust_checkpoint=true"
-_trusted = False  # set once per process from the run's config: trust()
+_trusted, _opt_in = False, OPT_IN  # set once per process from the run's config or command line: trust()
 
 
 def trust(value: bool, how: str = OPT_IN) -> None:
-    """Load checkpoints with plain pickle (`value` True) or as data only; `how` is the opt-in refusals name."""
-    global _trusted, OPT_IN
-    _trusted, OPT_IN = bool(value), how
+    """Load checkpoints with plain pickle (`value` True) or as data only; `how`: the opt-in the refusals name."""
+    global _trusted, _opt_in
+    _trusted, _opt_in = bool(value), how
 
 
 def weights_only() -> bool:
@@ -92,7 +93,7 @@ def refusal(what: Any, error: BaseException) -> str:
     detail = "" if found else f" ({str(error).split('WeightsUnpickler error: ')[-1].splitlines()[0][:200]})"
     return (
         f"{what} holds {holds}{detail}, which is not a type the template writes, and loading it could run code "
-        f"from the file: load it only if you trust whoever wrote it, with {OPT_IN}."
+        f"from the file: load it only if you trust whoever wrote it, with {_opt_in}."
     )
 
 
@@ -137,9 +138,7 @@ def check_dir(path: str | Path) -> None:
     if _trusted or not path.is_dir():
         return
     if (path / "latest").is_file():  # DeepSpeed: `latest` names the tag dir of torch.save files
-        import importlib
-
-        also = tuple((getattr(importlib.import_module(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1]), n) for n in DEEPSPEED)
+        also = tuple((_named(name), name) for name in DEEPSPEED)
         for file in sorted((path / (path / "latest").read_text().strip()).glob("*.pt")):
             load(file, also, map_location="cpu", mmap=True)
         return
@@ -154,10 +153,15 @@ def check_dir(path: str | Path) -> None:
             try:
                 with torch.serialization.safe_globals(ALLOWED):
                     torch.load(data, weights_only=True)
-            except pickle.UnpicklingError as e:
+            except Exception as e:  # noqa: BLE001  (also an item stored transformed, which the template never does)
                 raise CheckpointError(refusal(f"{path}'s {key.fqn}", e)) from None
     if (path / "meta.pt").is_file():
         load(path / "meta.pt", map_location="cpu", mmap=True)
+
+
+def _named(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 # ---- a stored config builds only what the template can build ----
@@ -175,14 +179,11 @@ def buildable(target: str, named: set[str]) -> bool:
         return True
     if not target.startswith("src."):
         return False
-    import importlib
-
     import lightning as L
 
-    module, _, name = target.rpartition(".")
     try:  # not hydra's get_class, which logs an ERROR line of its own for a name that is not a class
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
+        cls = _named(target)
+    except Exception:  # noqa: BLE001  (no such module or name: not buildable)
         return False
     kinds = (L.LightningDataModule, torch.nn.Module)
     return isinstance(cls, type) and cls.__module__.startswith("src.") and issubclass(cls, kinds)
@@ -202,7 +203,7 @@ def check_targets(config: Any, what: Any) -> None:
                 raise CheckpointError(
                     f"{what}'s stored config names _target_: {target!r}, which is no class or function conf/ names "
                     f"nor a module or datamodule class under src/, and building it could run any code: load it only "
-                    f"if you trust whoever wrote it, with {OPT_IN}."
+                    f"if you trust whoever wrote it, with {_opt_in}."
                 )
             stack.extend(node.values())
         elif isinstance(node, list):

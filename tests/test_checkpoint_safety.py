@@ -200,3 +200,15 @@ def test_a_dcp_dir_from_a_real_fsdp2_run_is_refused_by_consolidate_and_eval(fsdp
     rc, out, _ = run_as_user(["eval.py", f"ckpt_path={bad}", f"paths.log_dir={tmp_path / 'logs'}"])
     assert_one_clear_line(rc, out, ".metadata holds a posix.system", "trust_checkpoint=true")
     assert not marker.exists() and read_config(fsdp_checkpoint)["model"]["_target_"]  # the real one reads
+
+
+@pytest.mark.slow
+def test_trust_checkpoint_true_is_threaded_to_every_load_of_eval(payloads, tmp_path):
+    """The opt-in of conf/eval.yaml reaches the config read and Lightning's own load: the file evaluates, and its
+    payload runs, as asked."""
+    marker = tmp_path / "MARKER"
+    ckpt = torch.load(payloads["pickle"], weights_only=False)
+    torch.save({**ckpt, "hyper_parameters": {"lr": Payload(marker)}}, tmp_path / "mine.ckpt")
+    args = ["trust_checkpoint=true", "extras.print_config=false", "trainer.enable_progress_bar=false"]
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path / 'mine.ckpt'}", f"paths.log_dir={tmp_path / 'logs'}"] + args)
+    assert "EVAL " in proc.stdout and marker.exists()

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import src.launch.resolvers  # noqa: F401
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.callbacks.user_module import UserModule
+from src.checkpoint import safe_load
 from src.checkpoint.convert import consolidate, is_sharded, read_config
 from src.checkpoint.files import problem
 from src.datamodules.plain import shard_loaders
@@ -120,6 +121,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    # the checkpoint is loaded as data and its stored config builds only what conf/ can, unless trust_checkpoint=true
+    safe_load.trust(cfg.get("trust_checkpoint", False))
     stored = stored_config(cfg)
     choose_precision(cfg, stored)  # before prepare: its machine checks and config_resolved.yaml see what runs
     prepare(cfg)

@@ -23,6 +23,7 @@ from src.callbacks import trackers
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
 from src.callbacks.trackers import TrackerRuns
 from src.callbacks.user_module import UserModule
+from src.checkpoint import safe_load
 from src.checkpoint.latest import resume_from
 from src.checkpoint.resume import ResumeAnywhere
 from src.datamodules.plain import shard_loaders
@@ -38,6 +39,8 @@ register_schemas()
 
 
 def train(cfg: DictConfig) -> Optional[float]:
+    # checkpoints (ckpt_path, resume=auto, model.pretrained) are loaded as data unless trust_checkpoint=true
+    safe_load.trust(cfg.get("trust_checkpoint", False))
     prepare(cfg)  # unknown keys, machine checks, seed, config tree
 
     datamodule = instantiate(cfg.data)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import src.launch.resolvers  # noqa: F401
+from src.checkpoint import safe_load
 from src.checkpoint.files import problem
 from src.checkpoint.resharding import LAYOUT_KEY, to_hf
 from src.utils.errors import CheckpointError
@@ -61,13 +62,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if is_deepspeed(path):
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
+        safe_load.check_dir(path)  # zero_to_fp32 unpickles the files with plain pickle
         with tempfile.TemporaryDirectory() as tmp:  # zero_to_fp32: gathers the ZeRO partitions into fp32 weights
             convert_zero_checkpoint_to_fp32_state_dict(path, Path(tmp) / "full.ckpt")
-            return torch.load(Path(tmp) / "full.ckpt", map_location="cpu", weights_only=False)
+            return safe_load.load(Path(tmp) / "full.ckpt", map_location="cpu")
     if not is_dcp(path):
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False) if (path / "meta.pt").exists() else {}
-    weights = dcp_model_weights(path)
+        return safe_load.load(path, map_location="cpu")
+    weights = dcp_model_weights(path)  # checks the dir first
+    meta = safe_load.load(path / "meta.pt", map_location="cpu") if (path / "meta.pt").exists() else {}
     layout = meta.pop(LAYOUT_KEY, None)  # trainer=tp's Linear layout -> GPT-2's own Conv1D one
     if layout is not None:
         weights = to_hf(weights, layout)
@@ -80,11 +82,12 @@ def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    safe_load.check_dir(path)  # DCP's reader unpickles .metadata with plain pickle
     reader = FileSystemReader(str(path))
     prefix = "state_dict."  # Lightning saves {"state_dict": model, "optimizer_0": ...}; DCP flattens the keys
     weights = {
         key: torch.empty(m.size, dtype=m.properties.dtype)
-        for key, m in reader.read_metadata().state_dict_metadata.items()
+        for key, m in safe_load.dcp_metadata(path).state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)
     }
     load(weights, storage_reader=reader, no_dist=True)
@@ -92,9 +95,14 @@ def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:
-    """The model/data config train.py stored in a checkpoint (see `read_stored`), as this version reads it."""
+    """The model/data config train.py stored in a checkpoint (see `read_stored`), as this version reads it; one
+    naming a `_target_` the template cannot build is refused."""
     config = read_stored(path, "config")
-    return upgraded(config) if config is not None else None
+    if config is None:
+        return None
+    config = upgraded(config)
+    safe_load.check_targets(config, path)
+    return config
 
 
 # the objectives a checkpoint written before objectives were a config group can name
@@ -140,7 +148,7 @@ def read_stored(path: str | Path, key: str) -> Any:
         files = [path]
     for file in files:
         if file.is_file():
-            state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            state = safe_load.load(file, map_location="cpu", mmap=True)
             if isinstance(state, dict) and key in state:
                 return state[key]
     return None
@@ -172,7 +180,9 @@ def build_module(checkpoint: dict[str, Any]):
             "This checkpoint has no stored config (it was not written by train.py), so the model "
             "cannot be rebuilt from it."
         )
-    cfg = OmegaConf.create(upgraded(checkpoint["config"]))
+    config = upgraded(checkpoint["config"])
+    safe_load.check_targets(config, "The checkpoint")
+    cfg = OmegaConf.create(config)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, **getattr(datamodule, "model_kwargs", {}))
     module.load_state_dict(checkpoint["state_dict"])

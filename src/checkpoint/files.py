@@ -147,10 +147,13 @@ def problem(path: str | Path) -> Optional[str]:
         return next((f"its {p.name}: {why}" for p in parts if (why := _zip_problem(p))), None)
     if not (path / ".metadata").is_file():
         return "it is a directory without DCP .metadata or DeepSpeed 'latest'"
-    from torch.distributed.checkpoint import FileSystemReader
+    from src.checkpoint import safe_load
+    from src.utils.errors import CheckpointError
 
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = safe_load.dcp_metadata(path)
+    except CheckpointError:  # a type the template does not write: refused, never skipped for another checkpoint
+        raise
     except Exception as e:  # noqa: BLE001  (any unreadable metadata means the same to the caller)
         return f"its .metadata is unreadable ({e})"
     ends: dict[str, int] = {}

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from src.architectures import adapter_for
+from src.checkpoint import safe_load
 from src.checkpoint.files import AtomicCheckpointIO
 from src.utils.config import ConfigError
 
@@ -60,15 +61,15 @@ def from_hf(state_dict: dict, entry: dict) -> dict:
 
 def form_of(path: str | Path) -> str:
     """ "file", "deepspeed", "dcp" (FSDP2 / tensor parallel: nested optimizer state) or "dcp_flat" (the pipeline's
-    flattened optimizer state: `optimizer_0.param_groups.<name>.lr`)."""
+    flattened optimizer state: `optimizer_0.param_groups.<name>.lr`). A dir is checked to hold nothing but what the
+    template writes (src/checkpoint/safe_load.py) before any library reads it: every resume asks its form first."""
     path = Path(path)
     if path.is_file():
         return "file"
+    safe_load.check_dir(path)
     if (path / "latest").is_file():
         return "deepspeed"
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = safe_load.dcp_metadata(path).state_dict_metadata
     flat = any(k.startswith("optimizer_") and not k.split(".")[2].isdigit() for k in keys if ".param_groups." in k)
     return "dcp_flat" if flat else "dcp"
 
@@ -78,7 +79,7 @@ def stored_layout(path: str | Path) -> Optional[dict]:
     meta = Path(path) / METADATA
     if not meta.is_file():
         return None
-    return torch.load(meta, map_location="cpu", weights_only=False).get(LAYOUT_KEY)
+    return safe_load.load(meta, map_location="cpu").get(LAYOUT_KEY)
 
 
 def zero_ranks(path: Path) -> int:
@@ -188,7 +189,7 @@ def read_full(path: str | Path) -> dict:
 
     path = Path(path)
     if path.is_file():
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = safe_load.load(path, map_location="cpu", mmap=True)
         states, names = ckpt.get("optimizer_states", []), ckpt.pop(NAMES_KEY, None)
         if all(is_named(s) for s in states):  # FSDP2's save_distributed_checkpoint=false file: named already
             return ckpt
@@ -200,10 +201,11 @@ def read_full(path: str | Path) -> dict:
             )
         ckpt["optimizer_states"] = [named_from_numbered(s, n) for s, n in zip(states, names)]
         return ckpt
+    safe_load.check_dir(path)  # dcp_to_torch_save unpickles the dir's pickles with plain pickle
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "full.pt")
-        tensors = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
-    ckpt = torch.load(path / METADATA, map_location="cpu", weights_only=False)
+        tensors = safe_load.load(Path(tmp) / "full.pt", map_location="cpu")
+    ckpt = safe_load.load(path / METADATA, map_location="cpu")
     ckpt["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted(k for k in tensors if k.startswith("optimizer_"))
     ckpt["optimizer_states"] = [
@@ -276,7 +278,8 @@ def load(strategy: Any, path: str | Path, native: tuple[str, Optional[dict]], ow
     path = Path(strategy.broadcast(str(path)))
     form = form_of(path)
     if form != "file" and (form, stored_layout(path)) == native:
-        return own_loader()
+        with safe_load.allowed():  # Lightning's torch.load of meta.pt: weights_only=safe_load.weights_only()
+            return own_loader()
     log.info(f"Resuming {path} ({form}) through the full form: each rank reads it whole, then keeps its part")
     module = strategy.lightning_module
     layout = native[1]
@@ -292,4 +295,7 @@ class AnyFormCheckpointIO(AtomicCheckpointIO):
         if Path(path).is_dir() and form_of(path) in ("dcp", "dcp_flat"):
             log.info(f"Resuming {path} (a DCP dir) through the full form")
             return read_full(path)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if "://" not in str(path):
+            return safe_load.load(path, map_location=map_location)
+        with safe_load.allowed():  # remote storage: Lightning's fsspec read
+            return super().load_checkpoint(path, map_location=map_location, weights_only=safe_load.weights_only())

@@ -244,7 +244,7 @@ class LitDataModule(TokenDataModule):
 
     def build_splits(self) -> dict[str, Dataset]:
         meta = self.check_meta()
-        targets = np.load(io.BytesIO(read_small_file(self.input_dir, TARGETS)))
+        targets = np.load(io.BytesIO(read_small_file(self.input_dir, TARGETS)), allow_pickle=False)  # data, never code
         n_train, n_val, n_test = split_blocks(len(targets), self.val_fraction, self.test_fraction)
         log.info(
             f"{self.input_dir}: {int(targets.sum()):,} target tokens in {len(targets):,} blocks of "

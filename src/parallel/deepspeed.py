@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies.deepspeed import _format_precision_config
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoint import safe_load
 from src.checkpoint.files import save_sharded
 from src.parallel.capabilities import Capabilities
 from src.parallel.sync_batchnorm import apply_layer_sync
@@ -179,3 +180,9 @@ class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
             lambda tmp: super(DeepSpeedStrategy, self).save_checkpoint(checkpoint, str(tmp), storage_options),
             filepath,
         )
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """DeepSpeed unpickles its files with plain pickle: a dir holding anything the template does not write is
+        refused first (src/checkpoint/safe_load.py)."""
+        safe_load.check_dir(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only)

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
 from src.architectures.config import architecture
-from src.checkpoint import resharding
+from src.checkpoint import resharding, safe_load
 from src.checkpoint.files import save_sharded
 from src.parallel import expert_parallel
 from src.parallel.capabilities import Capabilities
@@ -112,5 +112,5 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Its own DCP dirs through Lightning's resharding load (any N); files and other strategies' dirs through
         the full form (src/checkpoint/resharding.py)."""
-        own = lambda: super(FSDP2Strategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
+        own = lambda: super(FSDP2Strategy, self).load_checkpoint(checkpoint_path, safe_load.weights_only())  # noqa: E731
         return resharding.load(self, checkpoint_path, ("dcp", None), own)

@@ -28,7 +28,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
-from src.checkpoint import resharding
+from src.checkpoint import resharding, safe_load
 from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
@@ -188,4 +188,4 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
             state = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer, options=options)}
             load(state, checkpoint_id=path)
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
-        return torch.load(path / METADATA, map_location="cpu", weights_only=False)
+        return safe_load.load(path / METADATA, map_location="cpu")

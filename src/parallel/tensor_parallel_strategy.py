@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
 from src.architectures.config import architecture
-from src.checkpoint import resharding
+from src.checkpoint import resharding, safe_load
 from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
@@ -101,6 +101,6 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Its own DCP dirs (the same layout: any data-parallel size) through Lightning's resharding load; files,
         other strategies' dirs and GPT-2 dirs of another tensor-parallel size through the full form."""
-        own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, weights_only)  # noqa: E731
+        own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, safe_load.weights_only())  # noqa: E731
         native = ("dcp", layout(self.lightning_module.config, self.tp_size))
         return resharding.load(self, checkpoint_path, native, own)

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from src.checkpoint import safe_load
 from src.checkpoint.convert import consolidate, export_hf
 from src.utils.errors import EXIT_USER_ERROR, translate
 
@@ -27,7 +28,12 @@ def main() -> None:
     e = sub.add_parser("export-hf", help="language-model checkpoint -> Hugging Face dir")
     e.add_argument("ckpt")
     e.add_argument("out_dir")
+    for p in (c, e):
+        p.add_argument(
+            "--trust-checkpoint", action="store_true", help="load with plain pickle: a trusted writer's only"
+        )
     args = parser.parse_args()
+    safe_load.trust(args.trust_checkpoint, "--trust-checkpoint")
     try:
         print(consolidate(args.ckpt, args.out) if args.command == "consolidate" else export_hf(args.ckpt, args.out_dir))
     except Exception as exc:

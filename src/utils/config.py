@@ -61,6 +61,7 @@ class RunConfig:
     trainer: Any = MISSING
     callbacks: Any = None
     logger: Any = None
+    trust_checkpoint: bool = False
 
 
 @dataclass

@@ -103,6 +103,31 @@ def test_any_encoder_family_shards_its_layers_and_exports(family, data, tmp_path
         close64(loaded.double()(**{k: v for k, v in batch.items() if k != "labels"}).logits, logits, "reloaded")
 
 
+def test_a_pretrained_dir_loads_with_a_new_head_for_other_labels_and_model_dropout(data, tmp_path):
+    """model.pretrained: the encoder's weights as saved, a new head where the data's labels differ, model.dropout in
+    every dropout probability of the config and its modules; a pretrained dir with model.config is one sentence."""
+    kwargs = data.model_kwargs
+    saved = SequenceClassifierLitModule(**kwargs, config=FAMILIES["bert"][0])
+    saved.model.save_pretrained(tmp_path)
+    loaded = SequenceClassifierLitModule(**kwargs, pretrained=str(tmp_path), dropout=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
+    config = loaded.model.config
+    assert config.hidden_dropout_prob == config.attention_probs_dropout_prob == 0.0
+    assert {m.p for m in loaded.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
+    other = SequenceClassifierLitModule(**{**kwargs, "labels": ["no", "yes"]}, pretrained=str(tmp_path))
+    assert other.model.config.id2label == {0: "no", 1: "yes"} and other.model.classifier.out_features == 2
+    assert torch.equal(
+        other.model.bert.embeddings.word_embeddings.weight, saved.model.bert.embeddings.word_embeddings.weight
+    )
+    assert other.model.config.hidden_dropout_prob == 0.1  # its own without model.dropout
+    with pytest.raises(ConfigError, match="model.pretrained=.* and model.config both say what to build"):
+        SequenceClassifierLitModule(**kwargs, pretrained=str(tmp_path), config={"hidden_dropout_prob": 0.2})
+    with pytest.raises(ConfigError, match="model.config needs a model_type"):
+        SequenceClassifierLitModule(**kwargs, config={"hidden_size": 32})
+    with pytest.raises(ConfigError, match="has 257 token ids and the data's tokenizer 50257"):
+        SequenceClassifierLitModule(**{**kwargs, "vocab_size": 50257}, pretrained=str(tmp_path))
+
+
 CLIENT = """
 import sys, torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -81,6 +81,22 @@ def test_a_jsonl_or_csv_of_text_and_label(tmp_path):
         LabeledTextDataModule(path=str(tmp_path / "a.jsonl"), text_field="body")
 
 
+def test_a_tokenizer_with_special_tokens_wraps_each_text_in_them(tmp_path):
+    """A BERT tokenizer's texts are [CLS] ... [SEP], cut to max_tokens with [SEP] kept, padded with its [PAD]."""
+    from transformers import BertTokenizer
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *(f"##{c}" for c in letters)]
+    BertTokenizer(vocab={word: i for i, word in enumerate(words)}).save_pretrained(tmp_path / "bert")
+    (tmp_path / "a.csv").write_text("text,label\n" + "\n".join(f"ab cd,{i % 2}" for i in range(8)))
+    dm = LabeledTextDataModule(path=str(tmp_path / "a.csv"), tokenizer=str(tmp_path / "bert"), val_size=2, test_size=2)
+    assert [x.tolist() for x in dm.tokenizer.encode(["ab cd", "abcdefghij"], 8)] == [
+        [2, 5, 32, 7, 34, 3],  # [CLS] a ##b c ##d [SEP]
+        [2, 5, 32, 33, 34, 35, 36, 3],  # [CLS] a ##b ##c ##d ##e ##f [SEP]: 8 tokens
+    ]
+    assert dm.model_kwargs == {"labels": ["0", "1"], "vocab_size": 57, "pad_token_id": 0}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_any_encoder_family_shards_its_layers_and_exports(family, data, tmp_path):
     """blocks() finds each family's layers; padding a batch wider changes no logit; save_pretrained loads back."""
@@ -174,7 +190,6 @@ def test_the_export_loads_in_a_clean_client_with_the_modules_logits(name, args, 
     assert client.returncode == 0, client.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
     assert got["labels"] == dm.labels
-    ids = dm.tokenizer.encode_batch(texts)
-    items = [{"input_ids": torch.tensor([dm.tokenizer.eos_id, *x[:31].tolist()]), "labels": 0} for x in ids]
+    items = [{"input_ids": torch.from_numpy(x), "labels": 0} for x in dm.tokenizer.encode(texts, 32)]
     with torch.no_grad():
         close64(got["logits"], module.double()(dm.collate_fn()(items)), f"export-hf logits ({name})")

@@ -2,8 +2,9 @@
 offline with no file, the docstrings of a few standard-library packages labelled by the package they come from.
 
 Each text is tokenized once (src/datamodules/tokenizers.py: UTF-8 bytes by default, or a Hugging Face tokenizer
-dir) and starts with the tokenizer's EOS, the token the classifier's head reads (BERT's [CLS] place); a batch is
-padded to its longest text, with an attention mask. The labels are the sorted label names, their ids the positions:
+dir) as a classifier reads it: within the tokenizer's own special tokens (BERT's [CLS] ... [SEP]), or, for one that
+adds none (GPT-2's, the bytes), after its EOS, the token in [CLS]'s place that the head reads; a batch is padded to
+its longest text, with an attention mask. The labels are the sorted label names, their ids the positions:
 the model gets them (`model_kwargs`) and its export writes them as id2label.
 """
 
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.datamodules.base import ShardedDataModule
-from src.datamodules.tokenizers import load_tokenizer
+from src.datamodules.tokenizers import ByteTokenizer, load_hf_tokenizer
 from src.utils.config import ConfigError, check_int
 from src.utils.errors import PathNotFound
 
@@ -71,6 +72,39 @@ def read_file(path: str, text_field: str, label_field: str) -> tuple[list[str], 
             "data.text_field and data.label_field to its keys."
         )
     return [str(row[text_field]) for row in rows], [str(row[label_field]) for row in rows]
+
+
+class ClassifierTokenizer:
+    """`name`'s tokenizer ("bytes" or a Hugging Face dir) encoding texts as a classifier reads them (module doc); `hf`
+    the Hugging Face tokenizer export-hf saves beside the model (None for bytes)."""
+
+    def __init__(self, name: str) -> None:
+        self.hf = None if name == "bytes" else load_hf_tokenizer(name)
+        if self.hf is None:
+            self.vocab_size, self.pad_id, self.start = ByteTokenizer.vocab_size, 0, [ByteTokenizer.eos_id]
+            return
+        self.vocab_size = len(self.hf)
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else 0
+        self.start = None if self.hf("a")["input_ids"] != self.hf("a", add_special_tokens=False)["input_ids"] else []
+        if self.start == [] and self.hf.eos_token_id is None:
+            raise ConfigError(
+                f"data.tokenizer={name!r} adds no special tokens and has no EOS to start each text with: use a "
+                "tokenizer with either (BERT's, GPT-2's) or data.tokenizer=bytes."
+            )
+        if self.start == []:
+            self.start = [self.hf.eos_token_id]
+
+    def encode(self, texts: list[str], max_tokens: int) -> list[np.ndarray]:
+        """Each text's ids, at most `max_tokens` with the special tokens."""
+        if self.start is None:  # the tokenizer's own template, cut to max_tokens with its closing token kept
+            ids = self.hf(texts, truncation=True, max_length=max_tokens)["input_ids"]
+        elif self.hf is None:
+            ids = [list(t.encode("utf-8")) for t in texts]
+        else:
+            ids = self.hf(texts, add_special_tokens=False)["input_ids"]
+        if self.start is not None:
+            ids = [self.start + list(x[: max_tokens - len(self.start)]) for x in ids]
+        return [np.asarray(x, dtype=np.int64) for x in ids]
 
 
 class Encoded(Dataset):
@@ -130,25 +164,21 @@ class LabeledTextDataModule(ShardedDataModule):
             raise ConfigError(f"data: {len(self.labels)} label(s) found; a classifier needs 2 or more.")
         index = {label: i for i, label in enumerate(self.labels)}
         self.label_ids = np.array([index[name] for name in names], dtype=np.int64)
-        self.tokenizer = load_tokenizer(tokenizer)
-        hf = getattr(self.tokenizer, "hf", None)
-        self.pad_id = hf.pad_token_id if hf is not None and hf.pad_token_id is not None else 0
+        self.tokenizer = ClassifierTokenizer(tokenizer)
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
-        return {"labels": self.labels, "vocab_size": self.tokenizer.vocab_size, "pad_token_id": self.pad_id}
+        return {"labels": self.labels, "vocab_size": self.tokenizer.vocab_size, "pad_token_id": self.tokenizer.pad_id}
 
     def collate_fn(self) -> Optional[Callable]:
-        return PadBatch(self.pad_id)
+        return PadBatch(self.tokenizer.pad_id)
 
     def build_splits(self) -> dict[str, Dataset]:
         order = np.random.default_rng(0).permutation(len(self.texts))  # fixed: the splits never change
         n_eval = self.val_size + self.test_size
         if n_eval >= len(order):
             raise ConfigError(f"data.val_size + data.test_size = {n_eval} leaves no training texts of {len(order)}.")
-        ids = self.tokenizer.encode_batch([self.texts[i] for i in order])
-        start = np.array([self.tokenizer.eos_id])
-        ids = [np.concatenate([start, x[: self.max_tokens - 1]]).astype(np.int64) for x in ids]
+        ids = self.tokenizer.encode([self.texts[i] for i in order], self.max_tokens)
         labels = self.label_ids[order]
         cuts = {"val": (0, self.val_size), "test": (self.val_size, n_eval), "train": (n_eval, len(order))}
         log.info(f"{len(order) - n_eval}/{self.val_size}/{self.test_size} train/val/test texts, labels {self.labels}")

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,7 +43,9 @@ def docstrings(packages: list[str]) -> tuple[list[str], list[str]]:
         for file in sorted((root / package).rglob("*.py")):
             if any(part.startswith("test") for part in file.relative_to(root).parts):
                 continue
-            tree = ast.parse(file.read_text(encoding="utf-8-sig", errors="replace"))
+            with warnings.catch_warnings():  # Python 3.12+ warns of the stdlib's own invalid escapes as it parses
+                warnings.simplefilter("ignore", SyntaxWarning)
+                tree = ast.parse(file.read_text(encoding="utf-8-sig", errors="replace"))
             for node in ast.walk(tree):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)

@@ -21,6 +21,7 @@ from test_experiments import REFUSED, Refused, parity
 
 from src.checkpoint.convert import build_module, load_checkpoint
 from src.datamodules.labeled_text import LabeledTextDataModule
+from src.models import dropout as keyed
 from src.models.sequence_classifier import SequenceClassifierLitModule
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64
@@ -117,6 +118,24 @@ def test_any_encoder_family_shards_its_layers_and_exports(family, data, tmp_path
         assert logits.shape == (4, 4)
         close64(module(wider), logits, f"{family} logits padded wider")
         close64(loaded.double()(**{k: v for k, v in batch.items() if k != "labels"}).logits, logits, "reloaded")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_keyed_dropout_gives_a_row_its_masks_at_any_padded_width(family, data):
+    """Training forwards with every dropout keyed (the UserModule callback's key_module): a batch with no padding and
+    the same batch padded wider give equal logits. Per-batch padding makes the width differ between 1 process and N
+    ranks; the keyed attention once read an encoder's unpadded batch (no mask) as causal (train/loss 9e-4 apart)."""
+    config, _ = FAMILIES[family]
+    module = SequenceClassifierLitModule(**data.model_kwargs, config=config).double().train()
+    assert keyed.key_module(module) > 0
+    items = [data.splits["train"][i] for i in range(4)]
+    width = 12
+    batch = data.collate_fn()([{**item, "input_ids": item["input_ids"][:width]} for item in items])
+    assert batch["attention_mask"].all()  # no padding: the attention gets no mask
+    wider = {k: torch.nn.functional.pad(v, (0, 5)) if v.dim() == 2 else v for k, v in batch.items()}
+    keyed.set_keys(keyed.row_keys(torch.arange(4), 4, 0, 0))
+    with torch.no_grad():
+        close64(module(wider), module(batch), f"{family} keyed training logits padded wider")
 
 
 def test_a_pretrained_dir_loads_with_a_new_head_for_other_labels_and_model_dropout(data, tmp_path):

@@ -7,9 +7,6 @@ The template's language-model experiments start from Hugging Face GPT-2 and data
 (TEST_ALL_ARCHITECTURES=1), as their objectives are proven in the default suite by their own files (test_parity,
 test_finetune, test_chat_parity, test_dpo, test_reward, test_grpo); so is the default tiny GPT-2 (FULL_TIER). The full
 tier also runs the experiments that need no such change under FSDP2 and ZeRO-2 (tests/helpers/deepspeed_cpu.py).
-An experiment whose 2-rank run is refused today (REFUSED: bert_classifier's attention dropout, drawn inside transformers'
-attention function) is a strict xfail that accepts that refusal alone: any other failure fails, and a pass says to
-take it out.
 """
 
 from __future__ import annotations
@@ -65,9 +62,6 @@ FULL_TIER = {  # template experiments that need no change, proven in the default
 NEEDS = {  # what a template experiment needs that no test data here has
     "gpt2_grpo": "a prompts file with verifiable answers and an SFT checkpoint to start from (test_grpo proves GRPO)",
 }
-REFUSED = {  # experiment -> the sentence its 2-rank run is refused with today: a strict xfail until that is made exact
-    "bert_classifier": "draws random numbers of its own (scaled_dot_product_attention)",  # its attention dropout
-}
 CPU_DEEPSPEED = [
     "trainer=deepspeed",
     "trainer.strategy._target_=tests.helpers.deepspeed_cpu.CPUDeepSpeedStrategy",
@@ -76,14 +70,8 @@ CPU_DEEPSPEED = [
 ]
 
 
-class Refused(Exception):
-    """A parity run refused with the sentence REFUSED names for its experiment (its xfail's only accepted failure)."""
-
-
-def parity(args: list[str], refused: str | None = None) -> None:
+def parity(args: list[str]) -> None:
     proc = run_script("-m", ["src.tools.parity", "--steps", "10", *args], check=False)
-    if refused is not None and refused in proc.stderr:
-        raise Refused(refused)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "equal on 1 process and N ranks" in proc.stdout
 
@@ -97,19 +85,13 @@ def cases() -> list:
             full = pytest.mark.skipif(not ALL, reason="full tier: TEST_ALL_ARCHITECTURES=1 runs it")
             out.append(pytest.param(name, CPU_SIZE.get(name, []), marks=full, id=name))
         else:
-            out.append(pytest.param(name, [], marks=xfail_if_refused(name), id=name))
+            out.append(pytest.param(name, [], id=name))
     return out
-
-
-def xfail_if_refused(name: str) -> list:
-    if name not in REFUSED:
-        return []
-    return [pytest.mark.xfail(strict=True, raises=Refused, reason="attention dropout keyed by the lead's change")]
 
 
 @pytest.mark.parametrize("name,extra", cases())
 def test_the_experiment_trains_the_same_model_on_2_ranks(name, extra):
-    parity([f"experiment={name}", "trainer=ddp", *extra], REFUSED.get(name))
+    parity([f"experiment={name}", "trainer=ddp", *extra])
 
 
 STRATEGIES = {"fsdp": ["trainer=fsdp"], "zero2": [*CPU_DEEPSPEED, "trainer.strategy.stage=2"]}
@@ -117,10 +99,8 @@ STRATEGIES = {"fsdp": ["trainer=fsdp"], "zero2": [*CPU_DEEPSPEED, "trainer.strat
 
 @pytest.mark.skipif(not ALL, reason="full tier: TEST_ALL_ARCHITECTURES=1 runs every experiment under every strategy")
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=xfail_if_refused(n)) for n in EXPERIMENTS if n not in CPU_SIZE and n not in NEEDS]
-)
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n not in CPU_SIZE and n not in NEEDS])
 def test_the_experiment_trains_the_same_model_under_each_strategy(name, strategy):
     if strategy == "zero2" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed package: pip install -e '.[deepspeed]'")
-    parity([f"experiment={name}", *STRATEGIES[strategy]], REFUSED.get(name))
+    parity([f"experiment={name}", *STRATEGIES[strategy]])

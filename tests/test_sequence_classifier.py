@@ -2,9 +2,8 @@
 data=labeled_text): 2 ranks under DDP and FSDP2 train the 1-process model, its export loads in a clean client with
 transformers alone and gives the module's logits, and any encoder family fits (BERT, RoBERTa, DistilBERT).
 
-The config's attention dropout (0.1) runs inside transformers' attention function, which the UserModule callback does
-not key yet: on 2 ranks its first training step is refused, so those runs are strict xfails until the callback keys
-it, and the same runs with attention_probs_dropout_prob=0 (the hidden dropout, nn.Dropout, keyed by sample) pass.
+The config's dropouts (0.1) are keyed by sample by the UserModule callback: the hidden ones (nn.Dropout) and the
+attention's, drawn inside transformers' attention function (src/models/dropout.py key_module).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import sys
 import pytest
 import torch
 from conftest import path_overrides, run_script, shared
-from test_experiments import REFUSED, Refused, parity
+from test_experiments import parity
 
 from src.checkpoint.convert import build_module, load_checkpoint
 from src.datamodules.labeled_text import LabeledTextDataModule
@@ -27,10 +26,6 @@ from src.utils.config import ConfigError
 from tests.helpers.margins import close64
 
 SMALL = ["experiment=bert_classifier", "data.global_batch_size=8", "data.max_tokens=32"]
-NO_ATTENTION_DROPOUT = "model.config.attention_probs_dropout_prob=0"
-ATTENTION_DROPOUT = pytest.mark.xfail(
-    strict=True, raises=Refused, reason="attention dropout keyed by the lead's change"
-)
 FAMILIES = {  # a tiny config of each encoder family, its dropouts at 0.1, and where its layers are
     "bert": ({"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 64}, "bert.encoder.layer"),
@@ -43,15 +38,10 @@ FAMILIES = {  # a tiny config of each encoder family, its dropouts at 0.1, and w
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_2_ranks_train_the_1_process_classifier_with_hidden_dropout(strategy):
-    parity([*SMALL, f"trainer={strategy}", NO_ATTENTION_DROPOUT])
-
-
-@pytest.mark.slow
-@ATTENTION_DROPOUT
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_2_ranks_train_the_1_process_classifier_with_attention_dropout(strategy):
-    parity([*SMALL, f"trainer={strategy}"], REFUSED["bert_classifier"])  # the one failure the xfail accepts
+def test_2_ranks_train_the_1_process_classifier_with_its_dropouts(strategy):
+    """Hidden, attention and classifier dropout 0.1, each batch padded to its longest text (another width on 2 ranks
+    than on 1 process): every logged value equal."""
+    parity([*SMALL, f"trainer={strategy}"])
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +175,7 @@ assert not any(name == "src" or name.startswith("src.") for name in sys.modules)
     "name,args",
     [
         pytest.param("1 process", [], id="1-process"),
-        pytest.param("FSDP2 on 2 ranks", ["trainer=fsdp", NO_ATTENTION_DROPOUT], id="fsdp-2-ranks"),  # a DCP dir
+        pytest.param("FSDP2 on 2 ranks", ["trainer=fsdp"], id="fsdp-2-ranks"),  # a sharded checkpoint dir
     ],
 )
 def test_the_export_loads_in_a_clean_client_with_the_modules_logits(name, args, dirs, tmp_path):

@@ -168,7 +168,9 @@ def test_a_users_model_and_datamodule_do_not_fail_the_check(tmp_path):
     def added() -> list[str]:
         return [line for line in check(code_map(readme), root=tmp_path) if line not in before]
 
-    (tmp_path / "README.md").write_text(readme.replace("`convnet`, `mlp` |", "`convnet`, `mlp`, `ranker` |", 1))
+    (tmp_path / "README.md").write_text(
+        readme.replace("`sequence_classifier` |", "`sequence_classifier`, `ranker` |", 1)
+    )
     assert added() == ["src/models/: unlisted ['ranker.py', 'ranker_blocks.py'], not in the folder []"]
     (tmp_path / "README.md").write_text(readme)
     (tmp_path / "train.py").write_text((ROOT / "train.py").read_text() + "\nimport src.datamodules.ledger  # noqa\n")

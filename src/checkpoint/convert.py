@@ -190,7 +190,8 @@ def build_module(checkpoint: dict[str, Any]):
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads.
+    """Write `save_pretrained` files that `AutoModelForCausalLM.from_pretrained(out_dir)` loads (a sequence classifier's,
+    model=sequence_classifier: `AutoModelForSequenceClassification`, its labels as id2label), with the data's tokenizer.
 
     With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
     also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix tuning cannot be
@@ -199,7 +200,8 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
         raise CheckpointError(
-            f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, qwen2, mistral, causal_lm) export."
+            f"{type(module).__name__} is not a Hugging Face model; only language-model checkpoints (model=gpt2, llama, "
+            "qwen2, mistral, causal_lm) and sequence classifiers (model=sequence_classifier) export."
         )
     out_dir = Path(out_dir)
     model = module.model

@@ -277,15 +277,21 @@ def keyed_attention(module: nn.Module, query, key, value, attention_mask, dropou
             f"{type(module).__name__} has attention dropout and its file no eager_attention_forward to key it with: "
             "set model.dropout=0."
         )
-    mask = _additive(attention_mask, query, key)
+    causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it: the call's, else the module's, else True
+    mask = _additive(attention_mask, query, key, getattr(module, "is_causal", True) if causal is None else causal)
     # salted apart from the module's own forward's calls (Seed-OSS's attention also drops its output itself)
     with _KeyedFunctionalDropout(module.keyed_salt ^ 0x5A175A17, f"{module.keyed_name} attention"):
         return module.keyed_eager_attention(module, query, key, value, mask, dropout=dropout, **kwargs)
 
 
-def _additive(mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def _additive(
+    mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor, causal: bool
+) -> Optional[torch.Tensor]:
     """The mask an eager attention function adds to its scores: sdpa's boolean one (True: attend) as 0 / the dtype's
-    minimum, or, where sdpa would have used `is_causal` (no mask), the causal one."""
+    minimum, or, where sdpa would have used `is_causal` (no mask, a `causal` module), the causal one; None where an
+    encoder's batch has no padding (no mask, not causal: every position attends to every other)."""
+    if mask is None and not causal:
+        return None
     if mask is None:
         q, k = query.shape[-2], key.shape[-2]
         mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]

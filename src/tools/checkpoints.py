@@ -1,7 +1,7 @@
 """Checkpoints from the command line (the functions: src/checkpoint/convert.py):
 
     python -m src.tools.checkpoints consolidate CKPT_DIR [OUT.ckpt]   # sharded dir -> one fp32 file
-    python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # any causal LM -> Hugging Face format
+    python -m src.tools.checkpoints export-hf CKPT OUT_DIR            # any causal LM or classifier -> Hugging Face format
 
 Resume training from the sharded dir itself (`ckpt_path=.../last.ckpt`; src/checkpoint/resharding.py says which
 strategy reads which form); the consolidated file holds the weights, step counters and config for eval and export,
@@ -25,7 +25,7 @@ def main() -> None:
     c = sub.add_parser("consolidate", help="sharded DCP dir -> one .ckpt file")
     c.add_argument("ckpt")
     c.add_argument("out", nargs="?")
-    e = sub.add_parser("export-hf", help="language-model checkpoint -> Hugging Face dir")
+    e = sub.add_parser("export-hf", help="language-model or classifier checkpoint -> Hugging Face dir")
     e.add_argument("ckpt")
     e.add_argument("out_dir")
     for p in (c, e):

@@ -10,6 +10,7 @@ What each run guards (each fails without its fix, tried): every rank reading eve
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 
@@ -258,8 +259,8 @@ def test_the_throughput_callback_counts_any_batch():
 ENCODERS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "modernbert", "vit"]
 
 
-def encoder(kind: str) -> torch.nn.Module:
-    """A tiny transformers classifier of `kind` with every dropout of its config at 0.1, in float64."""
+def encoder(kind: str, p: float = 0.1) -> torch.nn.Module:
+    """A tiny transformers classifier of `kind` with every dropout of its config at p, in float64."""
     import transformers
 
     from tests.helpers.plain_lightning import encoder_sizes
@@ -272,7 +273,7 @@ def encoder(kind: str) -> torch.nn.Module:
         config = transformers.AutoConfig.for_model(kind, **encoder_sizes(kind), vocab_size=60, num_labels=3)
     for field in vars(config):
         if "dropout" in field and isinstance(getattr(config, field), float):
-            setattr(config, field, 0.1)
+            setattr(config, field, p)
     auto = (
         transformers.AutoModelForImageClassification
         if kind == "vit"
@@ -308,6 +309,28 @@ def test_a_transformers_models_own_dropouts_are_keyed_by_sample(kind):
     with torch.no_grad():
         assert not torch.allclose(model.eval()(**{name: inputs}).logits, whole)  # the dropouts do drop in training
     keyed.set_keys(None)
+
+
+@pytest.mark.parametrize("kind", ENCODERS)
+def test_a_keyed_training_forward_computes_the_models_own_function(kind):
+    """Every dropout at 1e-12 (no element dropped, the keyed path taken): a keyed training forward equals the model's
+    own evaluation forward with its eager attention (the function keyed attention runs) in float64. A mask the keyed attention adds of its own (a causal one on an encoder's
+    unpadded batch) or a dropped residual would move the logits by orders of magnitude more."""
+    from src.models import dropout as keyed
+
+    model = encoder(kind, p=1e-12)
+    reference = copy.deepcopy(model)  # its own eager attention (whose softmax some families take in float32)
+    if reference.config._attn_implementation != "eager":
+        reference.set_attn_implementation("eager")
+    keyed.key_module(model)
+    inputs = torch.randn(3, 1, 8, 8, dtype=torch.float64) if kind == "vit" else torch.randint(3, 60, (3, 10))
+    name = "pixel_values" if kind == "vit" else "input_ids"
+    keyed.set_keys(keyed.row_keys(torch.arange(3), 3, step=0, seed=0))
+    trained = model.train()(**{name: inputs}).logits
+    keyed.set_keys(None)
+    with torch.no_grad():
+        evaluated = reference.eval()(**{name: inputs}).logits
+    torch.testing.assert_close(trained.detach(), evaluated, rtol=1e-9, atol=1e-9)
 
 
 def test_attention_that_drops_inside_its_kernel_is_one_sentence():

@@ -401,8 +401,10 @@ def _gather_case(rank: int, world: int) -> dict:
 
     shard = [i for batch in samplers.EvenBatches(11, 2, (rank, world)) for i in batch]  # this rank's rows, in order
     rows = torch.tensor([[i, 10 * i] for i in shard])
-    gather = RowsInOrder(_stack, lambda: len(shard))
+    gather = RowsInOrder(_stack, lambda: len(shard), lambda: None)
     out = {"rows": gather({"x": rows})["x"], "scalar": gather(torch.tensor(float(rank)))}
+    step = RowsInOrder(_stack, lambda: None, lambda: None)  # outside an epoch-end hook: a training step's batch
+    out["step"] = step(torch.full((2, 3), float(rank)))
     try:
         gather(torch.zeros(rank + 1, 3))  # uneven and not the epoch's rows
     except ConfigError as error:
@@ -419,6 +421,7 @@ def test_all_gather_of_an_epochs_uneven_rows_is_every_row_in_dataset_order():
     for rank, out in run_ranks(3, _gather_case).items():
         assert torch.equal(out["rows"], torch.tensor([[i, 10 * i] for i in range(11)])), rank
         assert torch.equal(out["scalar"], torch.tensor([0.0, 1.0, 2.0]))
+        assert out["step"].shape == (3, 2, 3) and out["step"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
         assert "self.all_gather got tensors of shapes [[1, 3], [2, 3], [3, 3]] on the 3 ranks" in out["error"]
 
 

@@ -1,12 +1,13 @@
 """Lightning's epoch-end habit, made exact or named: predictions collected in `validation_step` and reduced in
 `on_validation_epoch_end` (Lightning's docs since 2.0). On N ranks each rank holds only the rows of its shard.
 
-- `self.all_gather(rows)` (`RowsInOrder`): Lightning stacks equal shapes into (world, ...) and gloo aborts on uneven
-  ones (61 rows on 2 ranks: 31 and 30). Here a tensor whose dim 0 is this loop's rows on every rank (as many as the
-  rank's batches of this epoch held) comes back as every rank's rows in dataset order, the tensor 1 process gathers
-  (Lightning returns it unchanged there): the ranks' shards interleave (rank r holds samples r, r + W, ... of an
-  evaluation split, and positions r, r + W, ... of the epoch's training order), so row i of the result is sample i.
-  Any other tensor keeps Lightning's (world, ...) stacking; shapes that differ between ranks are one sentence.
+- `self.all_gather(rows)` in an epoch-end hook (`RowsInOrder`): Lightning stacks equal shapes into (world, ...) and
+  gloo aborts on uneven ones (61 rows on 2 ranks: 31 and 30). Here a tensor whose dim 0 is this loop's rows on every
+  rank (as many as the rank's batches of this epoch held) comes back as every rank's rows in dataset order, the
+  tensor 1 process gathers (Lightning returns it unchanged there): the ranks' shards interleave (rank r holds samples
+  r, r + W, ... of an evaluation split, and positions r, r + W, ... of the epoch's training order: gather_shards),
+  so row i of the result is sample i. Any other tensor, and any gather outside an epoch-end hook (a training step's
+  batch), keeps Lightning's (world, ...) stacking; shapes that differ between ranks are one sentence.
 - `self.log(name, value)` from an epoch-end hook (`PerRankValues`): where the ranks' values differ, each rank computed
   it from its own shard and their mean is not the split's value that 1 process logs. Named in one warning before step
   1 (the sanity validation runs the hook); refused in one sentence where it is the monitored or optimized metric
@@ -16,49 +17,43 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
+from src.parallel.gather import gather_shards
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 class RowsInOrder:
-    """A module's `all_gather` (module doc); `rows()`: the rows this rank's batches held in the running loop's epoch."""
+    """A module's `all_gather` (module doc). `rows()`: in an epoch-end hook, the rows this rank's batches held in that
+    loop's epoch; None elsewhere (a training step's gather of its batch keeps Lightning's stacking)."""
 
-    def __init__(self, all_gather: Callable[..., Any], rows: Callable[[], int]) -> None:
-        self.all_gather, self.rows = all_gather, rows
+    def __init__(self, all_gather: Callable[..., Any], rows: Callable[[], Optional[int]], trainer: Callable[[], Any]):
+        self.all_gather, self.rows, self.trainer = all_gather, rows, trainer
 
     def __call__(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if self.rows() is None or group is not None or not dist.is_initialized() or dist.get_world_size() == 1:
             return self.all_gather(data, group, sync_grads)
-        return apply_to_collection(data, torch.Tensor, self.gather, group, sync_grads)
+        return apply_to_collection(data, torch.Tensor, self.gather, sync_grads)
 
-    def gather(self, tensor: torch.Tensor, group: Any, sync_grads: bool) -> torch.Tensor:
-        world = dist.get_world_size(group)
+    def gather(self, tensor: torch.Tensor, sync_grads: bool) -> torch.Tensor:
+        world = dist.get_world_size()
         shapes: list = [None] * world
-        dist.all_gather_object(shapes, (tuple(tensor.shape), self.rows()), group=group)
-        if all(shape == shapes[0][0] for shape, _ in shapes):
-            if not (tensor.ndim and all(shape[0] == rows for shape, rows in shapes)):
-                return self.all_gather(tensor, group, sync_grads)  # not the epoch's rows: Lightning's stacking
-        elif not all(shape[1:] == shapes[0][0][1:] and shape[0] == rows for shape, rows in shapes):
+        dist.all_gather_object(shapes, (tuple(tensor.shape), self.rows()))
+        if tensor.ndim and all(shape[1:] == tensor.shape[1:] and shape[0] == rows for shape, rows in shapes):
+            return gather_shards(tensor, sum(rows for _, rows in shapes), self.trainer())  # the ranks' rows interleaved
+        if any(shape != shapes[0][0] for shape, _ in shapes):
             raise ConfigError(
                 f"self.all_gather got tensors of shapes {[list(s) for s, _ in shapes]} on the {world} ranks, which "
                 "can be gathered only as the epoch's rows (dim 0: as many rows as the rank's batches held this "
                 "epoch): gather the rows collected from the batches, or pad each tensor to one shape."
             )
-        counts = [shape[0] for shape, _ in shapes]
-        padded = torch.zeros(max(counts), *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-        padded[: tensor.shape[0]] = tensor
-        stacked = self.all_gather(padded, group, sync_grads)  # (world, longest, ...)
-        out = torch.empty(sum(counts), *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
-        for rank, count in enumerate(counts):  # rank r's rows are samples r, r + W, ...
-            out[rank::world] = stacked[rank, :count]
-        return out
+        return self.all_gather(tensor, None, sync_grads)  # not the epoch's rows: Lightning's stacking
 
 
 class PerRankValues:

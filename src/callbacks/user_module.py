@@ -165,7 +165,8 @@ class UserModule(L.Callback):
         if getattr(pl_module, "exact_by_itself", False):
             return
         if not isinstance(pl_module.all_gather, RowsInOrder):
-            pl_module.all_gather = RowsInOrder(pl_module.all_gather, lambda: self.rows[self.loop])
+            rows = lambda: self.rows[self.loop] if self.epoch_end else None  # noqa: E731
+            pl_module.all_gather = RowsInOrder(pl_module.all_gather, rows, lambda: trainer)
         for module in pl_module.modules():
             if isinstance(module, Metric):
                 module.dist_sync_on_step = True

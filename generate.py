@@ -77,12 +77,12 @@ def generate(cfg: DictConfig) -> None:
     module = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     language_model(module, cfg)
     tokenizer = datamodule.tokenizer
-    render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=[CpuThreadsPerRank()])
     if cfg.chat and trainer.world_size > 1:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
         )
+    render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
     stops = sampling.stop_ids(tokenizer)
 

@@ -87,6 +87,43 @@ def test_greedy_is_transformers_generate_on_the_exported_model(tmp_path, ddp_che
     ]
 
 
+def greedy_by_full_forwards(model, ids: list[int], eos: int, max_new_tokens: int) -> list[int]:
+    """The oracle: a full forward of the whole sequence per token (no cache, no `generate`), through the model's own
+    forward, where peft puts its virtual tokens as in training."""
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax().item()
+            if token == eos:
+                break
+            new.append(token)
+    return new
+
+
+def test_greedy_under_prefix_tuning_is_the_full_forwards_of_the_adapted_model(tmp_path, prompts_file):
+    """Prefix tuning does not merge into the weights (no export to compare with): greedy = the oracle's decode through
+    the peft model's own forward, with a prefix made large enough to change what the model writes."""
+    from src.checkpoint.convert import build_module, load_checkpoint
+
+    ckpt = train_run(
+        tmp_path,
+        [*GPT2[:1], *GPT2[5:], *SHORT, f"model.pretrained={shared('tiny-gpt2')}", "data.seq_len=32",
+         "model/peft=prefix_tuning", "model.peft.num_virtual_tokens=4"],
+    )  # fmt: skip
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    (key,) = [k for k in state["state_dict"] if "prompt_encoder" in k]
+    state["state_dict"][key] = torch.randn(state["state_dict"][key].shape, generator=torch.Generator().manual_seed(0))
+    torch.save(state, ckpt)
+    ours = completions(tmp_path, ckpt, prompts_file, "prefix", ["temperature=0"])
+    module, datamodule = build_module(load_checkpoint(ckpt))
+    tokenizer = datamodule.tokenizer
+    prompt_ids = [tokenizer.encode_batch([p])[0].tolist() for p in PROMPTS]
+    oracle = [greedy_by_full_forwards(module.model, ids, tokenizer.eos_id, 12) for ids in prompt_ids]
+    assert [r["tokens"] for r in ours] == oracle
+    base = [greedy_by_full_forwards(module.model.get_base_model(), ids, tokenizer.eos_id, 12) for ids in prompt_ids]
+    assert base != oracle  # the prefix changes the text: generate.py did not drop it
+
+
 def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
     tmp_path, ddp_checkpoint, fsdp_checkpoint, prompts_file
 ):
@@ -171,6 +208,9 @@ def test_bad_input_is_one_sentence(tmp_path, ddp_checkpoint):
     assert 'line 2 is not a JSON object with a "prompt" string' in line
     line = one_sentence(generate(tmp_path, ddp_checkpoint, ["chat=true"], check=False, stdin="hi\n"))
     assert "chat=true needs a chat template: this checkpoint's tokenizer has none" in line
+    ranks = ["chat=true", "chat_template=chatml", "trainer=ddp", "trainer.devices=2"]
+    line = one_sentence(generate(tmp_path, ddp_checkpoint, ranks, check=False, stdin="hi\n"))
+    assert "chat=true runs in one process" in line
     line = one_sentence(generate(tmp_path, ddp_checkpoint, [], check=False))
     assert "give one of prompt=" in line
     convnet = train_run(tmp_path / "convnet", ["experiment=convnet_digits", "trainer.max_steps=1", "test=false",

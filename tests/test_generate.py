@@ -156,17 +156,28 @@ def test_one_prompt_streams_to_stdout(tmp_path, ddp_checkpoint, prompts_file):
 
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory) -> Path:
-    """experiment=chat_sft at a CPU size (tests/test_experiments.py's CPU_SIZE) on the shared tool-call chats."""
+    """experiment=chat_sft at a CPU size (tests/test_experiments.py's CPU_SIZE) on the shared tool-call chats, its
+    weights then drawn at random (N(0, 0.5): what it writes depends on the whole conversation, which 2 steps from the
+    tiny GPT-2 do not give) and EOS's embedding row x3 (its turns end within a few tokens)."""
     tmp = tmp_path_factory.mktemp("chat")
     chats = tmp / "chats.json"
     chats.write_text(json.dumps(json.loads(shared("chat", "glaive_toolcall_en_demo.json").read_text())[:40]))
-    return train_run(
+    ckpt = train_run(
         tmp,
         [
             "experiment=chat_sft", f"model.pretrained={shared('tiny-gpt2')}", f"data.path={chats}", "data.seq_len=512",
             "data.global_batch_size=4", "trainer.limit_val_batches=1", "test=false", *SHORT,
         ],
     )  # fmt: skip
+    state, generator = torch.load(ckpt, map_location="cpu", weights_only=False), torch.Generator().manual_seed(0)
+    weights = state["state_dict"]
+    for key, value in weights.items():
+        if value.is_floating_point():
+            weights[key] = torch.randn(value.shape, generator=generator) * 0.5
+    for key in [k for k in weights if k.endswith(("wte.weight", "lm_head.weight"))]:
+        weights[key][50256] *= 3  # GPT-2's EOS, which closes a ChatML turn here
+    torch.save(state, tmp / "random.ckpt")
+    return tmp / "random.ckpt"
 
 
 def test_chat_three_turns_on_a_chat_checkpoint(tmp_path, chat_checkpoint):
@@ -185,13 +196,16 @@ def test_chat_three_turns_on_a_chat_checkpoint(tmp_path, chat_checkpoint):
     render = ChatTemplate(tokenizer, read_config(chat_checkpoint)["data"].get("chat_template"))
     hf_dir = export_hf(chat_checkpoint, tmp_path / "hf")
     messages: list[dict] = []
+    ended = []
     for turn, reply in zip(turns, replies):
         role, text = ("tool", turn[5:].strip()) if turn.startswith("tool:") else ("user", turn)
         messages.append({"role": role, "content": text})
         ids = tokenizer.encode_batch([render(messages, None, True)])[0].tolist()
         (expected,) = transformers_greedy(hf_dir, [ids], tokenizer.eos_id, 10)
         assert reply == tokenizer.decode(expected)
+        ended.append(len(expected) < 10)
         messages.append({"role": "assistant", "content": reply})
+    assert any(ended)  # a turn ended at its end-of-turn token, not at max_new_tokens
 
 
 def one_sentence(proc: subprocess.CompletedProcess) -> str:

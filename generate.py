@@ -25,7 +25,7 @@ from src.checkpoint.convert import is_sharded
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
-from src.run import chat, sampling
+from src.run import benchmarks, chat, sampling
 from src.run.job import prepare
 from src.utils.config import ConfigError, register_schemas
 from src.utils.errors import CheckpointError, user_errors
@@ -52,14 +52,16 @@ def language_model(module: Any, cfg: DictConfig) -> None:
 
 
 def prompts_of(cfg: DictConfig) -> list[str]:
-    given = [k for k in ("prompt", "prompts_file") if cfg.get(k) is not None] + (["chat=true"] if cfg.chat else [])
+    given = [k for k in ("prompt", "prompts_file", "tasks") if cfg.get(k) is not None] + (
+        ["chat=true"] if cfg.chat else []
+    )
     if len(given) != 1:
         raise ConfigError(
             f'generate.py got {" and ".join(given) or "nothing to complete"}: give one of prompt="...", '
-            "prompts_file=FILE (.txt or .jsonl) or chat=true."
+            "prompts_file=FILE (.txt or .jsonl), chat=true or tasks=[...]."
         )
-    if cfg.chat:
-        return [""]  # one item: the conversation
+    if cfg.chat or cfg.tasks is not None:
+        return [""]  # one item on each rank: the conversation, the benchmarks
     return [cfg.prompt] if cfg.prompt is not None else sampling.read_prompts(cfg.prompts_file)
 
 
@@ -84,12 +86,19 @@ def generate(cfg: DictConfig) -> None:
         )
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
+    if cfg.tasks is not None and synced:
+        raise ConfigError(
+            "tasks= runs where every rank holds the whole model: use trainer=default or trainer=ddp, not a strategy "
+            "that shards the parameters (its ranks would run different numbers of forwards)."
+        )
     stops = sampling.stop_ids(tokenizer)
 
     def predict_step(batch: list[int], batch_idx: int) -> list[tuple[int, Any]]:
         number = batch[0]
         if cfg.chat:
             return [(0, chat.chat(module.model, tokenizer, render, cfg, synced))]
+        if cfg.tasks is not None:  # every rank: each scores its share of the requests
+            return [(number, benchmarks.evaluate(module.model, tokenizer, cfg))]
         ids = tokenizer.encode_batch([prompts[max(number, 0)]])[0].tolist()
         stream = sampling.Printer(tokenizer, stops) if cfg.prompt is not None and number == 0 else None
         tokens = sampling.complete(module.model, ids, cfg, max(number, 0), stops, synced, stream)
@@ -106,6 +115,14 @@ def generate(cfg: DictConfig) -> None:
     module.eval()
     batches = trainer.predict(module, dataloaders=loader, ckpt_path=ckpt_path, return_predictions=True)
     results = sampling.gathered([row for batch in batches or [] for row in batch])
+    if cfg.tasks is not None and trainer.is_global_zero:
+        scores = results[0]
+        out = Path(cfg.output or Path(cfg.paths.output_dir) / "benchmarks.json")
+        out.write_text(json.dumps(scores, indent=1, default=str))
+        for task, metrics in sorted(scores["results"].items()):
+            print(
+                f"BENCH {task} " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items()) if isinstance(v, float))
+            )
     if cfg.prompts_file is None or not trainer.is_global_zero:
         return
     out = Path(cfg.output or Path(cfg.paths.output_dir) / "generations.jsonl")

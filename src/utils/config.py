@@ -94,6 +94,10 @@ class GenerateConfig(EvalConfig):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    tasks: Optional[list[str]] = None
+    include_path: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None
 
 
 def register_schemas() -> None:

@@ -1,4 +1,4 @@
-"""generate.py tasks=[...] (lm-evaluation-harness, the optional `bench` extra): a local multiple-choice task, a rolling
+"""generate.py tasks=[...] (lm-evaluation-harness, optional): a local multiple-choice task, a rolling
 log-likelihood task and a generate-until task, written here, score the same on 1 process, on 2 DDP ranks, and under
 lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document; an unknown task is one
 sentence. Skipped where lm-eval is not installed."""
@@ -13,7 +13,7 @@ from conftest import shared
 from test_generate import SHORT, generate, one_sentence, train_run
 from test_parity import GPT2
 
-pytest.importorskip("lm_eval", reason="the bench extra: pip install -e '.[bench]'")
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm-eval")
 pytestmark = pytest.mark.slow
 TASKS = ["tiny_mc", "tiny_roll", "tiny_gen"]
 
@@ -90,7 +90,9 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     assert len(theirs["samples"]["tiny_roll"]) == 3 and len(theirs["samples"]["tiny_mc"][0]) == 4
 
 
-def test_an_unknown_task_is_one_sentence(tmp_path):
+def test_an_unknown_task_or_a_sharded_strategy_is_one_sentence(tmp_path):
     ckpt = train_run(tmp_path, [*GPT2, *SHORT])
     line = one_sentence(generate(tmp_path, ckpt, ["tasks=[no_such_task]"], check=False))
     assert "tasks=['no_such_task'] are not lm-eval tasks" in line
+    line = one_sentence(generate(tmp_path, ckpt, ["tasks=[tiny_mc]", "trainer=fsdp", "trainer.devices=2"], check=False))
+    assert "tasks= runs where every rank holds the whole model" in line

@@ -1,4 +1,5 @@
-"""generate.py tasks=[...]: lm-evaluation-harness benchmarks on the template's model (the optional extra lm-eval).
+"""generate.py tasks=[...]: lm-evaluation-harness benchmarks on the template's model (lm-eval, optional: not installed
+by the lock; 0.4.13 tested).
 
 The model stands behind lm-eval's LM API (its TemplateLM: the same context/continuation encoding as its `hf` backend):
 loglikelihood, loglikelihood_rolling (the same rolling windows) and generate_until (greedy, cut at the first `until`
@@ -108,7 +109,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Any) -> dict[str, Any]
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise ConfigError(
-            f"tasks= needs lm-evaluation-harness ({e}): install the extra, pip install -e '.[bench]'."
+            f"tasks= needs lm-evaluation-harness, which is not installed ({e}): pip install lm-eval (0.4.13 tested)."
         ) from None
     manager = TaskManager(include_path=cfg.include_path) if cfg.include_path else TaskManager()
     tasks = list(cfg.tasks)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, path_overrides, python, run_script, shared
+from conftest import FULL_MATRIX_ONLY, ROOT, free_port, path_overrides, python, run_script, shared
 from test_parity import GPT2, QUIET
 
 pytestmark = pytest.mark.slow
@@ -71,11 +71,18 @@ def transformers_greedy(hf_dir: Path, prompt_ids: list[list[int]], eos: int, max
     return out
 
 
-@pytest.mark.parametrize("kind", ["plain", "lora"])
+@pytest.mark.parametrize("kind", ["plain", "lora", pytest.param("zero2", marks=FULL_MATRIX_ONLY)])
 def test_greedy_is_transformers_generate_on_the_exported_model(tmp_path, ddp_checkpoint, prompts_file, kind):
+    """Also from a ZeRO dir (the tests' CPU DeepSpeed, stage 2; in the full matrix: it JIT-builds CPU Adam), read as
+    it is: eval.py's consolidation into the run dir, once."""
     from src.checkpoint.convert import export_hf
 
     ckpt = ddp_checkpoint
+    if kind == "zero2":
+        from test_deepspeed import CPU_DS
+
+        ckpt = train_run(tmp_path, GPT2 + SHORT + [*CPU_DS, "trainer.strategy.stage=2"])
+        assert ckpt.is_dir()
     if kind == "lora":  # its B matrices drawn at random: 2 steps from zero would leave the base model's text
         ckpt = train_run(tmp_path, GPT2 + SHORT + ["model.lora.enabled=true", "model.lora.dropout=0"])
         state = torch.load(ckpt, map_location="cpu", weights_only=False)

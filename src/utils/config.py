@@ -94,7 +94,7 @@ class GenerateConfig(EvalConfig):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    tasks: Optional[list[str]] = None
+    tasks: Any = None  # a list of lm-eval task names
     include_path: Optional[str] = None
     num_fewshot: Optional[int] = None
     limit: Optional[float] = None

@@ -16,6 +16,7 @@ from test_parity import GPT2, QUIET
 
 pytestmark = pytest.mark.slow
 SHORT = ["trainer.max_steps=2", "trainer.val_check_interval=2"]
+SAMPLED = ["seed=3", "temperature=0.8", "top_k=50", "top_p=0.95"]
 PROMPTS = ["Hello", "The cat sat", "Once upon a time", "x", "def f(a, b):"]
 
 
@@ -142,7 +143,7 @@ def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
     checkpoint's form; a .txt of the same prompts reads as the .jsonl."""
     first = {}
     for name, ckpt in {"ddp": ddp_checkpoint, "fsdp": fsdp_checkpoint}.items():
-        one = first[name] = completions(tmp_path, ckpt, prompts_file, f"{name}-one", ["seed=3"])
+        one = first[name] = completions(tmp_path, ckpt, prompts_file, f"{name}-one", SAMPLED)
         assert [r["prompt"] for r in one] == PROMPTS
         greedy = completions(tmp_path, ckpt, prompts_file, f"{name}-greedy", ["temperature=0"])
         assert [r["tokens"] for r in one] != [r["tokens"] for r in greedy]  # it sampled
@@ -150,12 +151,12 @@ def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
         if name == "fsdp":  # FSDP2's gathers in every forward: both ranks run as many, one with a padding prompt
             splits["fsdp"] = ["trainer=fsdp", "trainer.devices=2"]
         for split, args in splits.items():
-            assert completions(tmp_path, ckpt, prompts_file, f"{name}-{split}", ["seed=3", *args]) == one, split
+            assert completions(tmp_path, ckpt, prompts_file, f"{name}-{split}", [*SAMPLED, *args]) == one, split
     txt = tmp_path / "prompts.txt"
     txt.write_text("\n".join(PROMPTS) + "\n\n")
-    seeded = completions(tmp_path, ddp_checkpoint, txt, "txt", ["seed=3"])
+    seeded = completions(tmp_path, ddp_checkpoint, txt, "txt", SAMPLED)
     assert seeded == first["ddp"]
-    other = completions(tmp_path, ddp_checkpoint, prompts_file, "seed4", ["seed=4"])
+    other = completions(tmp_path, ddp_checkpoint, prompts_file, "seed4", [*SAMPLED, "seed=4"])
     assert [r["tokens"] for r in other] != [r["tokens"] for r in seeded]
 
 

@@ -81,7 +81,7 @@ class GenerateText(L.Callback):
         All prompts go through one `generate` call, left-padded with EOS under an attention mask (the model's
         positions follow the mask, so each completion is what it would be alone): one forward per new token
         for the whole batch, 2.5-3x faster than a call per prompt (docs/performance.md). Under peft's prompt
-        learning (prefix and prompt tuning) see `_prompt_learning_inputs`."""
+        learning (prefix and prompt tuning) see `prompt_learning_inputs`."""
         if not self.prompts:
             return []
         device = next(model.parameters()).device
@@ -110,7 +110,7 @@ class GenerateText(L.Callback):
                     "diverged?); skipping samples."
                 )
             else:
-                generator, inputs, virtual = _prompt_learning_inputs(model, input_ids, mask)
+                generator, inputs, virtual = prompt_learning_inputs(model, input_ids, mask)
                 room = model.config.max_position_embeddings - virtual - width  # virtual tokens take positions too
                 out = generator.generate(
                     **inputs,
@@ -128,7 +128,7 @@ class GenerateText(L.Callback):
         return texts
 
 
-def _prompt_learning_inputs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor):
+def prompt_learning_inputs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor):
     """(the model to call `generate` on, its inputs, the number of virtual tokens before the prompt).
 
     Under peft's prompt learning the virtual tokens are put in front here, with the public `get_prompt`, and the

@@ -50,6 +50,25 @@ def sample_seed(base_seed: int, step: int, prompt: int, sample: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def keyed_pick(
+    logits: torch.Tensor, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """One token per row: the Gumbel-max sample of softmax(logits / temperature) after top-k and top-p (HF's
+    filters), each row's noise drawn from its own generator (also generate.py's sampling)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = logits.sort(dim=-1)  # ascending, as transformers' TopPLogitsWarper
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False  # keep at least the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    noise = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in generators])
+    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-300))).to(logits.device, logits.dtype)
+    return (logits + gumbel).argmax(dim=-1)
+
+
 def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
     """1 up to and including each row's first EOS (TRL's rule), 0 after it."""
     is_eos = completions == eos_id
@@ -171,20 +190,7 @@ class GRPO(Objective):
     # ---- sampling ----
 
     def pick(self, logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        """One token per row: the Gumbel-max sample of softmax(logits / temperature) after top-k and top-p (HF's
-        filters), each row's noise drawn from its own generator."""
-        logits = logits.float() / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1:
-            ordered, order = logits.sort(dim=-1)  # ascending, as transformers' TopPLogitsWarper
-            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
-            drop[:, -1] = False  # keep at least the most likely token
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in generators])
-        gumbel = -torch.log(-torch.log(noise.clamp(min=1e-300))).to(logits.device, logits.dtype)
-        return (logits + gumbel).argmax(dim=-1)
+        return keyed_pick(logits, generators, self.temperature, self.top_k, self.top_p)
 
     @torch.no_grad()
     def sample(self, module: TrainedModule, prompt: torch.Tensor, step: int, number: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from src.launch.choices import CONF
 from src.models import compiling
 from src.models.dropout import wants_kernel
 from src.parallel import capabilities
-from src.utils.config import ConfigError, EvalConfig, TrainConfig, check_int, check_number
+from src.utils.config import ConfigError, EvalConfig, GenerateConfig, TrainConfig, check_int, check_number
 from src.utils.errors import CheckpointError, PathNotFound
 from src.utils.machine import fastest_precision
 
@@ -82,7 +82,7 @@ def check_top_level_keys(cfg: DictConfig) -> None:
     """A key added with `+` (`+max_step=5`) bypasses the schema when Hydra composes: refuse it here."""
     from dataclasses import fields
 
-    schema = TrainConfig if "train" in cfg else EvalConfig
+    schema = TrainConfig if "train" in cfg else GenerateConfig if "chat" in cfg else EvalConfig
     known = {f.name for f in fields(schema)} | OPT_IN_KEYS
     for key in cfg:
         if key not in known and key != "hydra":

@@ -81,10 +81,30 @@ class EvalConfig(RunConfig):
     ckpt_path: str = MISSING
 
 
+@dataclass
+class GenerateConfig(EvalConfig):
+    task_name: str = "generate"
+    prompt: Optional[str] = None
+    prompts_file: Optional[str] = None
+    output: Optional[str] = None
+    chat: bool = False
+    chat_template: Optional[str] = None
+    system: Optional[str] = None
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    tasks: Any = None  # a list of lm-eval task names
+    include_path: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None
+
+
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="generate_schema", node=GenerateConfig)
 
 
 def check_targets(cfg: Any, key: str = "") -> None:

@@ -1,0 +1,98 @@
+"""generate.py tasks=[...] (lm-evaluation-harness, optional): a local multiple-choice task, a rolling
+log-likelihood task and a generate-until task, written here, score the same on 1 process, on 2 DDP ranks, and under
+lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document; an unknown task is one
+sentence. Skipped where lm-eval is not installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import shared
+from test_generate import SHORT, generate, one_sentence, train_run
+from test_parity import GPT2
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm-eval")
+pytestmark = pytest.mark.slow
+TASKS = ["tiny_mc", "tiny_roll", "tiny_gen"]
+
+
+def write_tasks(root: Path) -> Path:
+    """Three lm-eval task YAMLs and their JSONL documents in `root`."""
+
+    def task(name: str, data: list[dict], body: str) -> None:
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in data))
+        (root / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / name}.jsonl\n"
+            f"test_split: test\n{body}"
+        )
+
+    words = ["mat", "dog", "tree", "sky"]
+    task("tiny_mc", [{"q": f"Q{i}: the cat sat on the", "choices": words, "answer": i % 4} for i in range(6)],
+         'output_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")  # fmt: skip
+    task("tiny_roll", [{"text": "The quick brown fox jumps over the lazy dog. " * k} for k in (1, 3, 30)],
+         'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+         "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")  # fmt: skip
+    task("tiny_gen", [{"q": f"Say {w}:", "a": w} for w in ("yes", "no", "cat")],
+         'output_type: generate_until\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\n'
+         'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+         "metric_list:\n  - metric: exact_match\n")  # fmt: skip
+    return root
+
+
+def close(ours, theirs, where: str = "") -> None:
+    """Equal, numbers within 1e-4 (lm-eval's hf backend batches and pads; ours scores each request alone)."""
+    if isinstance(ours, (int, float)) and not isinstance(ours, bool):
+        assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(theirs)), (where, ours, theirs)
+    elif isinstance(ours, list):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            close(a, b, f"{where}[{i}]")
+    elif isinstance(ours, dict):
+        assert ours.keys() == theirs.keys(), where
+        for key in ours:
+            close(ours[key], theirs[key], f"{where}.{key}")
+    else:
+        assert ours == theirs, (where, ours, theirs)
+
+
+def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from src.checkpoint.convert import export_hf
+    from src.run.benchmarks import answers
+
+    tasks = write_tasks(tmp_path)
+    ckpt = train_run(tmp_path, [*GPT2, *SHORT, f"data.tokenizer={shared('gpt2-tokenizer')}", "data.seq_len=64"])
+    runs = {}
+    for name, args in {"one": [], "two": ["trainer=ddp", "trainer.devices=2"]}.items():
+        out = tmp_path / f"{name}.json"
+        proc = generate(tmp_path, ckpt, [f"tasks=[{','.join(TASKS)}]", f"include_path={tasks}", f"output={out}", *args])
+        assert proc.stdout.count("BENCH ") == 3
+        runs[name] = json.loads(out.read_text())
+    assert runs["two"] == runs["one"]
+    hf = simple_evaluate(
+        model="hf", model_args=f"pretrained={export_hf(ckpt, tmp_path / 'hf')},device=cpu,dtype=float32", tasks=TASKS,
+        task_manager=TaskManager(include_path=str(tasks)), batch_size=2, log_samples=True, random_seed=42,
+        numpy_random_seed=42, torch_random_seed=42, fewshot_random_seed=42,
+    )  # fmt: skip
+    theirs = json.loads(json.dumps(answers(hf), default=str))
+    close(runs["one"]["samples"], theirs["samples"], "samples")
+    for task in TASKS:
+        close(
+            {k: v for k, v in runs["one"]["results"][task].items() if "stderr" not in k},
+            {k: v for k, v in theirs["results"][task].items() if "stderr" not in k},
+            task,
+        )
+    assert len(theirs["samples"]["tiny_roll"]) == 3 and len(theirs["samples"]["tiny_mc"][0]) == 4
+
+
+def test_an_unknown_task_or_a_sharded_strategy_is_one_sentence(tmp_path):
+    ckpt = train_run(tmp_path, [*GPT2, *SHORT])
+    line = one_sentence(generate(tmp_path, ckpt, ["tasks=[no_such_task]"], check=False))
+    assert "tasks=['no_such_task'] are not lm-eval tasks" in line
+    line = one_sentence(generate(tmp_path, ckpt, ["tasks=[tiny_mc]", "trainer=fsdp", "trainer.devices=2"], check=False))
+    assert "tasks= runs where every rank holds the whole model" in line

@@ -109,7 +109,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Any) -> dict[str, Any]
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise ConfigError(
-            f"tasks= needs lm-evaluation-harness, which is not installed ({e}): pip install lm-eval (0.4.13 tested)."
+            f"tasks= needs lm-evaluation-harness, which is not installed ({e}): pip install -e '.[bench]' (lm-eval 0.4.13 tested)."
         ) from None
     manager = TaskManager(include_path=cfg.include_path) if cfg.include_path else TaskManager()
     tasks = list(cfg.tasks)

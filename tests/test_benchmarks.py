@@ -13,7 +13,7 @@ from conftest import shared
 from test_generate import SHORT, generate, one_sentence, train_run
 from test_parity import GPT2
 
-pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm-eval")
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
 pytestmark = pytest.mark.slow
 TASKS = ["tiny_mc", "tiny_roll", "tiny_gen"]
 

@@ -4,9 +4,9 @@ type and config fields (`model=llama`, `model=qwen2`, `model=mistral`) or loaded
 
 The module composes three things. Its model spec (src/models/spec.py) builds the model and gives it its initial
 values. Its objective (src/objectives/) says what a step optimises. Its features each own their option, their probe
-before step 1 (src/models/probe.py) and their refusals: keyed dropout (dropout.py), adapters (adapter.py), the MoE
-router loss (router.py), the chunked loss (chunked_loss.py), the padded vocabulary (padded_vocab.py), compile and
-activation checkpointing (compiling.py), packed records (packing.py).
+before step 1 (src/models/probe.py) and their refusals: keyed dropout (dropout.py), adapters (adapter.py, bottleneck.py),
+frozen parts (freeze.py), the MoE router loss (router.py), the chunked loss (chunked_loss.py), the padded vocabulary
+(padded_vocab.py), compile and activation checkpointing (compiling.py), packed records (packing.py).
 
 The module knows nothing about ranks: strategies shard it from outside, over `blocks()`, and have the spec
 materialise each rank's share; where a strategy does not parallelize it (DDP, one device, DeepSpeed), configure_model
@@ -25,6 +25,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from src.models import adapter, chunked_loss, hf, init, packing, padded_vocab, router
 from src.models import dropout as keyed
+from src.models import freeze as freezing
 from src.models.base import LitModule
 from src.models.compiling import Compiling
 from src.models.flops import FlopCount
@@ -78,6 +79,7 @@ class CausalLMLitModule(LitModule):
         dropout: Optional[float] = None,
         loss_chunk: Optional[int] = None,
         pad_vocab_multiple: Optional[int] = None,
+        freeze: Optional[Any] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         self.objective = objective = checked_objective(objective)  # what the step optimises
@@ -89,6 +91,7 @@ class CausalLMLitModule(LitModule):
         multiple = padded_vocab.check_pad_vocab(pad_vocab_multiple, pretrained, loss_chunk)
         self.padding = padded_vocab.PaddedVocab(multiple, vocab_size)
         adapted = lora is not None or peft is not None  # an adapter is built eagerly: never deferred
+        self.freezing = freezing.check(freeze, adapted)  # applied in _prepare, on every build of the model
         self.spec = self.spec_type(
             vocab_size, seq_len, model_type, config, pretrained, attn_implementation, fastest_attention,
             resize_embeddings, tokenizer, self.padding.rows, keyed.check_probability(dropout),
@@ -98,9 +101,10 @@ class CausalLMLitModule(LitModule):
         self.base_seed, self.attn_implementation = self.spec.base_seed, self.spec.attn_implementation
         model = self.spec.build()
         self.config: PretrainedConfig = model.config
-        self.reference = self._reference_of(model, adapted)
+        self.reference = self._reference_of(model, lora is not None or adapter.is_peft(peft))  # peft disables its own
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         model, peft = adapter.add(self._prepare(model), lora, peft, seq_len, self._added)
+        self.bottleneck = peft if not adapter.is_peft(peft) else None  # what export-hf writes beside the base
         self.dropouts = keyed.key_model(model, self.attn_implementation)  # its dropouts with p > 0, keyed per sample
         self.flop_count: FlopCount = adapter.flops_of(model, peft)
         self.model = model
@@ -128,6 +132,7 @@ class CausalLMLitModule(LitModule):
             param = model.get_parameter(name)
             if not param.is_meta and not hasattr(param, "ds_shape"):
                 param.copy_(init.full_value(fill, self.base_seed, name, param.shape))
+        freezing.apply(model, self.freezing, self._added)
         return model
 
     # ---- materialising and wrapping: what strategies call ----

@@ -184,7 +184,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
 
     With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
     also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix/P-tuning cannot be
-    merged: load the base model and the adapter with peft instead. Bottleneck adapters: `out_dir/base/` (the
+    merged: `out_dir/base/` gets the frozen base model, for peft's PeftModel.from_pretrained. Bottleneck adapters: `out_dir/base/` (the
     frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/models/bottleneck.py's `load`).
     """
     module, datamodule = build_module(load_checkpoint(path))
@@ -208,8 +208,10 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         return out_dir
     if hasattr(model, "peft_config"):
         model.save_pretrained(out_dir / "adapter")
-        if not hasattr(model, "merge_and_unload"):
-            print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
+        if not hasattr(model, "merge_and_unload"):  # prompt learning: the frozen base beside it, a plain model
+            model.get_base_model().save_pretrained(out_dir / "base")
+            _save_tokenizer(datamodule, out_dir / "base")
+            print(f"Adapter written to {out_dir / 'adapter'}, its base to {out_dir / 'base'}; it does not merge.")
             return out_dir
         model = model.merge_and_unload()
     vocab = getattr(module, "unpadded_vocab", None)  # model.pad_vocab_multiple's rows are never exported

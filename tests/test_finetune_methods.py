@@ -197,3 +197,22 @@ def assert_a_clean_client_loads_the_export(tmp_path: Path, ckpt: Path, method: s
         close_fp32_weights(got, expected, what, module.hf_model.config.num_hidden_layers + 2)
     else:
         close64(got, expected, what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=[] if m == "freeze" else [FULL_MATRIX_ONLY]) for m in METHODS]
+)
+def test_each_method_resumes_exactly_under_fsdp2(tmp_path, method):
+    """6 steps under FSDP2, resumed to 12 == 12 straight: the adapter's (or the unfrozen part's) weights and Adam
+    state come back from the sharded checkpoint, the frozen part has none."""
+    from src.checkpoint.convert import load_checkpoint
+
+    epoch = RUN + METHODS[method] + STRATEGIES["fsdp"]
+    epoch += ["trainer.limit_train_batches=6", "trainer.val_check_interval=6", "model.scheduler=null"]
+    train_sharded(tmp_path, "first", epoch)
+    train_sharded(tmp_path, "resumed", epoch + [f"ckpt_path={last_ckpt(tmp_path, 'first')}", "trainer.max_steps=12"])
+    train_sharded(tmp_path, "straight", epoch + ["trainer.max_steps=12"])
+    resumed, straight = (load_checkpoint(last_ckpt(tmp_path, name)) for name in ("resumed", "straight"))
+    assert resumed["global_step"] == straight["global_step"] == 12
+    within(max_param_diff(resumed["state_dict"], straight["state_dict"]), 1e-6, "params")

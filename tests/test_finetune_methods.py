@@ -101,6 +101,22 @@ def test_freeze_leaves_only_the_rest_to_the_optimizer():
         GPT2LitModule(**SMALL, freeze={"first_k_blocks": 3})
 
 
+def test_bad_options_are_one_sentence_before_any_rank(tmp_path):
+    from test_configs import compose_cfg
+
+    from src.run.checks import check_values
+
+    for overrides, sentence in (
+        (["model/peft=bottleneck_adapters", "model.peft.placement=ffn"], "placement='ffn' is not one of attention"),
+        (["model/peft=bottleneck_adapters", "model.peft.reduction_factor=0"], "reduction_factor=0 is below 1"),
+        (["model.freeze=top"], "model.freeze=top is not one of"),
+        (["model.freeze={first_k_blocks: 0}"], r"model.freeze={'first_k_blocks': 0} is not one of .* \(K >= 1\)"),
+        (["model.freeze=embeddings", "model.lora.enabled=true"], "an adapter already freezes the whole model"),
+    ):
+        with pytest.raises(ConfigError, match=sentence):
+            check_values(compose_cfg(overrides, tmp=tmp_path))
+
+
 # ---- each method through train.py: N ranks == 1 process, eval.py, export-hf loaded by a clean client ----
 
 METHODS = {

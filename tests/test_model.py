@@ -202,7 +202,7 @@ def test_padded_batch_flops_and_tokens_count_real_tokens_only():
     assert int(_num_items(batch)) == 49 and _num_items(packed) == 3 * T
 
 
-@pytest.mark.parametrize("adapter", ["none", "lora_c_attn", "lora_c_fc", "prompt_tuning"])
+@pytest.mark.parametrize("adapter", ["none", "lora_c_attn", "lora_c_fc", "prompt_tuning", "bottleneck"])
 def test_flop_count_is_what_autograd_computes(adapter):
     """The count walks the model by rules; torch's FlopCounterMode counts the matmuls a real forward +
     backward runs (eager attention: its two batched matmuls are visible). They must agree exactly, so
@@ -214,6 +214,10 @@ def test_flop_count_is_what_autograd_computes(adapter):
     kwargs: dict = {"vocab_size": V, "seq_len": T, "n_layer": 2, "n_head": 2, "n_embd": D}
     if adapter.startswith("lora"):
         kwargs["lora"] = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": [adapter[5:]]}
+    if adapter == "bottleneck":  # d -> d/4 -> d after each attention and MLP (src/models/bottleneck.py)
+        from src.models.bottleneck import BottleneckConfig
+
+        kwargs["peft"] = BottleneckConfig(reduction_factor=4)
     if adapter == "prompt_tuning":  # needs a context longer than the input: the shared tiny pretrained GPT-2
         from conftest import shared
 

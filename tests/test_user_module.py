@@ -595,5 +595,7 @@ def test_a_refusal_inside_the_parity_check_is_its_one_sentence(tmp_path):
     proc = run_script("-m", ["src.tools.parity", *args], check=False, env={"HYDRA_FULL_ERROR": "0"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("parity: ")]
-    assert re.search(r" refused: (Rank \d: )?PlainMLP's training step draws random numbers of its own \(randn_like\)", line)
+    assert re.search(
+        r" refused: (Rank \d: )?PlainMLP's training step draws random numbers of its own \(randn_like\)", line
+    )
     assert "Traceback" not in proc.stderr

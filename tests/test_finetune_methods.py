@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import FULL_MATRIX_ONLY
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_architectures_parity import STRATEGIES, eval_val_loss
+from test_architectures_parity import STRATEGIES, eval_val_loss, llama_args
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
@@ -138,7 +138,11 @@ METHODS = {
     "freeze": ["model.freeze={first_k_blocks: 1}"],
 }
 RUN = GPT2 + ["model.n_embd=32", "model.optimizer.lr=1e-2"]  # a larger LR: the small adapters move in 6 steps
-CASES = [(m, s) for m in METHODS for s in ("ddp", "fsdp", "zero2")]
+GPT2_METHODS = list(METHODS)
+METHODS["bottleneck_llama"] = METHODS["bottleneck"]  # Llama's sublayers: self_attn, mlp; an untied head
+METHODS["freeze_llama"] = ["model.freeze=all_but_head"]
+CASES = [(m, s) for m in ("p_tuning", "p_tuning_lstm", "bottleneck", "freeze") for s in ("ddp", "fsdp", "zero2")]
+CASES += [("bottleneck", "zero3"), ("freeze", "zero3"), ("bottleneck_llama", "fsdp"), ("freeze_llama", "fsdp")]
 CORE = [("p_tuning", "ddp"), ("bottleneck", "fsdp"), ("freeze", "fsdp")]
 
 
@@ -149,8 +153,9 @@ CORE = [("p_tuning", "ddp"), ("bottleneck", "fsdp"), ("freeze", "fsdp")]
     ids=[f"{m}-{s}" for m, s in CASES],
 )
 def test_each_method_on_n_ranks_trains_as_one_process_evaluates_and_exports(tmp_path, reference, method, strategy):
-    one = reference(RUN + METHODS[method])
-    args = RUN + METHODS[method] + STRATEGIES[strategy]
+    run_args = (llama_args(RUN) if method.endswith("llama") else RUN) + METHODS[method]
+    one = reference(run_args)
+    args = run_args + STRATEGIES[strategy]
     run = train(tmp_path, strategy, args) if strategy == "ddp" else train_sharded(tmp_path, strategy, args)
     ckpt = last_ckpt(tmp_path, strategy)
     from src.checkpoint.convert import load_checkpoint
@@ -159,13 +164,13 @@ def test_each_method_on_n_ranks_trains_as_one_process_evaluates_and_exports(tmp_
     assert_same_series(one, run, "train/loss", 1e-5)
     assert_same_series(one, run, "val/loss", 1e-5)
     within(max_param_diff(one["params"], params), 1e-5, "params")
-    if method == "bottleneck":  # the adapters trained (their up-projections start at zero)
+    if method.startswith("bottleneck"):  # the adapters trained (their up-projections start at zero)
         assert all(value.abs().max() > 0 for name, value in params.items() if "bottleneck.up.weight" in name)
     if method == "freeze":  # at another LR the frozen parameters (the embeddings, the head tied to them, block 0)
         other = reference(RUN + METHODS[method] + ["model.optimizer.lr=2e-2"])["params"]  # end where they started
         frozen = {n for n in params if any(part in n for part in ("wte", "wpe", "lm_head", ".h.0."))}
         assert frozen and all(torch.equal(other[n], params[n]) == (n in frozen) for n in params if "attn.bias" not in n)
-    if strategy in ("ddp", "fsdp") and (method, strategy) in CORE + [("p_tuning_lstm", "fsdp")]:
+    if (method, strategy) in CORE + [("p_tuning_lstm", "fsdp"), ("bottleneck_llama", "fsdp"), ("freeze_llama", "fsdp")]:
         within(abs(eval_val_loss(tmp_path, ckpt, []) - one["scalars"]["val/loss"][-1][1]), 5e-5, "eval.py val/loss")
         assert_a_clean_client_loads_the_export(tmp_path, ckpt, method)
 
@@ -201,7 +206,8 @@ def assert_a_clean_client_loads_the_export(tmp_path: Path, ckpt: Path, method: s
     with torch.no_grad():
         expected = module.double().model(input_ids=ids).logits
     script = "import sys\nfrom pathlib import Path\nimport torch\n"
-    script += f"out = Path({str(out)!r})\n" + textwrap.dedent(CLIENT[method.split("_lstm")[0]])
+    kind = next(k for k in CLIENT if method.startswith(k))
+    script += f"out = Path({str(out)!r})\n" + textwrap.dedent(CLIENT[kind])
     script += f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
     script += "with torch.no_grad():\n    logits = model.double().eval()(input_ids=ids).logits\n"
     script += f"torch.save(logits, {str(tmp_path / 'logits.pt')!r})\n"
@@ -217,7 +223,7 @@ def assert_a_clean_client_loads_the_export(tmp_path: Path, ckpt: Path, method: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method", [pytest.param(m, marks=[] if m == "freeze" else [FULL_MATRIX_ONLY]) for m in METHODS]
+    "method", [pytest.param(m, marks=[] if m == "freeze" else [FULL_MATRIX_ONLY]) for m in GPT2_METHODS]
 )
 def test_each_method_resumes_exactly_under_fsdp2(tmp_path, method):
     """6 steps under FSDP2, resumed to 12 == 12 straight: the adapter's (or the unfrozen part's) weights and Adam

@@ -112,6 +112,8 @@ def test_bad_options_are_one_sentence_before_any_rank(tmp_path):
         (["model.freeze=top"], "model.freeze=top is not one of"),
         (["model.freeze={first_k_blocks: 0}"], r"model.freeze={'first_k_blocks': 0} is not one of .* \(K >= 1\)"),
         (["model.freeze=embeddings", "model.lora.enabled=true"], "an adapter already freezes the whole model"),
+        (["model.freeze=embeddings", "trainer=pipeline", "trainer.devices=2"], "model.freeze is not supported with"),
+        (["model/peft=bottleneck_adapters", "trainer=tp", "trainer.devices=2"], "model/peft is not supported with"),
     ):
         with pytest.raises(ConfigError, match=sentence):
             check_values(compose_cfg(overrides, tmp=tmp_path))
@@ -143,6 +145,7 @@ METHODS["bottleneck_llama"] = METHODS["bottleneck"]  # Llama's sublayers: self_a
 METHODS["freeze_llama"] = ["model.freeze=all_but_head"]
 CASES = [(m, s) for m in ("p_tuning", "p_tuning_lstm", "bottleneck", "freeze") for s in ("ddp", "fsdp", "zero2")]
 CASES += [("bottleneck", "zero3"), ("freeze", "zero3"), ("bottleneck_llama", "fsdp"), ("freeze_llama", "fsdp")]
+CASES += [("freeze", "tp")]  # the adapters are refused under tp and pipeline, as every model/peft
 CORE = [("p_tuning", "ddp"), ("bottleneck", "fsdp"), ("freeze", "fsdp")]
 
 

@@ -20,7 +20,7 @@ from test_architectures_parity import STRATEGIES, eval_val_loss, llama_args
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
-from src.models import freeze as freezing
+from src.models import frozen as freezing
 from src.models.bottleneck import BottleneckConfig
 from src.models.gpt2 import GPT2LitModule
 from src.utils.config import ConfigError

@@ -194,17 +194,10 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         )
     out_dir = Path(out_dir)
     model = module.model
-    adapters = getattr(module, "bottleneck", None)  # the template's bottleneck adapters: the base, then them
-    if adapters is not None:
-        from src.models import bottleneck
-
-        base = {k: v for k, v in model.state_dict().items() if k not in bottleneck.state(model)}
-        model.save_pretrained(out_dir / "base", state_dict=base)
+    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/models/bottleneck.py)
+        model.bottleneck_config.export(model, out_dir)  # the base alone (a plain model), then the adapters
         _save_tokenizer(datamodule, out_dir / "base")
-        bottleneck.save(model, adapters, out_dir / "adapter")
-        print(
-            f"Base model written to {out_dir / 'base'}, its bottleneck adapters (and their loader) to {out_dir / 'adapter'}."
-        )
+        print(f"Base model written to {out_dir / 'base'}, its bottleneck adapters and loader to {out_dir / 'adapter'}.")
         return out_dir
     if hasattr(model, "peft_config"):
         model.save_pretrained(out_dir / "adapter")

@@ -10,21 +10,21 @@ from typing import Any, Optional
 
 import torch
 
-from src.models import bottleneck, hf
+from src.models import bottleneck, frozen, hf
 from src.models.flops import FlopCount, count_flops
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def choose(lora: Optional[dict[str, Any]], peft: Any) -> tuple[Optional[dict[str, Any]], Any]:
-    """(model.lora's options without `enabled`, None when off; model/peft's config), one sentence where both are
-    set."""
+def choose(lora: Optional[dict[str, Any]], peft: Any, freeze: Any = None) -> tuple[Optional[dict[str, Any]], Any, Any]:
+    """(model.lora's options without `enabled`, None when off; model/peft's config; model.freeze checked:
+    src/models/frozen.py), one sentence where both adapters are set or one is with model.freeze."""
     lora = dict(lora or {})
     enabled = bool(lora.pop("enabled", False))
     if enabled and peft is not None:
         raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
-    return (lora if enabled else None), peft
+    return (lora if enabled else None), peft, frozen.check(freeze, enabled or peft is not None)
 
 
 def add(
@@ -36,7 +36,7 @@ def add(
         peft = hf.lora_config(**lora, model=model)
     if peft is None:
         return model, None
-    if isinstance(peft, bottleneck.BottleneckConfig):
+    if isinstance(peft, bottleneck.BottleneckConfig):  # the model keeps it as `bottleneck_config` (export-hf)
         model = bottleneck.add(model, peft)
         for name in added:
             model.get_parameter(name).requires_grad_(True)

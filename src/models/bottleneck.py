@@ -52,6 +52,14 @@ class BottleneckConfig:
         if problems:
             raise ValueError(f"model.peft (bottleneck adapters): {'; '.join(problems)}: fix it in model.peft.")
 
+    def export(self, model: torch.nn.Module, out: str | Path) -> Path:
+        """`model` (adapted by `add`) as OUT/base/ (save_pretrained of the base alone: a plain model) and
+        OUT/adapter/ (`save`): export-hf's call, which cannot import this module (src/checkpoint sits below it)."""
+        adapters = state(model)
+        base = {k: v for k, v in model.state_dict().items() if k not in adapters}
+        model.save_pretrained(Path(out) / "base", state_dict=base)
+        return save(model, self, Path(out) / "adapter")
+
 
 class Bottleneck(torch.nn.Module):
     """h + up(act(down(h))) on the last dimension."""
@@ -119,6 +127,7 @@ def add(model: torch.nn.Module, config: BottleneckConfig, train: bool = True) ->
             adapter.down.weight.copy_(draw)
         sublayer.bottleneck = adapter
         sublayer.register_forward_hook(_after)
+    model.bottleneck_config = config  # as peft's models keep `peft_config`: export-hf finds it there
     return model
 
 

@@ -260,7 +260,7 @@ def _check_features(cfg: DictConfig) -> None:
 
 
 def _check_adapters(cfg: DictConfig) -> None:
-    """model.freeze (src/models/freeze.py) and the bottleneck adapters' options (src/models/bottleneck.py)."""
+    """model.freeze (src/models/frozen.py) and the bottleneck adapters' options (src/models/bottleneck.py)."""
     peft = OmegaConf.select(cfg, "model.peft", default=None)
     if isinstance(peft, DictConfig) and str(peft.get("_target_", "")).endswith("bottleneck.BottleneckConfig"):
         from src.models.bottleneck import BottleneckConfig
@@ -271,7 +271,7 @@ def _check_adapters(cfg: DictConfig) -> None:
             raise ConfigError(str(error)) from None
     freeze = OmegaConf.select(cfg, "model.freeze", default=None)
     if freeze is not None:
-        from src.models import freeze as freezing
+        from src.models import frozen as freezing
 
         lora = OmegaConf.select(cfg, "model.lora.enabled", default=False)
         freezing.check(OmegaConf.to_container(freeze) if isinstance(freeze, DictConfig) else freeze, lora or bool(peft))

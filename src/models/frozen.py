@@ -40,11 +40,11 @@ def check(freeze: Any, adapted: bool) -> Optional[tuple[str, int]]:
     return "first_k_blocks", k
 
 
-def apply(model: torch.nn.Module, choice: Optional[tuple[str, int]], added: list[str]) -> None:
+def apply(model: torch.nn.Module, choice: Optional[tuple[str, int]], added: list[str]) -> torch.nn.Module:
     """Freeze what `choice` names in `model` (a transformers model, on any device or meta); what the objective added
-    (a reward head) trains. Logs the trainable and total parameters (tied weights once)."""
+    (a reward head) trains. Logs the trainable and total parameters (tied weights once); returns `model`."""
     if choice is None:
-        return
+        return model
     kind, k = choice
     layers = hf.decoder_layers(model)
     if kind == "first_k_blocks" and k > len(layers):
@@ -63,6 +63,7 @@ def apply(model: torch.nn.Module, choice: Optional[tuple[str, int]], added: list
     trainable = sum(p.numel() for p in params if p.requires_grad)
     log.info(f"model.freeze={kind}{f' {k}' if k else ''}: {trainable:,} of {sum(p.numel() for p in params):,} "
              "parameters train")  # fmt: skip
+    return model
 
 
 def _embeddings(model: torch.nn.Module, layers: torch.nn.ModuleList) -> torch.nn.ModuleList:

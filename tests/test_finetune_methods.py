@@ -241,3 +241,43 @@ def test_each_method_resumes_exactly_under_fsdp2(tmp_path, method):
     resumed, straight = (load_checkpoint(last_ckpt(tmp_path, name)) for name in ("resumed", "straight"))
     assert resumed["global_step"] == straight["global_step"] == 12
     within(max_param_diff(resumed["state_dict"], straight["state_dict"]), 1e-6, "params")
+
+
+def test_the_docs_trainable_parameter_counts_are_the_architectures(tmp_path):
+    """docs/fine-tuning.md's table: each method's trainable parameters at GPT-2 124M's and Llama-3.2-1B's shapes,
+    counted here on the meta device (no weights) as the template applies each method."""
+    from conftest import ROOT
+    from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    from src.models import bottleneck
+
+    llama = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64)  # fmt: skip
+    prompt = {"task_type": "CAUSAL_LM", "num_virtual_tokens": 16}
+    methods = {
+        "full fine-tuning": lambda m, _: m,
+        "LoRA r=8": lambda m, targets: get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=targets)),
+        "prefix tuning": lambda m, _: get_peft_model(m, PrefixTuningConfig(**prompt)),
+        "prompt tuning": lambda m, _: get_peft_model(m, PromptTuningConfig(**prompt)),
+        "P-tuning (MLP": lambda m, _: get_peft_model(m, PromptEncoderConfig(**prompt, encoder_hidden_size=128)),
+        "P-tuning (LSTM": lambda m, _: get_peft_model(
+            m, PromptEncoderConfig(**prompt, encoder_hidden_size=128, encoder_reparameterization_type="LSTM")
+        ),
+        "bottleneck adapters r=16": lambda m, _: bottleneck.add(m, BottleneckConfig()),
+        "bottleneck, MLP only": lambda m, _: bottleneck.add(m, BottleneckConfig(placement="mlp")),
+        "freeze embeddings": lambda m, _: freezing.apply(m, freezing.check("embeddings", False), []),
+        "freeze all but the head": lambda m, _: freezing.apply(m, freezing.check("all_but_head", False), []),
+        "freeze the lower half": lambda m, _: freezing.apply(
+            m, ("first_k_blocks", m.config.num_hidden_layers // 2), []
+        ),
+    }
+    text = (ROOT / "docs" / "fine-tuning.md").read_text().split("## Which parameters train")[1]
+    for column, (config, targets) in enumerate([(GPT2Config(), ["c_attn"]), (llama, None)]):
+        for method, apply in methods.items():
+            with torch.device("meta"):
+                model = apply(AutoModelForCausalLM.from_config(config), targets)
+            trainable = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad)
+            (row,) = [line for line in text.splitlines() if line.startswith(f"| {method}")]
+            documented = [cell.strip() for cell in row.strip("|").split(" | ")][2 + column]  # GPT-2's, Llama's
+            assert int(documented.replace(",", "")) == trainable, (method, column, trainable)

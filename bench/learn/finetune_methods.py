@@ -5,8 +5,9 @@
 1. A base: GPT-2 4 layers x 128 (bytes) pretrained on tinyshakespeare for --base-steps steps.
 2. From that checkpoint, each method fine-tunes on Alpaca's demo records (data=instruct, loss on the responses) for
    --steps steps, global batch 8, each at its usual learning rate (METHODS), fp32; every run a fresh train.py process.
-Prints, per method: trainable parameters, val/loss after the steps (all 50 held-out records), the median step time
-(train/device/batches_per_sec over the last window) and rank 0's peak memory (the process's peak RSS on a CPU).
+Prints, per method: trainable parameters, val/loss after the steps (all 50 held-out records), the step time (the
+fastest window of train/device/batches_per_sec after the first: another job's load only slows a window) and rank 0's
+peak memory (the process's peak RSS on a CPU).
 A measurement on one small model: the losses compare the methods at this budget, not at convergence.
 """
 
@@ -57,30 +58,37 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--work", type=Path, default=ROOT / "logs" / "finetune_methods")
+    parser.add_argument("--base", type=Path, default=None, help="a base checkpoint from an earlier run: skip step 1")
+    parser.add_argument("--only", nargs="*", default=list(METHODS), help="these methods (METHODS' names)")
     parser.add_argument("--record", type=Path, default=None, help="append each method's figures to this .jsonl")
     opts = parser.parse_args()
     work = opts.work.resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    common = SHAPE + [f"paths.cache_dir={work / 'cache'}", "seed=0", "logger=tensorboard", "callbacks.generate_text=null", "trainer.precision=32-true",
-                      "trainer.num_sanity_val_steps=0", "test=false"]  # fmt: skip
-    train(common + [
-        f"data.path={SHARED / 'tinyshakespeare' / 'input.txt'}", "data.seq_len=128", "data.global_batch_size=16",
-        f"trainer.max_steps={opts.base_steps}", f"trainer.val_check_interval={opts.base_steps}",
-        "trainer.limit_val_batches=4", f"paths.log_dir={work / 'base'}", "+model.config.max_position_embeddings=512",
-    ])  # fmt: skip
-    (base,) = (work / "base" / "train" / "runs").iterdir()
+    common = SHAPE + [f"paths.cache_dir={work / 'cache'}", "seed=0", "logger=tensorboard", "callbacks.generate_text=null",
+                      "trainer.precision=32-true", "trainer.num_sanity_val_steps=0", "test=false"]  # fmt: skip
+    base = opts.base
+    if base is None:
+        shutil.rmtree(work, ignore_errors=True)
+        train(common + [
+            f"data.path={SHARED / 'tinyshakespeare' / 'input.txt'}", "data.seq_len=128", "data.global_batch_size=16",
+            f"trainer.max_steps={opts.base_steps}", f"trainer.val_check_interval={opts.base_steps}",
+            "trainer.limit_val_batches=4", f"paths.log_dir={work / 'base'}", "+model.config.max_position_embeddings=512",
+        ])  # fmt: skip
+        (run,) = (work / "base" / "train" / "runs").iterdir()
+        base = run / "checkpoints" / "last.ckpt"
     records = []
-    for name, (overrides, lr) in METHODS.items():
-        log_dir = work / name.replace(" ", "_").replace("/", "")
+    for name in opts.only:
+        overrides, lr = METHODS[name]
+        log_dir = work / "".join(c if c.isalnum() else "_" for c in name)
+        shutil.rmtree(log_dir, ignore_errors=True)
         out = train(common + overrides + [
-            f"model.pretrained={base / 'checkpoints' / 'last.ckpt'}", "data=instruct", "data.tokenizer=bytes",
+            f"model.pretrained={base}", "data=instruct", "data.tokenizer=bytes",
             f"data.path={SHARED / 'alpaca' / 'alpaca_en_demo.json'}", "data.seq_len=256", "data.global_batch_size=8",
             f"model.optimizer.lr={lr}", "model.scheduler.num_warmup_steps=5", f"trainer.max_steps={opts.steps}",
             f"trainer.val_check_interval={opts.steps}", "trainer.log_every_n_steps=5",
             f"callbacks.throughput.window_size={max(2, opts.steps // 4)}", f"paths.log_dir={log_dir}",
         ])  # fmt: skip
         trainable = next(
-            (line.split("Trainable params:")[1].split()[0] for line in out.splitlines() if "Trainable params:" in line),
+            (line.split("Trainable params:")[1].strip() for line in out.splitlines() if "Trainable params:" in line),
             "?",
         )
         record = {
@@ -88,7 +96,8 @@ def main() -> None:
             "lr": lr,
             "trainable": trainable,
             "val_loss": round(scalars(log_dir, "val/loss")[-1], 4),
-            "step_ms": round(1000 / scalars(log_dir, "train/device/batches_per_sec")[-1], 1),
+            # the fastest window but the first (compile-free warm-up aside): on a shared machine the least disturbed
+            "step_ms": round(1000 / max(scalars(log_dir, "train/device/batches_per_sec")[1:]), 1),
             "peak_mib": round(scalars(log_dir, "train/device/peak_memory_mib")[-1]),
         }
         print(json.dumps(record), flush=True)

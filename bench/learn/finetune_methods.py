@@ -91,13 +91,14 @@ def main() -> None:
             (line.split("Trainable params:")[1].strip() for line in out.splitlines() if "Trainable params:" in line),
             "?",
         )
+        rates = scalars(log_dir, "train/device/batches_per_sec")
         record = {
             "method": name,
             "lr": lr,
             "trainable": trainable,
             "val_loss": round(scalars(log_dir, "val/loss")[-1], 4),
             # the fastest window but the first (compile-free warm-up aside): on a shared machine the least disturbed
-            "step_ms": round(1000 / max(scalars(log_dir, "train/device/batches_per_sec")[1:]), 1),
+            "step_ms": round(1000 / max(rates[1:] or rates), 1),
             "peak_mib": round(scalars(log_dir, "train/device/peak_memory_mib")[-1]),
         }
         print(json.dumps(record), flush=True)

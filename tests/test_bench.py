@@ -226,3 +226,23 @@ def test_the_step_profilers_idle_report_finds_where_no_kernel_runs():
     lines = text.strip().splitlines()[1:]
     assert "aten::copy_" in lines[0] and "0.02 ms at +    0.04 ms" in lines[0], text  # 40-60: the longest
     assert all("(no op: Python)" in line for line in lines[1:]), text  # launches are not host work
+
+
+@pytest.mark.slow
+@FULL_MATRIX_ONLY
+def test_finetune_methods_bench_pretrains_a_base_and_fine_tunes_from_it(tmp_path):
+    """bench.learn.finetune_methods, shortened: a base of 4 steps, then 2 methods for 10 steps each, one JSON line each
+    with the figures docs/fine-tuning.md shows (the frozen base's own tokens: bytes)."""
+    import json
+
+    shared("alpaca", "alpaca_en_demo.json")
+    proc = subprocess.run(
+        [python(), "-m", "bench.learn.finetune_methods", "--base-steps", "4", "--steps", "10", "--work", str(tmp_path),
+         "--only", "full", "bottleneck r=16"],  # fmt: skip
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["method"] for r in records] == ["full", "bottleneck r=16"]
+    assert all(r["val_loss"] > 0 and r["step_ms"] > 0 and r["peak_mib"] > 0 for r in records)
+    assert records[1]["trainable"] == "17.5 K"  # 4 blocks x 2 adapters x (128 x 8 + 8 + 8 x 128 + 128)

@@ -78,20 +78,24 @@ def greedy_by_full_forwards(model, tok, prompt: str, max_new_tokens: int) -> tup
     return prompt, tok.decode(new)
 
 
-@pytest.mark.parametrize("method", ["lora", "prompt_tuning", "prefix_tuning"])
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning", "prefix_tuning", "p_tuning", "bottleneck"])
 def test_prompts_generated_together_under_a_peft_adapter_complete_as_greedy_full_forwards(method):
     """The same under peft adapters, against an oracle that does not go through `generate`: with transformers
     5.24 and peft 0.21.2, peft's own generate ignored prefix and prompt tuning's learned tokens after the first
     step (its samples were those of another model), batched or alone."""
-    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, get_peft_model
+    from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+
+    from src.models import bottleneck
 
     config = {
         "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True),
         "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "p_tuning": lambda: PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=8),
+        "bottleneck": lambda: bottleneck.BottleneckConfig(reduction_factor=4),  # hooks on the sublayers, cache or not
     }[method]()
     base = GPT2LitModule(vocab_size=257, seq_len=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0).model
-    model = get_peft_model(base, config)
+    model = bottleneck.add(base, config) if method == "bottleneck" else get_peft_model(base, config)
     torch.manual_seed(0)
     with torch.no_grad():  # large random weights, adapters too: the next token depends on every position
         for p in model.parameters():
@@ -202,7 +206,7 @@ def test_padded_batch_flops_and_tokens_count_real_tokens_only():
     assert int(_num_items(batch)) == 49 and _num_items(packed) == 3 * T
 
 
-@pytest.mark.parametrize("adapter", ["none", "lora_c_attn", "lora_c_fc", "prompt_tuning"])
+@pytest.mark.parametrize("adapter", ["none", "lora_c_attn", "lora_c_fc", "prompt_tuning", "bottleneck"])
 def test_flop_count_is_what_autograd_computes(adapter):
     """The count walks the model by rules; torch's FlopCounterMode counts the matmuls a real forward +
     backward runs (eager attention: its two batched matmuls are visible). They must agree exactly, so
@@ -214,6 +218,10 @@ def test_flop_count_is_what_autograd_computes(adapter):
     kwargs: dict = {"vocab_size": V, "seq_len": T, "n_layer": 2, "n_head": 2, "n_embd": D}
     if adapter.startswith("lora"):
         kwargs["lora"] = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": [adapter[5:]]}
+    if adapter == "bottleneck":  # d -> d/4 -> d after each attention and MLP (src/models/bottleneck.py)
+        from src.models.bottleneck import BottleneckConfig
+
+        kwargs["peft"] = BottleneckConfig(reduction_factor=4)
     if adapter == "prompt_tuning":  # needs a context longer than the input: the shared tiny pretrained GPT-2
         from conftest import shared
 

@@ -194,8 +194,9 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     model=sequence_classifier: `AutoModelForSequenceClassification`, its labels as id2label), with the data's tokenizer.
 
     With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
-    also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix tuning cannot be
-    merged: load the base model and the adapter with peft instead.
+    also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix/P-tuning cannot be
+    merged: `out_dir/base/` gets the frozen base model, for peft's PeftModel.from_pretrained. Bottleneck adapters: `out_dir/base/` (the
+    frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/models/bottleneck.py's `load`).
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
@@ -205,10 +206,17 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         )
     out_dir = Path(out_dir)
     model = module.model
+    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/models/bottleneck.py)
+        model.bottleneck_config.export(model, out_dir)  # the base alone (a plain model), then the adapters
+        _save_tokenizer(datamodule, out_dir / "base")
+        print(f"Base model written to {out_dir / 'base'}, its bottleneck adapters and loader to {out_dir / 'adapter'}.")
+        return out_dir
     if hasattr(model, "peft_config"):
         model.save_pretrained(out_dir / "adapter")
-        if not hasattr(model, "merge_and_unload"):
-            print(f"Adapter written to {out_dir / 'adapter'}; this peft method does not merge into the weights.")
+        if not hasattr(model, "merge_and_unload"):  # prompt learning: the frozen base beside it, a plain model
+            model.get_base_model().save_pretrained(out_dir / "base")
+            _save_tokenizer(datamodule, out_dir / "base")
+            print(f"Adapter written to {out_dir / 'adapter'}, its base to {out_dir / 'base'}; it does not merge.")
             return out_dir
         model = model.merge_and_unload()
     vocab = getattr(module, "unpadded_vocab", None)  # model.pad_vocab_multiple's rows are never exported
@@ -217,12 +225,16 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     if hasattr(module, "objective"):  # a reward model: transformers' sequence-classification model
         model = module.objective.export(model, getattr(datamodule.tokenizer, "eos_id", None))
     model.save_pretrained(out_dir)
+    _save_tokenizer(datamodule, out_dir)
+    return out_dir
+
+
+def _save_tokenizer(datamodule: Any, out_dir: Path) -> None:
     hf_tokenizer = getattr(datamodule.tokenizer, "hf", None)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(out_dir)
     else:  # the byte tokenizer has no HF form: ids are UTF-8 bytes, 256 = EOS
         (out_dir / "TOKENIZER.md").write_text("Token ids are UTF-8 bytes (0-255); 256 is end-of-text.\n")
-    return out_dir
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -251,8 +263,8 @@ def as_pretrained(path: str | Path, cache_dir: str | Path) -> Path:
                 export_hf(path, tmp)
                 if not (tmp / "config.json").is_file():
                     raise CheckpointError(
-                        f"{path} holds a prompt-learning adapter, which does not merge into the "
-                        "weights: it cannot be model.pretrained; start from its base model instead."
+                        f"{path} holds an adapter that does not merge into the weights (prompt learning, "
+                        "bottleneck adapters): it cannot be model.pretrained; start from its base model instead."
                     )
                 os.replace(tmp, out)
             finally:

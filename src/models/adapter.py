@@ -1,6 +1,7 @@
-"""The LM module's adapters: model.lora (peft's LoRA) or model/peft (any peft config: prefix or prompt tuning). Only
-the adapter trains (and what the objective adds, a reward head); the base weights are frozen. An adapted model is
-built eagerly on every rank (no deferred init)."""
+"""The LM module's adapters: model.lora (peft's LoRA) or model/peft (any peft config: prefix, prompt or P-tuning;
+or the template's bottleneck adapters, src/models/bottleneck.py). Only the adapter trains (and what the objective
+adds, a reward head); the base weights are frozen. An adapted model is built eagerly on every rank (no deferred
+init)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ from typing import Any, Optional
 
 import torch
 
-from src.models import hf
+from src.models import bottleneck, frozen, hf
 from src.models.flops import FlopCount, count_flops
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def choose(lora: Optional[dict[str, Any]], peft: Any) -> tuple[Optional[dict[str, Any]], Any]:
-    """(model.lora's options without `enabled`, None when off; model/peft's config), one sentence where both are
-    set."""
+def choose(lora: Optional[dict[str, Any]], peft: Any, freeze: Any = None) -> tuple[Optional[dict[str, Any]], Any, Any]:
+    """(model.lora's options without `enabled`, None when off; model/peft's config; model.freeze checked:
+    src/models/frozen.py), one sentence where both adapters are set or one is with model.freeze."""
     lora = dict(lora or {})
     enabled = bool(lora.pop("enabled", False))
     if enabled and peft is not None:
         raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")
-    return (lora if enabled else None), peft
+    return (lora if enabled else None), peft, frozen.check(freeze, enabled or peft is not None)
 
 
 def add(
@@ -35,6 +36,12 @@ def add(
         peft = hf.lora_config(**lora, model=model)
     if peft is None:
         return model, None
+    if isinstance(peft, bottleneck.BottleneckConfig):  # the model keeps it as `bottleneck_config` (export-hf)
+        model = bottleneck.add(model, peft)
+        for name in added:
+            model.get_parameter(name).requires_grad_(True)
+        log_counts(model, "bottleneck adapters")
+        return model, peft
     from peft import get_peft_model
 
     virtual = getattr(peft, "num_virtual_tokens", 0) or 0  # prompt tuning prepends these to the input
@@ -46,16 +53,26 @@ def add(
     model = get_peft_model(model, peft)
     for name in added:
         model.get_base_model().get_parameter(name).requires_grad_(True)
+    log_counts(model, type(peft).__name__)
+    return model, peft
+
+
+def is_peft(peft: Any) -> bool:
+    """A config of the peft library (its model can disable its adapter: a DPO reference without a copy)."""
+    return peft is not None and not isinstance(peft, bottleneck.BottleneckConfig)
+
+
+def log_counts(model: torch.nn.Module, what: str) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    log.info(f"{type(peft).__name__}: {trainable:,} trainable and {frozen:,} frozen parameters")
-    return model, peft
+    log.info(f"{what}: {trainable:,} trainable and {frozen:,} frozen parameters")
 
 
 def flops_of(model: torch.nn.Module, peft: Any) -> FlopCount:
     """FLOPs per token, counted before a strategy shards the parameters (a ZeRO-3 parameter has numel 0)."""
-    base = model.get_base_model() if peft is not None else model
+    base = model.get_base_model() if is_peft(peft) else model
     inside = {id(p) for p in base.parameters()}
     prompt = any(p.requires_grad and id(p) not in inside for p in model.parameters())  # peft prompt / prefix
-    virtual = peft.num_virtual_tokens if type(peft).__name__ == "PromptTuningConfig" else 0
+    prepended = type(peft).__name__ in ("PromptTuningConfig", "PromptEncoderConfig")  # prompt tuning, P-tuning
+    virtual = peft.num_virtual_tokens if prepended else 0
     return count_flops(base, hf.decoder_layers(base), prompt, virtual)

@@ -4,9 +4,9 @@ type and config fields (`model=llama`, `model=qwen2`, `model=mistral`) or loaded
 
 The module composes three things. Its model spec (src/models/spec.py) builds the model and gives it its initial
 values. Its objective (src/objectives/) says what a step optimises. Its features each own their option, their probe
-before step 1 (src/models/probe.py) and their refusals: keyed dropout (dropout.py), adapters (adapter.py), the MoE
-router loss (router.py), the chunked loss (chunked_loss.py), the padded vocabulary (padded_vocab.py), compile and
-activation checkpointing (compiling.py), packed records (packing.py).
+before step 1 (src/models/probe.py) and their refusals: keyed dropout (dropout.py), adapters (adapter.py, bottleneck.py),
+frozen parts (frozen.py), the MoE router loss (router.py), the chunked loss (chunked_loss.py), the padded vocabulary
+(padded_vocab.py), compile and activation checkpointing (compiling.py), packed records (packing.py).
 
 The module knows nothing about ranks: strategies shard it from outside, over `blocks()`, and have the spec
 materialise each rank's share; where a strategy does not parallelize it (DDP, one device, DeepSpeed), configure_model
@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from transformers import PretrainedConfig, PreTrainedModel
 
-from src.models import adapter, chunked_loss, hf, init, packing, padded_vocab, router
+from src.models import adapter, chunked_loss, frozen, hf, init, packing, padded_vocab, router
 from src.models import dropout as keyed
 from src.models.base import LitModule
 from src.models.compiling import Compiling
@@ -78,27 +78,27 @@ class CausalLMLitModule(LitModule):
         dropout: Optional[float] = None,
         loss_chunk: Optional[int] = None,
         pad_vocab_multiple: Optional[int] = None,
+        freeze: Optional[Any] = None,
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         self.objective = objective = checked_objective(objective)  # what the step optimises
         ModelSpec.check_choices(model_type, pretrained, size_for)
-        lora, peft = adapter.choose(lora, peft)
+        lora, peft, self.freezing = adapter.choose(lora, peft, freeze)  # the frozen part: applied in _prepare
         self.compiling = Compiling(compile, compile_mode, compile_loss, gradient_checkpointing)
         chunk = chunked_loss.check_loss_chunk(loss_chunk, objective, compile)
         self.chunked = chunked_loss.ChunkedLoss(chunk) if chunk is not None else None
         multiple = padded_vocab.check_pad_vocab(pad_vocab_multiple, pretrained, loss_chunk)
         self.padding = padded_vocab.PaddedVocab(multiple, vocab_size)
-        adapted = lora is not None or peft is not None  # an adapter is built eagerly: never deferred
         self.spec = self.spec_type(
             vocab_size, seq_len, model_type, config, pretrained, attn_implementation, fastest_attention,
             resize_embeddings, tokenizer, self.padding.rows, keyed.check_probability(dropout),
-            deferred=init.init_is_deferred() and not adapted,
+            deferred=init.init_is_deferred() and lora is None and peft is None,  # an adapter is built eagerly
         )  # fmt: skip
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.base_seed, self.attn_implementation = self.spec.base_seed, self.spec.attn_implementation
         model = self.spec.build()
         self.config: PretrainedConfig = model.config
-        self.reference = self._reference_of(model, adapted)
+        self.reference = self._reference_of(model, lora is not None or adapter.is_peft(peft))  # peft disables its own
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         model, peft = adapter.add(self._prepare(model), lora, peft, seq_len, self._added)
         self.dropouts = keyed.key_model(model, self.attn_implementation)  # its dropouts with p > 0, keyed per sample
@@ -128,7 +128,7 @@ class CausalLMLitModule(LitModule):
             param = model.get_parameter(name)
             if not param.is_meta and not hasattr(param, "ds_shape"):
                 param.copy_(init.full_value(fill, self.base_seed, name, param.shape))
-        return model
+        return frozen.apply(model, self.freezing, self._added)
 
     # ---- materialising and wrapping: what strategies call ----
 

@@ -101,7 +101,8 @@ def check_config(cfg: DictConfig) -> None:
     if tp > 1:
         check_plan(config)
         check_divisible(config, tp)
-    check_unsupported(cfg, "pipeline", ("model.lora.enabled", "model.peft", "model.compile"))  # compile: untested
+    # compile: untested; freeze: a stage with nothing to train has no optimizer
+    check_unsupported(cfg, "pipeline", ("model.lora.enabled", "model.peft", "model.compile", "model.freeze"))
     if cfg.trainer.get("gradient_clip_val"):
         raise ConfigError(
             f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val} does not apply to trainer=pipeline "

@@ -118,6 +118,7 @@ def check_values(cfg: DictConfig) -> None:
             )
     _check_objective(cfg)
     _check_features(cfg)
+    _check_adapters(cfg)
     if cfg.get("compile_dropout") is not None:  # before the data is built (train.py's UserModule applies it)
         wants_kernel(cfg.compile_dropout, torch.device("cpu"))
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
@@ -256,6 +257,24 @@ def _check_features(cfg: DictConfig) -> None:
         OmegaConf.select(cfg, "model.loss_chunk", default=None), declared, strategy.get("stage")
     )
     padded_vocab.check_strategy(OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None), declared, name)
+
+
+def _check_adapters(cfg: DictConfig) -> None:
+    """model.freeze (src/models/frozen.py) and the bottleneck adapters' options (src/models/bottleneck.py)."""
+    peft = OmegaConf.select(cfg, "model.peft", default=None)
+    if isinstance(peft, DictConfig) and str(peft.get("_target_", "")).endswith("bottleneck.BottleneckConfig"):
+        from src.models.bottleneck import BottleneckConfig
+
+        try:
+            BottleneckConfig(**{k: v for k, v in OmegaConf.to_container(peft, resolve=True).items() if k != "_target_"})
+        except (TypeError, ValueError) as error:
+            raise ConfigError(str(error)) from None
+    freeze = OmegaConf.select(cfg, "model.freeze", default=None)
+    if freeze is not None:
+        from src.models import frozen as freezing
+
+        lora = OmegaConf.select(cfg, "model.lora.enabled", default=False)
+        freezing.check(OmegaConf.to_container(freeze) if isinstance(freeze, DictConfig) else freeze, lora or bool(peft))
 
 
 def _check_global_batch(cfg: DictConfig) -> None:

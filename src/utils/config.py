@@ -195,6 +195,7 @@ SWITCHES = {
     "model.lora.enabled": "model.lora.enabled=true",
     "model.peft": "model/peft",
     "model.compile": "model.compile=true",
+    "model.freeze": "model.freeze",
 }
 
 

@@ -1,15 +1,17 @@
 """generate.py tasks=[...] (lm-evaluation-harness, optional): a local multiple-choice task, a rolling
 log-likelihood task and a generate-until task, written here, score the same on 1 process, on 2 DDP ranks, and under
-lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document; an unknown task is one
-sentence. Skipped where lm-eval is not installed."""
+lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document, and are logged to the
+checkpoint's run's TensorBoard (or to logger=csv); an unknown task is one sentence. Skipped where lm-eval is not
+installed."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
-from conftest import shared
+from conftest import read_events, shared
 from test_generate import SHORT, generate, one_sentence, train_run
 from test_parity import GPT2
 
@@ -68,12 +70,19 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     tasks = write_tasks(tmp_path)
     ckpt = train_run(tmp_path, [*GPT2, *SHORT, f"data.tokenizer={shared('gpt2-tokenizer')}", "data.seq_len=64"])
     runs = {}
-    for name, args in {"one": [], "two": ["trainer=ddp", "trainer.devices=2"]}.items():
+    for name, args in {"one": [], "two": ["trainer=ddp", "trainer.devices=2", "logger=csv"]}.items():
         out = tmp_path / f"{name}.json"
         proc = generate(tmp_path, ckpt, [f"tasks=[{','.join(TASKS)}]", f"include_path={tasks}", f"output={out}", *args])
         assert proc.stdout.count("BENCH ") == 3
         runs[name] = json.loads(out.read_text())
     assert runs["two"] == runs["one"]
+    events = read_events(ckpt.parent.parent / "tensorboard")  # the scores at the checkpoint's step, in its run's
+    acc = runs["one"]["results"]["tiny_mc"]["acc,none"]
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("bench/tiny_mc/acc")] == [(2, acc)]
+    assert "bench/tiny_roll/word_perplexity" in events.Tags()["scalars"]
+    (table,) = (tmp_path / "gen").rglob("metrics.csv")  # logger=csv: the named logger's instead
+    (row,) = list(csv.DictReader(table.open()))
+    assert (row["step"], float(row["bench/tiny_mc/acc"])) == ("2", acc)
     hf = simple_evaluate(
         model="hf", model_args=f"pretrained={export_hf(ckpt, tmp_path / 'hf')},device=cpu,dtype=float32", tasks=TASKS,
         task_manager=TaskManager(include_path=str(tasks)), batch_size=2, log_samples=True, random_seed=42,

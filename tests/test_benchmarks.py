@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import read_events, shared
+from conftest import path_overrides, read_events, run_script, shared
 from test_generate import SHORT, generate, one_sentence, train_run
-from test_parity import GPT2
+from test_parity import GPT2, QUIET
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
 pytestmark = pytest.mark.slow
@@ -105,3 +105,31 @@ def test_an_unknown_task_or_a_sharded_strategy_is_one_sentence(tmp_path):
     assert "tasks=['no_such_task'] are not lm-eval tasks" in line
     line = one_sentence(generate(tmp_path, ckpt, ["tasks=[tiny_mc]", "trainer=fsdp", "trainer.devices=2"], check=False))
     assert "tasks= runs where every rank holds the whole model" in line
+
+
+def bench_series(tmp: Path, name: str, tasks: Path, args: list[str]) -> dict[str, list[list]]:
+    """callbacks.benchmarks' logged scores of a tiny run, tag -> [(step, value)], read back from its csv/metrics.csv."""
+    bench = ["callbacks=[default,benchmarks]", "callbacks.benchmarks.tasks=[tiny_mc,tiny_roll]", "logger=csv",
+             "callbacks.benchmarks.every_n_steps=2", f"callbacks.benchmarks.include_path={tasks}", "data.seq_len=64",
+             "trainer.max_steps=4", "trainer.val_check_interval=4", f"data.tokenizer={shared('gpt2-tokenizer')}"]  # fmt: skip
+    run_script(
+        "train.py", QUIET + path_overrides({"log_dir": tmp / name, "cache_dir": tmp / "cache"}) + GPT2 + bench + args
+    )
+    (table,) = (tmp / name).rglob("metrics.csv")
+    rows = list(csv.DictReader(table.open()))
+    tags = [t for t in rows[0] if t.startswith("bench/")]
+    return {t: [[int(r["step"]), float(r[t])] for r in rows if r[t]] for t in tags}
+
+
+def test_the_callback_logs_the_same_scores_on_one_process_and_two_ranks(tmp_path):
+    """The same global batch on 1 process and 2 DDP ranks trains the same weights to fp32 rounding (test_parity);
+    accuracies are then equal and log-likelihood metrics within 1e-4 relative (the same bound as against hf)."""
+    tasks = write_tasks(tmp_path)
+    one = bench_series(tmp_path, "one", tasks, [])
+    two = bench_series(tmp_path, "two", tasks, ["trainer=ddp", "trainer.devices=2"])
+    assert {"bench/tiny_mc/acc", "bench/tiny_mc/acc_norm", "bench/tiny_roll/word_perplexity"} <= one.keys()
+    assert [s for s, _ in one["bench/tiny_mc/acc"]] == [2, 4]
+    close(two, one, "bench")
+    fsdp = run_script("train.py", [*QUIET, *GPT2, "callbacks=[default,benchmarks]", "callbacks.benchmarks.tasks=[x]",
+                                   "trainer=fsdp", "trainer.devices=2"], check=False, env={"HYDRA_FULL_ERROR": "0"})  # fmt: skip
+    assert "callbacks.benchmarks runs where every rank holds the whole model" in one_sentence(fsdp)

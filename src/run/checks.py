@@ -265,7 +265,7 @@ def _check_benchmarks(cfg: DictConfig) -> None:
     bench = OmegaConf.select(cfg, "callbacks.benchmarks", default=None)
     if not isinstance(bench, DictConfig):
         return
-    if OmegaConf.is_missing(bench, "tasks") or not bench.tasks:
+    if not bench.get("tasks"):
         raise ConfigError("callbacks.benchmarks names no tasks: set callbacks.benchmarks.tasks=[hellaswag,...].")
     import importlib.util
 

@@ -84,6 +84,11 @@ def generate(cfg: DictConfig) -> None:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
         )
+    if not capabilities.of(trainer.strategy).can_generate:
+        raise ConfigError(
+            f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
+            "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
+        )
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
     if cfg.tasks is not None and synced:

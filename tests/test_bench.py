@@ -226,3 +226,15 @@ def test_the_step_profilers_idle_report_finds_where_no_kernel_runs():
     lines = text.strip().splitlines()[1:]
     assert "aten::copy_" in lines[0] and "0.02 ms at +    0.04 ms" in lines[0], text  # 40-60: the longest
     assert all("(no op: Python)" in line for line in lines[1:]), text  # launches are not host work
+
+
+@pytest.mark.slow
+def test_harness_bench_times_the_templates_lm_and_lm_evals_hf_backend():
+    """bench.compare.harness trains a tiny GPT-2, writes its three local tasks and prints both ways' documents/s and
+    their ratio (its figures are not asserted)."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
+    shared("gpt2-tokenizer")
+    out = run_bench("compare.harness", "--rounds", "1", "--limit", "2")
+    assert re.search(r"^template/hf documents/s: \d+\.\d\d \[", out.stdout, re.M), out.stdout
+    assert out.stdout.count(" documents in ") == 2  # 1 round x 2 ways, 6 documents each
+    assert "6 documents in" in out.stdout

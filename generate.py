@@ -21,13 +21,13 @@ import src.launch.resolvers  # noqa: F401
 from eval import choose_precision, consolidated_once, stored_config, trained_config
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.checkpoint import safe_load
-from src.checkpoint.convert import is_sharded
+from src.checkpoint.convert import is_sharded, read_stored
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
 from src.run import benchmarks, chat, sampling
 from src.run.job import prepare
-from src.utils.config import ConfigError, register_schemas
+from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import CheckpointError, user_errors
 
 register_schemas()
@@ -84,6 +84,11 @@ def generate(cfg: DictConfig) -> None:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
         )
+    if not capabilities.of(trainer.strategy).can_generate:
+        raise ConfigError(
+            f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
+            "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
+        )
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
     if cfg.tasks is not None and synced:
@@ -119,6 +124,8 @@ def generate(cfg: DictConfig) -> None:
         scores = results[0]
         out = Path(cfg.output or Path(cfg.paths.output_dir) / "benchmarks.json")
         out.write_text(json.dumps(scores, indent=1, default=str))
+        loggers = instantiate_group(cfg.logger, "logger") if cfg.logger else benchmarks.run_loggers(cfg.ckpt_path)
+        benchmarks.log_scores(loggers, scores, read_stored(cfg.ckpt_path, "global_step"))
         for task, metrics in sorted(scores["results"].items()):
             print(
                 f"BENCH {task} " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items()) if isinstance(v, float))

@@ -246,3 +246,15 @@ def test_finetune_methods_bench_pretrains_a_base_and_fine_tunes_from_it(tmp_path
     assert [r["method"] for r in records] == ["full", "bottleneck r=16"]
     assert all(r["val_loss"] > 0 and r["step_ms"] > 0 and r["peak_mib"] > 0 for r in records)
     assert records[1]["trainable"] == "17.5 K"  # 4 blocks x 2 adapters x (128 x 8 + 8 + 8 x 128 + 128)
+
+
+@pytest.mark.slow
+def test_harness_bench_times_the_templates_lm_and_lm_evals_hf_backend():
+    """bench.compare.harness trains a tiny GPT-2, writes its three local tasks and prints both ways' documents/s and
+    their ratio (its figures are not asserted)."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
+    shared("gpt2-tokenizer")
+    out = run_bench("compare.harness", "--rounds", "1", "--limit", "2")
+    assert re.search(r"^template/hf documents/s: \d+\.\d\d \[", out.stdout, re.M), out.stdout
+    assert out.stdout.count(" documents in ") == 2  # 1 round x 2 ways, 6 documents each
+    assert "6 documents in" in out.stdout

@@ -1,17 +1,19 @@
 """generate.py tasks=[...] (lm-evaluation-harness, optional): a local multiple-choice task, a rolling
 log-likelihood task and a generate-until task, written here, score the same on 1 process, on 2 DDP ranks, and under
-lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document; an unknown task is one
-sentence. Skipped where lm-eval is not installed."""
+lm-eval's own `hf` backend on the export-hf of the same checkpoint, document by document, and are logged to the
+checkpoint's run's TensorBoard (or to logger=csv); an unknown task is one sentence. Skipped where lm-eval is not
+installed."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
-from conftest import shared
+from conftest import path_overrides, read_events, run_script, shared
 from test_generate import SHORT, generate, one_sentence, train_run
-from test_parity import GPT2
+from test_parity import GPT2, QUIET
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
 pytestmark = pytest.mark.slow
@@ -68,12 +70,19 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     tasks = write_tasks(tmp_path)
     ckpt = train_run(tmp_path, [*GPT2, *SHORT, f"data.tokenizer={shared('gpt2-tokenizer')}", "data.seq_len=64"])
     runs = {}
-    for name, args in {"one": [], "two": ["trainer=ddp", "trainer.devices=2"]}.items():
+    for name, args in {"one": [], "two": ["trainer=ddp", "trainer.devices=2", "logger=csv"]}.items():
         out = tmp_path / f"{name}.json"
         proc = generate(tmp_path, ckpt, [f"tasks=[{','.join(TASKS)}]", f"include_path={tasks}", f"output={out}", *args])
         assert proc.stdout.count("BENCH ") == 3
         runs[name] = json.loads(out.read_text())
     assert runs["two"] == runs["one"]
+    events = read_events(ckpt.parent.parent / "tensorboard")  # the scores at the checkpoint's step, in its run's
+    acc = runs["one"]["results"]["tiny_mc"]["acc,none"]
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars("bench/tiny_mc/acc")] == [(2, acc)]
+    assert "bench/tiny_roll/word_perplexity" in events.Tags()["scalars"]
+    (table,) = (tmp_path / "gen").rglob("metrics.csv")  # logger=csv: the named logger's instead
+    (row,) = list(csv.DictReader(table.open()))
+    assert (row["step"], float(row["bench/tiny_mc/acc"])) == ("2", acc)
     hf = simple_evaluate(
         model="hf", model_args=f"pretrained={export_hf(ckpt, tmp_path / 'hf')},device=cpu,dtype=float32", tasks=TASKS,
         task_manager=TaskManager(include_path=str(tasks)), batch_size=2, log_samples=True, random_seed=42,
@@ -96,3 +105,31 @@ def test_an_unknown_task_or_a_sharded_strategy_is_one_sentence(tmp_path):
     assert "tasks=['no_such_task'] are not lm-eval tasks" in line
     line = one_sentence(generate(tmp_path, ckpt, ["tasks=[tiny_mc]", "trainer=fsdp", "trainer.devices=2"], check=False))
     assert "tasks= runs where every rank holds the whole model" in line
+
+
+def bench_series(tmp: Path, name: str, tasks: Path, args: list[str]) -> dict[str, list[list]]:
+    """callbacks.benchmarks' logged scores of a tiny run, tag -> [(step, value)], read back from its csv/metrics.csv."""
+    bench = ["callbacks=[default,benchmarks]", "callbacks.benchmarks.tasks=[tiny_mc,tiny_roll]", "logger=csv",
+             "callbacks.benchmarks.every_n_steps=2", f"callbacks.benchmarks.include_path={tasks}", "data.seq_len=64",
+             "trainer.max_steps=4", "trainer.val_check_interval=4", f"data.tokenizer={shared('gpt2-tokenizer')}"]  # fmt: skip
+    run_script(
+        "train.py", QUIET + path_overrides({"log_dir": tmp / name, "cache_dir": tmp / "cache"}) + GPT2 + bench + args
+    )
+    (table,) = (tmp / name).rglob("metrics.csv")
+    rows = list(csv.DictReader(table.open()))
+    tags = [t for t in rows[0] if t.startswith("bench/")]
+    return {t: [[int(r["step"]), float(r[t])] for r in rows if r[t]] for t in tags}
+
+
+def test_the_callback_logs_the_same_scores_on_one_process_and_two_ranks(tmp_path):
+    """The same global batch on 1 process and 2 DDP ranks trains the same weights to fp32 rounding (test_parity);
+    accuracies are then equal and log-likelihood metrics within 1e-4 relative (the same bound as against hf)."""
+    tasks = write_tasks(tmp_path)
+    one = bench_series(tmp_path, "one", tasks, [])
+    two = bench_series(tmp_path, "two", tasks, ["trainer=ddp", "trainer.devices=2"])
+    assert {"bench/tiny_mc/acc", "bench/tiny_mc/acc_norm", "bench/tiny_roll/word_perplexity"} <= one.keys()
+    assert [s for s, _ in one["bench/tiny_mc/acc"]] == [2, 4]
+    close(two, one, "bench")
+    fsdp = run_script("train.py", [*QUIET, *GPT2, "callbacks=[default,benchmarks]", "callbacks.benchmarks.tasks=[x]",
+                                   "trainer=fsdp", "trainer.devices=2"], check=False, env={"HYDRA_FULL_ERROR": "0"})  # fmt: skip
+    assert "callbacks.benchmarks runs where every rank holds the whole model" in one_sentence(fsdp)

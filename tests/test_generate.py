@@ -1,6 +1,7 @@
 """generate.py as a user runs it: greedy = transformers' generate on the export-hf of the same checkpoint, token for
 token (plain, LoRA); a seeded prompts file gives the same text on 1 process and on 2 ranks (DDP and FSDP2 checkpoints,
-generated under DDP and FSDP2); a scripted chat on a tiny chat_sft checkpoint; bad input as one sentence."""
+generated under DDP and FSDP2), and from a 2-rank pipeline checkpoint; a scripted chat on a tiny chat_sft checkpoint;
+bad input as one sentence."""
 
 from __future__ import annotations
 
@@ -158,6 +159,18 @@ def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
     assert seeded == first["ddp"]
     other = completions(tmp_path, ddp_checkpoint, prompts_file, "seed4", [*SAMPLED, "seed=4"])
     assert [r["tokens"] for r in other] != [r["tokens"] for r in seeded]
+
+
+def test_a_pipeline_checkpoint_samples_as_one_process_trained(tmp_path, ddp_checkpoint, prompts_file):
+    """A 2-rank trainer=pipeline run's checkpoint (a DCP dir, each stage's blocks from its rank) is consolidated once
+    and samples, prompt for prompt, the text of the same run trained without stages; sampling under the pipeline
+    itself is one sentence (no rank holds the whole model)."""
+    pipeline = train_run(tmp_path, GPT2 + SHORT + ["trainer=pipeline", "trainer.devices=2"])
+    staged = completions(tmp_path, pipeline, prompts_file, "pipeline", SAMPLED)
+    assert staged == completions(tmp_path, ddp_checkpoint, prompts_file, "whole", SAMPLED)
+    under = generate(tmp_path, pipeline, [f"prompts_file={prompts_file}", "trainer=pipeline", "trainer.devices=2"],
+                     check=False)  # fmt: skip
+    assert "trainer=PipelineStrategy cannot generate (no rank holds the whole model)" in one_sentence(under)
 
 
 def test_one_prompt_streams_to_stdout(tmp_path, ddp_checkpoint, prompts_file):

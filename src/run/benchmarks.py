@@ -12,7 +12,8 @@ every rank to run as many forwards, which requests of different lengths do not.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -142,3 +143,31 @@ def answers(results: dict[str, Any]) -> dict[str, Any]:
         for task, rows in results["samples"].items()
     }
     return {"results": results["results"], "samples": samples}
+
+
+def scalars(scores: dict[str, Any]) -> dict[str, float]:
+    """`bench/<task>/<metric>` -> value for each number lm-eval reports (a filter other than `none` named after it)."""
+    out = {}
+    for task, metrics in sorted(scores["results"].items()):
+        for key, value in sorted(metrics.items()):
+            name, _, kept = key.partition(",")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
+                out[f"bench/{task}/{name}" + ("" if kept in ("", "none") else f"/{kept}")] = float(value)
+    return out
+
+
+def run_loggers(ckpt_path: str) -> list[Any]:
+    """The TensorBoard logger of the run that wrote `ckpt_path` (<run>/checkpoints/...), if it logged to one."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    runs = [p.parent for p in Path(ckpt_path).resolve().parents if p.name == "checkpoints"][:1]
+    dirs = [run / "tensorboard" for run in runs if (run / "tensorboard").is_dir()]
+    return [TensorBoardLogger(d, name="", version="", default_hp_metric=False) for d in dirs]
+
+
+def log_scores(loggers: list[Any], scores: dict[str, Any], step: Optional[int]) -> None:
+    """Each score to each logger at `step` (the checkpoint's global step), written out now."""
+    for logger in loggers:
+        logger.log_metrics(scalars(scores), step=step)
+        logger.save()
+        logger.finalize("success")

@@ -119,6 +119,7 @@ def check_values(cfg: DictConfig) -> None:
     _check_objective(cfg)
     _check_features(cfg)
     _check_adapters(cfg)
+    _check_benchmarks(cfg)
     if cfg.get("compile_dropout") is not None:  # before the data is built (train.py's UserModule applies it)
         wants_kernel(cfg.compile_dropout, torch.device("cpu"))
     lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
@@ -275,6 +276,32 @@ def _check_adapters(cfg: DictConfig) -> None:
 
         lora = OmegaConf.select(cfg, "model.lora.enabled", default=False)
         freezing.check(OmegaConf.to_container(freeze) if isinstance(freeze, DictConfig) else freeze, lora or bool(peft))
+
+
+def _check_benchmarks(cfg: DictConfig) -> None:
+    """callbacks.benchmarks (src/callbacks/benchmarks.py): tasks named, lm-eval installed, and, as generate.py's
+    tasks=, a strategy under which every rank holds the whole model."""
+    bench = OmegaConf.select(cfg, "callbacks.benchmarks", default=None)
+    if not isinstance(bench, DictConfig):
+        return
+    if not bench.get("tasks"):
+        raise ConfigError("callbacks.benchmarks names no tasks: set callbacks.benchmarks.tasks=[hellaswag,...].")
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "callbacks.benchmarks needs lm-evaluation-harness, which is not installed: pip install -e '.[bench]'."
+        )
+    strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
+    if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
+        return
+    declared = capabilities.of(get_object(strategy._target_))
+    if declared.shards_parameters is True or (declared.zero_stages and strategy.get("stage") == 3):
+        raise ConfigError(
+            f"callbacks.benchmarks runs where every rank holds the whole model: use trainer=default or trainer=ddp, "
+            f"not {str(strategy._target_).rsplit('.', 1)[-1]} (it shards the parameters, so its ranks would run "
+            "different numbers of forwards)."
+        )
 
 
 def _check_global_batch(cfg: DictConfig) -> None:

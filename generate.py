@@ -19,13 +19,15 @@ from omegaconf import DictConfig
 
 import src.launch.resolvers  # noqa: F401
 from eval import choose_precision, consolidated_once, stored_config, trained_config
+from src.callbacks import harness as benchmarks
 from src.callbacks.essentials import CpuThreadsPerRank
 from src.checkpoint import safe_load
 from src.checkpoint.convert import is_sharded, read_stored
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
-from src.run import benchmarks, chat, sampling
+from src.parallel.gather import gathered
+from src.run import chat, sampling
 from src.run.job import prepare
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import CheckpointError, user_errors
@@ -119,7 +121,7 @@ def generate(cfg: DictConfig) -> None:
     )
     module.eval()
     batches = trainer.predict(module, dataloaders=loader, ckpt_path=ckpt_path, return_predictions=True)
-    results = sampling.gathered([row for batch in batches or [] for row in batch])
+    results = gathered([row for batch in batches or [] for row in batch])
     if cfg.tasks is not None and trainer.is_global_zero:
         scores = results[0]
         out = Path(cfg.output or Path(cfg.paths.output_dir) / "benchmarks.json")

@@ -64,8 +64,8 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    from src.callbacks.harness import answers
     from src.checkpoint.convert import export_hf
-    from src.run.benchmarks import answers
 
     tasks = write_tasks(tmp_path)
     ckpt = train_run(tmp_path, [*GPT2, *SHORT, f"data.tokenizer={shared('gpt2-tokenizer')}", "data.seq_len=64"])

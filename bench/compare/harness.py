@@ -1,4 +1,4 @@
-"""Benchmark throughput: the template's lm-eval LM (src/run/benchmarks.py: each request alone) against lm-eval's own
+"""Benchmark throughput: the template's lm-eval LM (src/callbacks/harness.py: each request alone) against lm-eval's own
 `hf` backend (batched, padded) on the export-hf of the same checkpoint, the same tasks and documents.
 
     python -m bench.compare.harness [--ckpt PATH] [--tasks T ...] [--include-path DIR] [--limit N] [--rounds 3]
@@ -75,8 +75,8 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from src.callbacks import harness as benchmarks
     from src.checkpoint.convert import build_module, export_hf, load_checkpoint
-    from src.run import benchmarks
 
     torch.set_grad_enabled(False)
     work = Path(tempfile.mkdtemp(prefix="bench-harness-"))

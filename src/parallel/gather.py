@@ -40,3 +40,12 @@ def gather_shards(local: torch.Tensor, n_samples: int, trainer: Optional[Any]) -
     dist.all_gather(shards, padded, group=data_parallel_group(trainer))
     # row k of rank r is sample k * W + r: interleave, then cut the padding off the end
     return torch.stack(shards, dim=1).reshape(world * per_rank, *local.shape[1:])[:n_samples]
+
+
+def gathered(rows: list[tuple[int, Any]]) -> list[Any]:
+    """Every rank's (prompt number, result) rows, in prompt order (on every rank)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, rows)
+        rows = [row for part in parts for row in part]
+    return [result for _, result in sorted(rows, key=lambda row: row[0])]

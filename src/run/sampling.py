@@ -88,15 +88,6 @@ class RankShare(Sampler):
         return len(self.share())
 
 
-def gathered(rows: list[tuple[int, Any]]) -> list[Any]:
-    """Every rank's (prompt number, result) rows, in prompt order (on every rank)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, rows)
-        rows = [row for part in parts for row in part]
-    return [result for _, result in sorted(rows, key=lambda row: row[0])]
-
-
 class KeyedSampling:
     """A logits processor for greedy search: every score but the keyed pick's is -inf, so greedy takes the sample."""
 

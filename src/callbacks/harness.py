@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from src.run.sampling import gathered
+from src.parallel.gather import gathered
 from src.utils.config import ConfigError
 
 

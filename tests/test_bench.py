@@ -249,6 +249,7 @@ def test_finetune_methods_bench_pretrains_a_base_and_fine_tunes_from_it(tmp_path
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time, 35 s: a benchmark's figure (its scores are tests/test_benchmarks.py's)
 def test_harness_bench_times_the_templates_lm_and_lm_evals_hf_backend():
     """bench.compare.harness trains a tiny GPT-2, writes its three local tasks and prints both ways' documents/s and
     their ratio (its figures are not asserted)."""

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import path_overrides, read_events, run_script, shared
+from conftest import FULL_MATRIX_ONLY, path_overrides, read_events, run_script, shared
 from test_generate import SHORT, generate, one_sentence, train_run
 from test_parity import GPT2, QUIET
 
@@ -121,6 +121,7 @@ def bench_series(tmp: Path, name: str, tasks: Path, args: list[str]) -> dict[str
     return {t: [[int(r["step"]), float(r[t])] for r in rows if r[t]] for t in tags}
 
 
+@FULL_MATRIX_ONLY  # suite time, 76 s: the LM it runs is proven on 2 ranks by the test above
 def test_the_callback_logs_the_same_scores_on_one_process_and_two_ranks(tmp_path):
     """The same global batch on 1 process and 2 DDP ranks trains the same weights to fp32 rounding (test_parity);
     accuracies are then equal and log-likelihood metrics within 1e-4 relative (the same bound as against hf)."""

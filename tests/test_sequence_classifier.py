@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import path_overrides, run_script, shared
+from conftest import FULL_MATRIX_ONLY, path_overrides, run_script, shared
 from test_experiments import parity
 
 from src.checkpoint.convert import build_module, load_checkpoint
@@ -37,7 +37,8 @@ FAMILIES = {  # a tiny config of each encoder family, its dropouts at 0.1, and w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# suite time: DDP is tests/test_experiments.py's run of experiment=bert_classifier; FSDP2 stays here
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=FULL_MATRIX_ONLY), "fsdp"])
 def test_2_ranks_train_the_1_process_classifier_with_its_dropouts(strategy):
     """Hidden, attention and classifier dropout 0.1, each batch padded to its longest text (another width on 2 ranks
     than on 1 process): every logged value equal."""
@@ -174,7 +175,8 @@ assert not any(name == "src" or name.startswith("src.") for name in sys.modules)
 @pytest.mark.parametrize(
     "name,args",
     [
-        pytest.param("1 process", [], id="1-process"),
+        # suite time: the FSDP2 checkpoint is the harder export (a sharded dir); this one is in the full matrix
+        pytest.param("1 process", [], id="1-process", marks=FULL_MATRIX_ONLY),
         pytest.param("FSDP2 on 2 ranks", ["trainer=fsdp"], id="fsdp-2-ranks"),  # a sharded checkpoint dir
     ],
 )

@@ -112,8 +112,13 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Any) -> dict[str, Any]
         raise ConfigError(
             f"tasks= needs lm-evaluation-harness, which is not installed ({e}): pip install -e '.[bench]' (lm-eval 0.4.13 tested)."
         ) from None
-    manager = TaskManager(include_path=cfg.include_path) if cfg.include_path else TaskManager()
     tasks = list(cfg.tasks)
+    manager = None
+    if cfg.include_path:  # your tasks alone first: indexing lm-eval's own thousands of YAMLs takes ~8 s a process
+        manager = TaskManager(include_path=cfg.include_path, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = None
+    manager = manager or TaskManager(include_path=cfg.include_path or None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(

@@ -99,6 +99,7 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     assert len(theirs["samples"]["tiny_roll"]) == 3 and len(theirs["samples"]["tiny_mc"][0]) == 4
 
 
+@FULL_MATRIX_ONLY  # suite time, 14 s: two refusals of generate.py's (tests/test_generate.py's bad input stays)
 def test_an_unknown_task_or_a_sharded_strategy_is_one_sentence(tmp_path):
     ckpt = train_run(tmp_path, [*GPT2, *SHORT])
     line = one_sentence(generate(tmp_path, ckpt, ["tasks=[no_such_task]"], check=False))

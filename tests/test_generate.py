@@ -73,7 +73,10 @@ def transformers_greedy(hf_dir: Path, prompt_ids: list[list[int]], eos: int, max
     return out
 
 
-@pytest.mark.parametrize("kind", ["plain", "lora", pytest.param("zero2", marks=FULL_MATRIX_ONLY)])
+# suite time: LoRA's greedy run in the full matrix (the plain one stays; test_finetune exports LoRA to a clean client)
+@pytest.mark.parametrize(
+    "kind", ["plain", pytest.param("lora", marks=FULL_MATRIX_ONLY), pytest.param("zero2", marks=FULL_MATRIX_ONLY)]
+)
 def test_greedy_is_transformers_generate_on_the_exported_model(tmp_path, ddp_checkpoint, prompts_file, kind):
     """Also from a ZeRO dir (the tests' CPU DeepSpeed, stage 2; in the full matrix: it JIT-builds CPU Adam), read as
     it is: eval.py's consolidation into the run dir, once."""

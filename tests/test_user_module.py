@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, python, run_script
+from conftest import FULL_MATRIX_ONLY, ROOT, python, run_script
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
@@ -501,6 +501,7 @@ def test_a_bias_before_batchnorm_under_adamw_trains_the_same_model_on_2_ranks(tm
 
 
 @pytest.mark.slow
+@FULL_MATRIX_ONLY  # suite time: the localisation is test_parity_localises_the_weights..., the exit 1 the test above
 def test_parity_names_the_weights_that_differ_after_a_run_that_is_not_exact(tmp_path):
     """A Dataset augmenting from a generator of its own (not the global ones the template keys): each rank's copy
     draws its own noise, the 2-rank run trains another model. The tool names the first value that differs and, from

@@ -15,6 +15,8 @@ from conftest import FULL_MATRIX_ONLY, path_overrides, read_events, run_script, 
 from test_generate import SHORT, generate, one_sentence, train_run
 from test_parity import GPT2, QUIET
 
+from bench.compare.harness import write_task
+
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install -e '.[bench]'")
 pytestmark = pytest.mark.slow
 TASKS = ["tiny_mc", "tiny_roll", "tiny_gen"]
@@ -24,11 +26,7 @@ def write_tasks(root: Path) -> Path:
     """Three lm-eval task YAMLs and their JSONL documents in `root`."""
 
     def task(name: str, data: list[dict], body: str) -> None:
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in data))
-        (root / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / name}.jsonl\n"
-            f"test_split: test\n{body}"
-        )
+        write_task(root, name, data, body)  # the bench's writer: one task's JSONL and YAML
 
     words = ["mat", "dog", "tree", "sky"]
     task("tiny_mc", [{"q": f"Q{i}: the cat sat on the", "choices": words, "answer": i % 4} for i in range(6)],

@@ -27,15 +27,21 @@ from bench.common import TOKENIZER, interleaved
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def write_task(root: Path, name: str, data: list[dict], body: str) -> None:
+    """One local lm-eval task in `root`: its documents as JSONL and a YAML reading them (`body`: its output type,
+    prompts and metrics)."""
+    (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in data))
+    (root / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / name}.jsonl\n"
+        f"test_split: test\n{body}"
+    )
+
+
 def local_tasks(root: Path) -> tuple[list[str], Path]:
     """Three small lm-eval tasks (YAML and JSONL documents) in `root`: their names and the include path."""
 
     def task(name: str, data: list[dict], body: str) -> None:
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in data))
-        (root / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / name}.jsonl\n"
-            f"test_split: test\n{body}"
-        )
+        write_task(root, name, data, body)
 
     words = ["mat", "dog", "tree", "sky"]
     task("bench_mc", [{"q": f"Q{i}: the cat sat on the", "choices": words, "answer": i % 4} for i in range(40)],

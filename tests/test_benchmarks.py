@@ -133,3 +133,43 @@ def test_the_callback_logs_the_same_scores_on_one_process_and_two_ranks(tmp_path
     fsdp = run_script("train.py", [*QUIET, *GPT2, "callbacks=[default,benchmarks]", "callbacks.benchmarks.tasks=[x]",
                                    "trainer=fsdp", "trainer.devices=2"], check=False, env={"HYDRA_FULL_ERROR": "0"})  # fmt: skip
     assert "callbacks.benchmarks runs where every rank holds the whole model" in one_sentence(fsdp)
+
+
+@pytest.mark.parametrize("adapter", [None, "prefix", "prompt"])
+def test_batched_requests_score_and_complete_as_each_alone(adapter):
+    """The harness's batches (longest first, right-padded for scoring with shared rows for shared inputs, left-padded
+    for generation, prompt learning's virtual tokens in front) give each request what it gets alone: float64, so
+    the bound is rounding's (1e-9 on sums of a few log-probabilities)."""
+    import peft
+    import torch
+    import transformers
+
+    from src.callbacks.harness import harness_lm, length_batches
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    if adapter:
+        kind = peft.PrefixTuningConfig if adapter == "prefix" else peft.PromptTuningConfig
+        model = peft.get_peft_model(model, kind(task_type="CAUSAL_LM", num_virtual_tokens=4)).eval()
+        torch.nn.init.normal_(model.prompt_encoder.default.embedding.weight)
+    tokenizer = type("Tok", (), {"eos_id": 99, "decode": staticmethod(lambda ids: " ".join(map(str, ids)))})()
+    g = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 99, (n,), generator=g).tolist() for n in (3, 80 if not adapter else 50, 17, 17, 9)]
+    requests = [(None, c, [t]) for c in contexts for t in (3, 7, 11)] + [(None, c, [5, 6, 7]) for c in contexts]
+    batched = harness_lm(model, tokenizer, 4)._loglikelihood_tokens(requests)
+    alone = [harness_lm(model, tokenizer, 1)._loglikelihood_tokens([r])[0] for r in requests]
+    assert [b for _, b in batched] == [b for _, b in alone]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(batched, alone)) < 1e-9
+    with torch.no_grad():  # and each equals the model's own full forward of that request
+        for (logprob, _), (_, context, continuation) in zip(batched[:3], requests[:3]):
+            whole = torch.tensor([(context + continuation)[:-1]])
+            full = model(input_ids=whole).logits[0, -1].log_softmax(-1)[continuation[0]]
+            assert abs(logprob - float(full)) < 1e-9
+    from src.callbacks.harness import Until, complete
+
+    prompts = [c[:12] for c in contexts]
+    each = [complete(model, [p], 6, 99, Until(0, [], tokenizer.decode))[0] for p in prompts]
+    assert complete(model, prompts, 6, 99, Until(0, [], tokenizer.decode)) == each
+    assert length_batches([3, 5, 5, 1, 7], 2) == [[4, 1], [2, 0], [3]]
+    assert length_batches([3, 5, 5, 1, 7], 2, ["a", "b", "a", "a", "b"]) == [[2, 0], [3], [4, 1]]

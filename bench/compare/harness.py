@@ -1,4 +1,4 @@
-"""Benchmark throughput: the template's lm-eval LM (src/callbacks/harness.py: each request alone) against lm-eval's own
+"""Benchmark throughput: the template's lm-eval LM (src/callbacks/harness.py: batches by length, one forward each) against lm-eval's own
 `hf` backend (batched, padded) on the export-hf of the same checkpoint, the same tasks and documents.
 
     python -m bench.compare.harness [--ckpt PATH] [--tasks T ...] [--include-path DIR] [--limit N] [--rounds 3]
@@ -74,12 +74,11 @@ def main() -> None:
     ap.add_argument("--include-path", help="a dir of your own lm-eval task YAMLs")
     ap.add_argument("--limit", type=float, default=None, help="the first N documents of each task")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=8, help="the hf backend's batch size")
+    ap.add_argument("--batch-size", type=int, default=8, help="requests a forward, on both sides")
     args = ap.parse_args()
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from src.callbacks import harness as benchmarks
     from src.checkpoint.convert import build_module, export_hf, load_checkpoint
@@ -91,7 +90,7 @@ def main() -> None:
     module, datamodule = build_module(load_checkpoint(ckpt))
     hf = HFLM(pretrained=str(export_hf(ckpt, work / "hf")), device="cpu", dtype="float32", batch_size=args.batch_size)
     cfg = SimpleNamespace(tasks=tasks, include_path=str(include) if include else None, num_fewshot=None,
-                          limit=args.limit, seed=0)  # fmt: skip
+                          limit=args.limit, seed=0, batch_size=args.batch_size)  # fmt: skip
 
     def run(way: str, _round: int) -> dict:
         start = time.perf_counter()
@@ -99,8 +98,7 @@ def main() -> None:
             out = benchmarks.evaluate(module.model, datamodule.tokenizer, cfg)
             docs = sum(len(rows) for rows in out["samples"].values())
         else:
-            manager = TaskManager(include_path=cfg.include_path) if cfg.include_path else TaskManager()
-            out = simple_evaluate(model=hf, tasks=tasks, task_manager=manager, limit=args.limit, random_seed=0,
+            out = simple_evaluate(model=hf, tasks=tasks, task_manager=benchmarks.task_manager(cfg), limit=args.limit, random_seed=0,
                                   numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0, log_samples=True)  # fmt: skip
             docs = sum(len(rows) for rows in out["samples"].values())
         seconds = time.perf_counter() - start

@@ -29,10 +29,16 @@ class Benchmarks(L.Callback):
         include_path: Optional[str] = None,
         num_fewshot: Optional[int] = None,
         seed: int = 0,
+        batch_size: int = 8,
     ) -> None:
         self.every_n_steps, self.done = every_n_steps, -1
         self.cfg = SimpleNamespace(
-            tasks=list(tasks), limit=limit, include_path=include_path, num_fewshot=num_fewshot, seed=seed
+            tasks=list(tasks),
+            limit=limit,
+            include_path=include_path,
+            num_fewshot=num_fewshot,
+            seed=seed,
+            batch_size=batch_size,
         )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

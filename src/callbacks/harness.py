@@ -3,14 +3,16 @@ by the lock; 0.4.13 tested).
 
 The model stands behind lm-eval's LM API (its TemplateLM: the same context/continuation encoding as its `hf` backend):
 loglikelihood, loglikelihood_rolling (the same rolling windows) and generate_until (greedy, cut at the first `until`
-string). lm-eval sees one process; the requests are split here, request i on rank i mod N, each scored alone (a batch
-of one: its numbers do not depend on the split) and gathered back in request order on every rank, so the scores on
-N ranks are 1 process's. Every rank holds the whole model (trainer=default or ddp): sharded parameters would need
-every rank to run as many forwards, which requests of different lengths do not.
+string). lm-eval sees one process; the requests are put in batches here, longest first (`batch_size` each, one
+forward a batch: right-padded for scoring, left-padded for generation), the same batches for any number of ranks;
+batch b runs on rank b mod N and the results are gathered back in request order on every rank, so the scores on N
+ranks are 1 process's, bit for bit. Every rank holds the whole model (trainer=default or ddp): sharded parameters
+would need every rank to run as many forwards.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -18,19 +20,102 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from src.callbacks.generate_text import prompt_learning_inputs
 from src.parallel.gather import gathered
 from src.utils.config import ConfigError
 
 
-def spread(items: list[Any], score: Callable[[Any], Any]) -> list[Any]:
-    """score(item) for every item, item i on rank i mod N, gathered in item order on every rank."""
+def length_batches(lengths: list[int], size: int, kinds: Optional[list[str]] = None) -> list[list[int]]:
+    """Item numbers in batches of at most `size` of one kind (generation settings), longest first (ties in item
+    order): a batch's items pad to similar lengths, and the batches do not depend on the number of ranks."""
+    kinds = kinds or [""] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (kinds[i], -lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < size and kinds[batches[-1][0]] == kinds[i]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def spread(batches: list[list[int]], items: list[Any], run: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """run(its items) for each batch, batch b on rank b mod N, the results gathered in item order on every rank."""
     up = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if up else (1, 0)
-    return gathered([(i, score(items[i])) for i in range(rank, len(items), world)])
+    rows = []
+    for batch in batches[rank::world]:
+        rows += zip(batch, run([items[i] for i in batch]))
+    return gathered(rows)
 
 
-def harness_lm(model: torch.nn.Module, tokenizer: Any) -> Any:
-    """An lm-eval LM over `model` (a transformers causal LM, peft adapters included) and the template's tokenizer."""
+@torch.no_grad()
+def score(model: torch.nn.Module, rows: list[tuple[tuple[int, ...], list[list[int]]]], pad: int) -> list[list[tuple]]:
+    """For each (input ids, continuations that follow them): each continuation's (log-likelihood, whether it is the
+    greedy one), from one right-padded forward of the batch (a causal model's logits at a position do not see the
+    padding after it). Requests with the same input (one-token choices of one question) share a row, as lm-eval's
+    hf backend shares them."""
+    device = next(model.parameters()).device
+    width = max(len(row) for row, _ in rows)
+    ids = torch.tensor([list(row) + [pad] * (width - len(row)) for row, _ in rows], device=device)
+    needed = sorted({p for row, conts in rows for p in range(len(row) - max(map(len, conts)), len(row))})
+    at = {p: i for i, p in enumerate(needed)}
+    base, inputs, virtual = prompt_learning_inputs(model, ids, torch.ones_like(ids))
+    shift = virtual if "inputs_embeds" in inputs else 0  # prompt tuning's virtual tokens come first in the logits
+    if keeps_logits(base):  # the head on the scored positions alone: ~1/3 of GPT-2's FLOPs on short rows
+        logits = base(**inputs, logits_to_keep=torch.tensor(needed, device=device) + shift).logits
+    else:
+        logits, at = base(**inputs).logits, {p: p + shift for p in needed}
+    out = []
+    for k, (row, continuations) in enumerate(rows):
+        scored = []
+        for cont in continuations:
+            logp = logits[k, at[len(row) - len(cont)] : at[len(row) - 1] + 1]
+            logp = logp.to(torch.promote_types(logp.dtype, torch.float32)).log_softmax(-1)
+            target = torch.tensor(cont, device=device)
+            scored.append((float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())))
+        out.append(scored)
+    return out
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """The transformers model (under a peft adapter too) takes `logits_to_keep`: positions whose logits it computes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+class Until:
+    """A `generate` stopping criterion: a row is done once its new text holds one of the `until` strings (the batch
+    stops when every row is done, as lm-eval's hf backend does)."""
+
+    def __init__(self, start: int, until: list[str], decode: Callable[[list[int]], str]) -> None:
+        self.start, self.until, self.decode = start, [u for u in until if u], decode
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        done = [any(u in self.decode(row[self.start :].tolist()) for u in self.until) for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def complete(model: torch.nn.Module, prompts: list[list[int]], room: int, eos: int, until: Until) -> list[list[int]]:
+    """Each prompt's greedy new tokens (up to `room`, cut before EOS) from one left-padded `generate` call."""
+    from transformers import StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    base, inputs, _ = prompt_learning_inputs(model, ids, mask)
+    until.start = 0 if "inputs_embeds" in inputs else width  # from embeddings, generate's ids are the new tokens
+    out = base.generate(**inputs, max_new_tokens=room, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+                        stopping_criteria=StoppingCriteriaList([until]))  # fmt: skip
+    out = out[:, until.start :]
+    return [row[: row.index(eos)] if eos in row else row for row in out.tolist()]
+
+
+def harness_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int = 8) -> Any:
+    """An lm-eval LM over `model` (a transformers causal LM, peft adapters included) and the template's tokenizer,
+    `batch_size` requests a forward."""
     from lm_eval import utils
     from lm_eval.api.model import TemplateLM
 
@@ -46,22 +131,16 @@ def harness_lm(model: torch.nn.Module, tokenizer: Any) -> Any:
         def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
             return tokenizer.encode_batch([string])[0].tolist()
 
-        @torch.no_grad()
-        def score(self, request) -> tuple[float, bool]:
-            _, context, continuation = request
-            whole = (context + continuation)[-(self.max_length + 1) :]
-            logits = self.model(input_ids=torch.tensor([whole[:-1]], device=self.device)).logits[
-                0, -len(continuation) :
-            ]
-            logp, target = logits.float().log_softmax(-1), torch.tensor(whole[-len(continuation) :], device=self.device)
-            return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
-
-        @property
-        def device(self) -> torch.device:
-            return next(self.model.parameters()).device
-
         def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
-            return spread(list(requests), self.score)
+            rows: dict[tuple[int, ...], list[list[int]]] = {}  # input ids -> the continuations scored on them
+            keys = []
+            for _, context, continuation in requests:
+                keys.append(tuple((context + continuation)[-(self.max_length + 1) : -1]))
+                rows.setdefault(keys[-1], []).append(continuation)
+            items = list(rows.items())
+            batches = length_batches([len(row) for row, _ in items], batch_size)
+            scored = dict(zip(rows, spread(batches, items, lambda batch: score(self.model, batch, tokenizer.eos_id))))
+            return [scored[key].pop(0) for key in keys]
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             windows, owner = [], []
@@ -80,41 +159,73 @@ def harness_lm(model: torch.nn.Module, tokenizer: Any) -> Any:
                 totals[number] += logprob
             return totals
 
-        @torch.no_grad()
-        def complete(self, request) -> str:
-            context, kwargs = request.args
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            ids = self.tok_encode(context)
-            room = kwargs.get("max_gen_toks", 256)
-            ids = ids[-(self.max_length - room) :] if len(ids) + room > self.max_length else ids
-            out = self.model.generate(
-                input_ids=torch.tensor([ids], device=self.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=room, do_sample=False, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id,
-            )[0, len(ids) :].tolist()  # fmt: skip
-            text = tokenizer.decode(out[: out.index(tokenizer.eos_id)] if tokenizer.eos_id in out else out)
-            for stop in until:
-                text = text.split(stop)[0] if stop else text
-            return text
-
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            return spread(list(requests), self.complete)
+            asks = [generation_ask(req.args, self.tok_encode, self.max_length) for req in requests]
+            batches = length_batches([len(a[0]) for a in asks], batch_size, [repr(a[1:]) for a in asks])
+            return spread(batches, asks, lambda batch: self.complete_batch(batch))
+
+        def complete_batch(self, asks: list[tuple]) -> list[str]:
+            _, room, until = asks[0]
+            stop = Until(0, until, tokenizer.decode)
+            texts = [
+                tokenizer.decode(ids)
+                for ids in complete(self.model, [a[0] for a in asks], room, tokenizer.eos_id, stop)
+            ]
+            return [cut(text, until) for text in texts]
 
     return TemplateModel()
+
+
+def generation_ask(args: tuple, encode: Callable[[str], list[int]], context: int) -> tuple[list[int], int, list[str]]:
+    """A generate_until request's (prompt ids, room for new tokens, until strings), the prompt's start cut to fit."""
+    text, kwargs = args
+    until = kwargs.get("until") or []
+    until = [until] if isinstance(until, str) else list(until)
+    room = kwargs.get("max_gen_toks", 256)
+    ids = encode(text)
+    ids = ids[-(context - room) :] if len(ids) + room > context else ids
+    return ids, room, until
+
+
+def cut(text: str, until: list[str]) -> str:
+    """`text` up to the first of the `until` strings."""
+    for stop in until:
+        text = text.split(stop)[0] if stop else text
+    return text
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Any) -> dict[str, Any]:
     """lm-eval's results of cfg.tasks (names, or YAMLs under cfg.include_path), the same on every rank (`answers`)."""
     try:
         from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise ConfigError(
             f"tasks= needs lm-evaluation-harness, which is not installed ({e}): pip install -e '.[bench]' (lm-eval 0.4.13 tested)."
         ) from None
-    tasks = list(cfg.tasks)
-    manager = None
-    if cfg.include_path:  # your tasks alone first: indexing lm-eval's own thousands of YAMLs takes ~8 s a process
+    tasks, manager = list(cfg.tasks), task_manager(cfg)
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # lm-eval returns results only where LOCAL_RANK is 0: it sees one process here
+    try:
+        results = simple_evaluate(
+            model=harness_lm(model, tokenizer, cfg.batch_size), tasks=tasks, task_manager=manager, num_fewshot=cfg.num_fewshot,
+            limit=cfg.limit, random_seed=cfg.seed or 0, numpy_random_seed=cfg.seed or 0, torch_random_seed=cfg.seed or 0,
+            fewshot_random_seed=cfg.seed or 0, log_samples=True,
+        )  # fmt: skip
+    finally:
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK")
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
+    return answers(results)
+
+
+def task_manager(cfg: Any) -> Any:
+    """lm-eval's TaskManager for cfg.tasks: the tasks under cfg.include_path alone where they are all there (indexing
+    lm-eval's own thousands of YAMLs takes ~8 s a process), else with lm-eval's; an unknown task is one sentence."""
+    from lm_eval.tasks import TaskManager
+
+    tasks, manager = list(cfg.tasks), None
+    if cfg.include_path:
         manager = TaskManager(include_path=cfg.include_path, include_defaults=False)
         if any(t not in manager.all_tasks for t in tasks):
             manager = None
@@ -125,20 +236,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, cfg: Any) -> dict[str, Any]
             f"tasks={unknown} are not lm-eval tasks: name one that `lm-eval ls tasks` lists, or a task YAML's `task:` "
             "under include_path=DIR."
         )
-    local_rank = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"  # lm-eval returns results only where LOCAL_RANK is 0: it sees one process here
-    try:
-        results = simple_evaluate(
-            model=harness_lm(model, tokenizer), tasks=tasks, task_manager=manager, num_fewshot=cfg.num_fewshot,
-            limit=cfg.limit, random_seed=cfg.seed or 0, numpy_random_seed=cfg.seed or 0, torch_random_seed=cfg.seed or 0,
-            fewshot_random_seed=cfg.seed or 0, log_samples=True,
-        )  # fmt: skip
-    finally:
-        if local_rank is None:
-            os.environ.pop("LOCAL_RANK")
-        else:
-            os.environ["LOCAL_RANK"] = local_rank
-    return answers(results)
+    return manager
 
 
 def answers(results: dict[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class GenerateConfig(EvalConfig):
     include_path: Optional[str] = None
     num_fewshot: Optional[int] = None
     limit: Optional[float] = None
+    batch_size: int = 8
 
 
 def register_schemas() -> None:

@@ -135,3 +135,18 @@ def test_a_padded_gpt2_on_2_tensor_parallel_ranks_trains_as_1_process_and_export
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, module.lm_forward({"input_ids": ids}).logits[..., :vocab])
+
+
+def test_generate_pys_keyed_sampling_never_picks_a_padded_token():
+    """generate.py's sampling (src/run/sampling.py: keyed Gumbel-max, temperature, top-k, top-p) reads the head's
+    masked output: at temperature 5, where the padded rows' own logits would be drawn often, no padded id comes."""
+    from types import SimpleNamespace
+
+    from src.run import sampling
+
+    padded = module_of("gpt2", pad_vocab_multiple=64).eval()
+    drawn = []
+    for number, (top_k, top_p) in enumerate([(0, 1.0), (120, 1.0), (0, 0.99)]):
+        cfg = SimpleNamespace(temperature=5.0, top_k=top_k, top_p=top_p, max_new_tokens=24, seed=0)
+        drawn += sampling.complete(padded.model, [1, 2, 3, 4], cfg, number, stops=[V + 27])  # a stop never drawn
+    assert len(drawn) == 72 and max(drawn) < V

@@ -21,11 +21,11 @@ from omegaconf import DictConfig
 import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks import trackers
 from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
+from src.callbacks.resume_anywhere import ResumeAnywhere
 from src.callbacks.trackers import TrackerRuns
 from src.callbacks.user_module import UserModule
 from src.checkpoint import safe_load
 from src.checkpoint.latest import resume_from
-from src.checkpoint.resume import ResumeAnywhere
 from src.datamodules.plain import shard_loaders
 from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors

@@ -28,7 +28,7 @@ from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
 from src.parallel.gather import gathered
 from src.run import chat, sampling
-from src.run.job import prepare
+from src.run.job import check_export_and_seed
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import CheckpointError, user_errors
 
@@ -75,7 +75,7 @@ def generate(cfg: DictConfig) -> None:
     prompts = prompts_of(cfg)
     stored = stored_config(cfg)
     choose_precision(cfg, stored)
-    prepare(cfg)
+    check_export_and_seed(cfg)
     trained = trained_config(cfg, stored)
     datamodule = instantiate(trained.data)
     module = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))

@@ -31,7 +31,7 @@ from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors
 from src.models.init import deferred_init
 from src.parallel import capabilities
-from src.run.job import log_hyperparameters, metric_value, prepare
+from src.run.job import check_export_and_seed, log_hyperparameters, metric_value
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.errors import user_errors
 
@@ -41,7 +41,7 @@ register_schemas()
 def train(cfg: DictConfig) -> Optional[float]:
     # checkpoints (ckpt_path, resume=auto, model.pretrained) are loaded as data unless trust_checkpoint=true
     safe_load.trust(cfg.get("trust_checkpoint", False))
-    prepare(cfg)  # unknown keys, machine checks, seed, config tree
+    check_export_and_seed(cfg)  # unknown keys, machine checks, model.pretrained exported, seed, config tree
 
     datamodule = instantiate(cfg.data)
     shard_loaders(datamodule, cfg.seed or 0)  # a LightningDataModule's own loaders: each rank its share

@@ -17,8 +17,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
-from src.callbacks.essentials import CpuThreadsPerRank
-from src.callbacks.user_module import UserModule
 from src.checkpoint import safe_load
 from src.checkpoint.convert import consolidate, is_sharded, read_config
 from src.checkpoint.files import problem
@@ -26,6 +24,7 @@ from src.datamodules.plain import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
+from src.run.always_on import always_on
 from src.run.job import check_export_and_seed
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import user_errors
@@ -133,9 +132,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # e.g. vocab_size from the tokenizer; a plain LightningDataModule has no model_kwargs
     model = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     loggers = instantiate_group(cfg.logger, "logger")
-    trainer = instantiate(
-        cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank(), UserModule(cfg.get("seed") or 0)]
-    )
+    trainer = instantiate(cfg.trainer, logger=loggers, callbacks=always_on("eval", cfg))
 
     ckpt_path = cfg.ckpt_path
     if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:

@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 import src.launch.resolvers  # noqa: F401
 from eval import choose_precision, consolidated_once, stored_config, trained_config
 from src.callbacks import harness as benchmarks
-from src.callbacks.essentials import CpuThreadsPerRank
 from src.checkpoint import safe_load
 from src.checkpoint.convert import is_sharded, read_stored
 from src.launch.choices import check_choices
@@ -28,6 +27,7 @@ from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
 from src.parallel.gather import gathered
 from src.run import chat, sampling
+from src.run.always_on import always_on
 from src.run.job import check_export_and_seed
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import CheckpointError, user_errors
@@ -81,7 +81,7 @@ def generate(cfg: DictConfig) -> None:
     module = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     language_model(module, cfg)
     tokenizer = datamodule.tokenizer
-    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=[CpuThreadsPerRank()])
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=always_on("generate", cfg))
     if cfg.chat and trainer.world_size > 1:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."

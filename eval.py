@@ -17,8 +17,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import src.launch.resolvers  # noqa: F401
-from src.callbacks.essentials import CpuThreadsPerRank
-from src.callbacks.user_module import UserModule
 from src.checkpoint import safe_load
 from src.checkpoint.convert import consolidate, is_sharded, read_config
 from src.checkpoint.files import problem
@@ -26,7 +24,8 @@ from src.datamodules.plain import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
-from src.run.job import prepare
+from src.run.always_on import always_on
+from src.run.job import check_export_and_seed
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import user_errors
 
@@ -38,7 +37,7 @@ def stored_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
     """The config train.py stored in the checkpoint (None: not written by train.py), read without loading (or, for
     shards, gathering) the weights."""
     path = Path(cfg.ckpt_path)
-    if problem(path) is not None:  # missing, truncated, not a checkpoint: prepare's checks say which, in one line
+    if problem(path) is not None:  # missing, truncated, not a checkpoint: its checks before the run say which
         return None
     if not (path.is_file() or is_sharded(path)):
         raise ConfigError(
@@ -124,8 +123,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # the checkpoint is loaded as data and its stored config builds only what conf/ can, unless trust_checkpoint=true
     safe_load.trust(cfg.get("trust_checkpoint", False))
     stored = stored_config(cfg)
-    choose_precision(cfg, stored)  # before prepare: its machine checks and config_resolved.yaml see what runs
-    prepare(cfg)
+    choose_precision(cfg, stored)  # first: check_export_and_seed's machine checks and saved config see what runs
+    check_export_and_seed(cfg)
     trained = trained_config(cfg, stored)
 
     datamodule = instantiate(trained.data)
@@ -133,9 +132,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # e.g. vocab_size from the tokenizer; a plain LightningDataModule has no model_kwargs
     model = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     loggers = instantiate_group(cfg.logger, "logger")
-    trainer = instantiate(
-        cfg.trainer, logger=loggers, callbacks=[CpuThreadsPerRank(), UserModule(cfg.get("seed") or 0)]
-    )
+    trainer = instantiate(cfg.trainer, logger=loggers, callbacks=always_on("eval", cfg))
 
     ckpt_path = cfg.ckpt_path
     if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:

@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 import src.launch.resolvers  # noqa: F401
 from eval import choose_precision, consolidated_once, stored_config, trained_config
 from src.callbacks import harness as benchmarks
-from src.callbacks.essentials import CpuThreadsPerRank
 from src.checkpoint import safe_load
 from src.checkpoint.convert import is_sharded, read_stored
 from src.launch.choices import check_choices
@@ -28,7 +27,8 @@ from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities
 from src.parallel.gather import gathered
 from src.run import chat, sampling
-from src.run.job import prepare
+from src.run.always_on import always_on
+from src.run.job import check_export_and_seed
 from src.utils.config import ConfigError, instantiate_group, register_schemas
 from src.utils.errors import CheckpointError, user_errors
 
@@ -75,29 +75,16 @@ def generate(cfg: DictConfig) -> None:
     prompts = prompts_of(cfg)
     stored = stored_config(cfg)
     choose_precision(cfg, stored)
-    prepare(cfg)
+    check_export_and_seed(cfg)
     trained = trained_config(cfg, stored)
     datamodule = instantiate(trained.data)
     module = instantiate(trained.model, **getattr(datamodule, "model_kwargs", {}))
     language_model(module, cfg)
     tokenizer = datamodule.tokenizer
-    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=[CpuThreadsPerRank()])
-    if cfg.chat and trainer.world_size > 1:
-        raise ConfigError(
-            "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
-        )
-    if not capabilities.of(trainer.strategy).can_generate:
-        raise ConfigError(
-            f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
-            "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
-        )
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=always_on("generate", cfg))
+    check_layout(cfg, trainer)
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
     synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
-    if cfg.tasks is not None and synced:
-        raise ConfigError(
-            "tasks= runs where every rank holds the whole model: use trainer=default or trainer=ddp, not a strategy "
-            "that shards the parameters (its ranks would run different numbers of forwards)."
-        )
     stops = sampling.stop_ids(tokenizer)
 
     def predict_step(batch: list[int], batch_idx: int) -> list[tuple[int, Any]]:
@@ -123,17 +110,42 @@ def generate(cfg: DictConfig) -> None:
     batches = trainer.predict(module, dataloaders=loader, ckpt_path=ckpt_path, return_predictions=True)
     results = gathered([row for batch in batches or [] for row in batch])
     if cfg.tasks is not None and trainer.is_global_zero:
-        scores = results[0]
-        out = Path(cfg.output or Path(cfg.paths.output_dir) / "benchmarks.json")
-        out.write_text(json.dumps(scores, indent=1, default=str))
-        loggers = instantiate_group(cfg.logger, "logger") if cfg.logger else benchmarks.run_loggers(cfg.ckpt_path)
-        benchmarks.log_scores(loggers, scores, read_stored(cfg.ckpt_path, "global_step"))
-        for task, metrics in sorted(scores["results"].items()):
-            print(
-                f"BENCH {task} " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items()) if isinstance(v, float))
-            )
-    if cfg.prompts_file is None or not trainer.is_global_zero:
-        return
+        report_scores(cfg, results[0])
+    if cfg.prompts_file is not None and trainer.is_global_zero:
+        write_generations(cfg, results)
+
+
+def check_layout(cfg: DictConfig, trainer: Any) -> None:
+    """What the trainer's ranks and strategy cannot do: chat on several ranks, sample without the whole model on a
+    rank, lm-eval's tasks with the parameters sharded."""
+    if cfg.chat and trainer.world_size > 1:
+        raise ConfigError(
+            "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
+        )
+    if not capabilities.of(trainer.strategy).can_generate:
+        raise ConfigError(
+            f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
+            "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
+        )
+    if cfg.tasks is not None and capabilities.of(trainer.strategy).shards_parameters:
+        raise ConfigError(
+            "tasks= runs where every rank holds the whole model: use trainer=default or trainer=ddp, not a strategy "
+            "that shards the parameters (its ranks would run different numbers of forwards)."
+        )
+
+
+def report_scores(cfg: DictConfig, scores: dict[str, Any]) -> None:
+    """lm-eval's scores (rank 0): written to output (benchmarks.json), logged at the checkpoint's step, printed."""
+    out = Path(cfg.output or Path(cfg.paths.output_dir) / "benchmarks.json")
+    out.write_text(json.dumps(scores, indent=1, default=str))
+    loggers = instantiate_group(cfg.logger, "logger") if cfg.logger else benchmarks.run_loggers(cfg.ckpt_path)
+    benchmarks.log_scores(loggers, scores, read_stored(cfg.ckpt_path, "global_step"))
+    for task, metrics in sorted(scores["results"].items()):
+        print(f"BENCH {task} " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items()) if isinstance(v, float)))
+
+
+def write_generations(cfg: DictConfig, results: list[dict[str, Any]]) -> None:
+    """The prompts_file's completions (rank 0), in prompt order, as JSONL to output (generations.jsonl)."""
     out = Path(cfg.output or Path(cfg.paths.output_dir) / "generations.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")

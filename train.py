@@ -20,18 +20,15 @@ from omegaconf import DictConfig
 
 import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device_count:} before Hydra composes)
 from src.callbacks import trackers
-from src.callbacks.essentials import ConfigInCheckpoint, CpuThreadsPerRank, StepsInProgressBar
-from src.callbacks.trackers import TrackerRuns
-from src.callbacks.user_module import UserModule
 from src.checkpoint import safe_load
 from src.checkpoint.latest import resume_from
-from src.checkpoint.resume import ResumeAnywhere
 from src.datamodules.plain import shard_loaders
 from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors
 from src.models.init import deferred_init
 from src.parallel import capabilities
-from src.run.job import log_hyperparameters, metric_value, prepare
+from src.run.always_on import always_on
+from src.run.job import check_export_and_seed, log_hyperparameters, metric_value
 from src.utils.config import instantiate_group, register_schemas
 from src.utils.errors import user_errors
 
@@ -41,18 +38,12 @@ register_schemas()
 def train(cfg: DictConfig) -> Optional[float]:
     # checkpoints (ckpt_path, resume=auto, model.pretrained) are loaded as data unless trust_checkpoint=true
     safe_load.trust(cfg.get("trust_checkpoint", False))
-    prepare(cfg)  # unknown keys, machine checks, seed, config tree
+    check_export_and_seed(cfg)  # unknown keys, machine checks, model.pretrained exported, seed, config tree
 
     datamodule = instantiate(cfg.data)
     shard_loaders(datamodule, cfg.seed or 0)  # a LightningDataModule's own loaders: each rank its share
-    callbacks = instantiate_group(cfg.callbacks, "callbacks") + [
-        CpuThreadsPerRank(),
-        ConfigInCheckpoint(cfg),
-        StepsInProgressBar(),
-        ResumeAnywhere(allow_new_batch=cfg.get("resume_with_new_batch", False)),  # resume on another N or strategy
-        TrackerRuns(),  # MLflow / W&B: the run's id in every checkpoint
-        UserModule(cfg.seed or 0, cfg.compile_dropout, cfg.get("optimized_metric")),  # self.log synced, dropout keyed
-    ]
+    # conf/callbacks/'s, then the six every training run gets (src/run/always_on.py)
+    callbacks = instantiate_group(cfg.callbacks, "callbacks") + always_on("train", cfg)
     ckpt_path = resume_from(cfg) if cfg.train else None  # ckpt_path=, or resume=auto's newest checkpoint
     loggers = trackers.loggers(cfg.logger, ckpt_path)  # a tracker continues the run the checkpoint was logged to
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)

@@ -245,12 +245,12 @@ def test_tensor_parallel_config_errors_name_the_architectures_numbers(tmp_path, 
     from test_configs import compose_cfg
     from test_errors import FAST
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     fast = [o for o in FAST if not o.startswith("model.n_layer")]
     cfg = compose_cfg([*fast, "trainer=tp", "trainer.devices=2", *override], tmp=tmp_path)
     with pytest.raises(ConfigError) as error:
-        check_values(cfg)
+        resolve_and_check_values(cfg)
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

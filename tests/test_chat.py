@@ -295,12 +295,12 @@ def test_packing_under_pipeline_stages_is_one_sentence_before_any_rank_starts(tm
     src/run/checks.py on the composed config, as train.py does)."""
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     cfg = compose_cfg(
         ["data=chat", "data.packing=true", "trainer=pipeline", "trainer.devices=2", "model.n_layer=2"], tmp=tmp_path
     )
     with pytest.raises(ConfigError, match=r"^data.packing=true with trainer=pipeline: .* set data.packing=false"):
-        check_values(cfg)
+        resolve_and_check_values(cfg)
     cfg.data.packing = False
-    check_values(cfg)  # the same config unpacked passes
+    resolve_and_check_values(cfg)  # the same config unpacked passes

@@ -261,12 +261,12 @@ def test_options_the_chunked_loss_cannot_serve_are_one_sentence(chunk, objective
 def test_strategies_that_compute_the_loss_elsewhere_are_refused_before_any_rank_starts(overrides, words):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     for strategy in ("trainer=ddp", "trainer=fsdp", "trainer=tp", "trainer=deepspeed_stage_2"):
-        check_values(compose_cfg([strategy, "model.loss_chunk=64"]))  # these run it
+        resolve_and_check_values(compose_cfg([strategy, "model.loss_chunk=64"]))  # these run it
     with pytest.raises(ConfigError, match=words):
-        check_values(compose_cfg(overrides + ["model.loss_chunk=64"]))
+        resolve_and_check_values(compose_cfg(overrides + ["model.loss_chunk=64"]))
 
 
 # ---- through train.py (slow) ----

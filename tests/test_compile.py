@@ -205,12 +205,12 @@ def test_compile_auto_is_decided_from_the_run_before_the_model_is_built(tmp_path
     from test_configs import compose_cfg
 
     from src.models.compiling import AUTO_MIN_STEPS
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     def resolved(overrides: list[str]):
         cfg = compose_cfg(["trainer.precision=32-true", *overrides], tmp=tmp_path)
         assert cfg.model.compile == "auto" or "model.compile=false" in overrides
-        check_values(cfg)
+        resolve_and_check_values(cfg)
         return cfg.model.compile
 
     long = [f"trainer.max_steps={AUTO_MIN_STEPS}"]

@@ -512,20 +512,22 @@ def test_size_presets_of_llama_qwen2_mistral_are_the_published_shapes(model, siz
 
 
 def test_float32_matmul_precision_is_set_before_the_model_and_a_bad_value_is_one_sentence(tmp_path):
-    """float32_matmul_precision (conf/train.yaml, conf/eval.yaml): job.prepare sets torch's precision for fp32 matrix
+    """float32_matmul_precision (conf/train.yaml, conf/eval.yaml): job.check_export_and_seed sets torch's precision for fp32 matrix
     products on the rank it runs on (every rank runs it); torch's own default stays the default."""
     import torch
 
-    from src.run.job import prepare
+    from src.run.job import check_export_and_seed
     from src.utils.config import ConfigError
 
     assert (
         compose_cfg([]).float32_matmul_precision == "highest" == compose_cfg([], name="eval").float32_matmul_precision
     )
     try:
-        prepare(compose_cfg(["float32_matmul_precision=high", "extras.print_config=false"], tmp=tmp_path))
+        check_export_and_seed(compose_cfg(["float32_matmul_precision=high", "extras.print_config=false"], tmp=tmp_path))
         assert torch.get_float32_matmul_precision() == "high"
         with pytest.raises(ConfigError, match=r"float32_matmul_precision='tf32': use highest, high or medium"):
-            prepare(compose_cfg(["float32_matmul_precision=tf32", "extras.print_config=false"], tmp=tmp_path))
+            check_export_and_seed(
+                compose_cfg(["float32_matmul_precision=tf32", "extras.print_config=false"], tmp=tmp_path)
+            )
     finally:
         torch.set_float32_matmul_precision("highest")

@@ -161,10 +161,10 @@ def test_bad_records_are_one_sentence_each(tmp_path, caplog):
 def test_objective_and_data_must_agree(overrides, words):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     with pytest.raises(ConfigError, match=words):
-        check_values(compose_cfg(overrides))
+        resolve_and_check_values(compose_cfg(overrides))
 
 
 @pytest.mark.parametrize(
@@ -547,7 +547,7 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
     from test_parity import QUIET
 
     from src.checkpoint.convert import consolidate, is_dcp, is_deepspeed, load_checkpoint
-    from src.run.job import prepare
+    from src.run.job import check_export_and_seed
 
     shape = GPT2_SHAPE
     sft = [
@@ -611,7 +611,7 @@ def test_dpo_starts_from_the_weights_of_an_instruction_tuning_checkpoint(tmp_pat
 
     for source in [consolidate(dcp, tmp_path / "sft.ckpt"), *zeros]:  # the file form and the ZeRO dir
         cfg = compose_cfg(dpo + [f"model.pretrained={source}", f"paths.cache_dir={tmp_path / 'cache'}"], tmp=tmp_path)
-        prepare(cfg)
+        check_export_and_seed(cfg)
         assert cfg.data.tokenizer == "bytes"  # the checkpoint's own tokenizer, not the export dir
         datamodule = instantiate(cfg.data)
         module = instantiate(cfg.model, **datamodule.model_kwargs)

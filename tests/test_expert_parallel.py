@@ -98,13 +98,13 @@ def test_a_run_resumed_across_expert_parallelism_ends_like_the_straight_run(tmp_
 def test_what_expert_parallelism_cannot_do_is_one_sentence_before_anything_runs(tmp_path, overrides, message):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
     from src.utils.config import ConfigError
 
     base = ["trainer=fsdp", "trainer.devices=2", "trainer.strategy.expert_parallel_size=2"]
     cfg = compose_cfg([*base, "data.global_batch_size=12", *overrides], tmp=tmp_path)
     with pytest.raises(ConfigError, match=message) as error:
-        check_values(cfg)
+        resolve_and_check_values(cfg)
     assert "\n" not in str(error.value)
 
 

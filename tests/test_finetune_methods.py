@@ -104,7 +104,7 @@ def test_freeze_leaves_only_the_rest_to_the_optimizer():
 def test_bad_options_are_one_sentence_before_any_rank(tmp_path):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     for overrides, sentence in (
         (["model/peft=bottleneck_adapters", "model.peft.placement=ffn"], "placement='ffn' is not one of attention"),
@@ -116,7 +116,7 @@ def test_bad_options_are_one_sentence_before_any_rank(tmp_path):
         (["model/peft=bottleneck_adapters", "trainer=tp", "trainer.devices=2"], "model/peft is not supported with"),
     ):
         with pytest.raises(ConfigError, match=sentence):
-            check_values(compose_cfg(overrides, tmp=tmp_path))
+            resolve_and_check_values(compose_cfg(overrides, tmp=tmp_path))
 
 
 # ---- each method through train.py: N ranks == 1 process, eval.py, export-hf loaded by a clean client ----

@@ -104,11 +104,11 @@ def test_compile_auto_compiles_a_long_training_run_on_this_gpu(tmp_path):
     from test_configs import compose_cfg
 
     from src.models.compiling import AUTO_MIN_STEPS
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     for steps, want in ((AUTO_MIN_STEPS, True), (6, False)):
         cfg = compose_cfg([f"trainer.max_steps={steps}", *GPU], tmp=tmp_path)
-        check_values(cfg)
+        resolve_and_check_values(cfg)
         assert cfg.model.compile is want, (steps, cfg.model.compile)
 
 

@@ -233,10 +233,10 @@ def test_settings_are_checked(settings, words):
 def test_objective_data_and_strategy_must_agree(overrides, words):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     with pytest.raises(ConfigError, match=words):
-        check_values(compose_cfg(overrides))
+        resolve_and_check_values(compose_cfg(overrides))
 
 
 # ---- N ranks == 1 process (slow): the same samples, rewards, losses and weights ----

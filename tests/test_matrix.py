@@ -330,20 +330,23 @@ def test_every_cell_has_a_documented_outcome():
 
 
 def checked_before_any_rank(kind: str, objective: str, strategy: str, tmp: Path, monkeypatch) -> Optional[str]:
-    """What train.py's checks before any rank starts (src/run/job.py prepare) say of a cell's 2-rank config: None,
+    """What train.py's checks before any rank starts (src/run/job.py check_export_and_seed) say of a cell's 2-rank config: None,
     or the sentence that refuses it."""
     from test_configs import compose_cfg
 
-    from src.run.job import prepare
+    from src.run.job import check_export_and_seed
     from src.utils.config import ConfigError
 
-    for seeded in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # prepare seeds: the test process gets its own back
+    for seeded in (
+        "PL_GLOBAL_SEED",
+        "PL_SEED_WORKERS",
+    ):  # check_export_and_seed seeds: the test process gets its own back
         monkeypatch.delenv(seeded, raising=False)
     args = QUIET + [f"paths.cache_dir={tmp / 'cache'}"] + cell_args(kind, objective, tmp) + STRATEGIES[strategy][0]
     cfg = compose_cfg(args, tmp=tmp)  # the cell's 2-rank run, as train() starts it
     try:
         with torch.random.fork_rng():
-            prepare(cfg)
+            check_export_and_seed(cfg)
     except ConfigError as e:
         return str(e)
     return None

@@ -93,7 +93,7 @@ def test_the_padding_mask_compiled_with_the_whole_model_computes_the_eager_one(m
 def test_what_the_padding_cannot_serve_is_one_sentence():
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
     from src.utils.config import ArchitectureRefused, ConfigError
 
     with pytest.raises(ConfigError, match=r"a number of rows >= 1, or null"):
@@ -107,9 +107,9 @@ def test_what_the_padding_cannot_serve_is_one_sentence():
     with pytest.raises(ArchitectureRefused, match=r"Gemma2ForCausalLM's logits are not its head's output"):
         gemma2.padding.probe(gemma2)
     for strategy in ("trainer=ddp", "trainer=fsdp", "trainer=tp", "trainer=deepspeed_stage_3"):
-        check_values(compose_cfg([strategy, "model.pad_vocab_multiple=64"]))  # these run it
+        resolve_and_check_values(compose_cfg([strategy, "model.pad_vocab_multiple=64"]))  # these run it
     with pytest.raises(ConfigError, match=r"no rank runs the whole model, so the padding's mask is not checked"):
-        check_values(compose_cfg(["trainer=pipeline", "model.pad_vocab_multiple=64"]))
+        resolve_and_check_values(compose_cfg(["trainer=pipeline", "model.pad_vocab_multiple=64"]))
 
 
 @pytest.mark.slow

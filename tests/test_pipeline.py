@@ -304,12 +304,12 @@ def test_data_x_pipeline_x_tensor_on_eight_ranks_matches_one_process(tmp_path, o
 def test_pipeline_config_is_checked_before_anything_runs(tmp_path, overrides, message):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
     from src.utils.config import ConfigError
 
     cfg = compose_cfg(["trainer=pipeline", "trainer.devices=2", "data.global_batch_size=8", *overrides], tmp=tmp_path)
     with pytest.raises(ConfigError, match=message) as error:
-        check_values(cfg)
+        resolve_and_check_values(cfg)
     assert "\n" not in str(error.value)
 
 

@@ -13,7 +13,7 @@ import torch
 
 
 def test_lightning_checkpoint_loop_keys():
-    """src/checkpoint/resume.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
+    """src/callbacks/resume_anywhere.py rewrites these entries of a checkpoint's fit-loop state (Lightning's checkpoint format,
     not an API) when a resume changes the batch shape or moves between automatic and manual optimization."""
     state = L.Trainer(logger=False, enable_checkpointing=False, max_steps=1).fit_loop.state_dict()
     for key in ("epoch_loop.batch_progress", "epoch_loop.automatic_optimization.optim_progress"):

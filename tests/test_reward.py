@@ -166,10 +166,10 @@ def test_the_export_is_a_sequence_classifier_with_the_same_scores(tmp_path):
 def test_objective_data_and_strategy_must_agree(overrides, words):
     from test_configs import compose_cfg
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
 
     with pytest.raises(ConfigError, match=words):
-        check_values(compose_cfg(overrides))
+        resolve_and_check_values(compose_cfg(overrides))
 
 
 def test_the_head_trains_under_lora_and_is_filled_alike_on_every_build_path():

@@ -140,12 +140,12 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
     from test_configs import compose_cfg
     from test_errors import FAST
 
-    from src.run.checks import check_values
+    from src.run.checks import resolve_and_check_values
     from src.utils.config import ConfigError
 
     cfg = compose_cfg([*FAST, *TP, *override], tmp=tmp_path)
     with pytest.raises(ConfigError) as error:
-        check_values(cfg)
+        resolve_and_check_values(cfg)
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

@@ -128,8 +128,9 @@ def trace(prof: profile) -> list[Event]:
     ]
 
 
-def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
-    """One dict per collective in `events` (see `trace`), in issue order."""
+def _sorted_out(events: list[Event]) -> tuple[list[tuple[str, int, int]], list[Event], list[Event]]:
+    """`events` in start order, sorted out: the phase ranges (this callback's, the pipeline's, the logged loss's
+    reduction), the c10d collectives, and the backend's (gloo, nccl, mpi) events that carry their sizes."""
     ranges, ops, backend = [], [], []
     for e in sorted(events, key=lambda e: e.start):
         name, start = e.name, e.start
@@ -142,6 +143,24 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
             ops.append(e)
         elif re.match(r"^(gloo|nccl|mpi):", name):
             backend.append(e)
+    return ranges, ops, backend
+
+
+def _backend_event(op: Event, kind: str, in_n: Optional[int], backend: list[Event], claimed: set[int]) -> Optional[int]:
+    """The first unclaimed backend event at or after `op` that fits it: of the op's input size `in_n` where the op
+    has shapes (None: it has none), else of its kind by name."""
+    for i, b in enumerate(backend):
+        if i in claimed or b.start < op.start:
+            continue
+        size = _numel(b.shapes[0]) if b.shapes else 0
+        if (size == in_n) if in_n is not None else b.name.split(":", 1)[1] == kind:
+            return i
+    return None
+
+
+def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
+    """One dict per collective in `events` (see `trace`), in issue order."""
+    ranges, ops, backend = _sorted_out(events)
     claimed: set[int] = set()
     out = []
     for op in ops:
@@ -162,14 +181,7 @@ def collectives(events: list[Event], world: int) -> list[dict[str, Any]]:
         if shaped:  # output, input (all-gather, reduce-scatter): the sizes are the op's own
             out_n, in_n = _numel(shaped[0]), _numel(shaped[-1])
             dtype = op.dtypes[0]
-        match = None
-        for i, b in enumerate(backend):  # the first unclaimed backend event at or after the op that fits it
-            if i in claimed or b.start < op.start:
-                continue
-            size = _numel(b.shapes[0]) if b.shapes else 0
-            if (size == in_n) if shaped else b.name.split(":", 1)[1] == kind:
-                match = i
-                break
+        match = _backend_event(op, kind, in_n if shaped else None, backend, claimed)
         if match is not None:
             claimed.add(match)
         if shaped and kind in ("all_gather", "reduce_scatter"):

@@ -1,4 +1,4 @@
-"""Callbacks train.py always adds: they fix things that should never be left to the user."""
+"""Callbacks every run gets (src/run/always_on.py): they fix things that should never be left to the user."""
 
 from __future__ import annotations
 

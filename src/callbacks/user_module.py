@@ -1,5 +1,7 @@
-"""Three habits of any LightningModule (the template's LitModule or a plain one, as Lightning's docs teach) that train
-or report another model on N ranks than on 1, made exact from outside the module:
+"""UserModule, a callback that changes the module it trains from outside: it rebinds the module's `self.log` and
+`self.log_dict` (`rebind_log`) and its `self.all_gather`, turns on its metrics' `dist_sync_on_step` and keys its
+dropouts. That makes exact three habits of any LightningModule (the template's LitModule or a plain one, as
+Lightning's docs teach) that train or report another model on N ranks than on 1:
 
 - `self.log(...)` / `self.log_dict(...)` without `sync_dist`: Lightning logs rank 0's own value (its default is
   sync_dist=False), not the global batch's. Here a call that does not say reduces over the ranks (sync_dist=True,
@@ -14,10 +16,10 @@ or report another model on N ranks than on 1, made exact from outside the module
   that value is computed (torchmetrics' `dist_sync_on_step`): the global batch's value. Epoch values were synced
   already.
 - dropout: each rank draws its masks from its own generator, so a sample gets another mask on every layout. Here
-  each `nn.Dropout` becomes a KeyedDropout, a transformers model's attention dropout (SDPA's `dropout_p`, eager
+  each `nn.Dropout` becomes a KeyedDropout, and a transformers model's attention dropout (SDPA's `dropout_p`, eager
   attention's) and the `F.dropout` a module's own forward calls are keyed the same way (src/models/dropout.py
-  key_module), and a training batch's masks are keyed by the run's seed, the step and its samples' dataset indices,
-  read from the training sampler: the masks one process draws. Any other random number a training step draws
+  key_module): a training batch's masks are keyed by the run's seed, the step and its samples' dataset indices,
+  read from the training sampler, so they are the masks one process draws. Any other random number a training step draws
   itself (`torch.randn`, a Tensor's `normal_`, attention that drops inside its kernel) would come from each rank's
   generator too: on N ranks the first training step that draws one is refused in one sentence naming it, before
   its backward and any optimizer step.
@@ -68,6 +70,18 @@ class SyncedByDefault:
                 return self.log(*args, **kwargs)
             kwargs["batch_size"] = float(size)
         return self.log(*args, **kwargs)
+
+
+def rebind_log(
+    module: L.LightningModule, batch_size: Callable[[], Optional[int]], check: Callable[[dict], None]
+) -> bool:
+    """Replace `module.log` and `module.log_dict` (its bound methods) with SyncedByDefault wrappers of them, set on the
+    instance: the module's own `self.log(...)` calls then go through the wrappers. False if they already were."""
+    if isinstance(module.log, SyncedByDefault):
+        return False
+    module.log = SyncedByDefault(module.log, batch_size, check)
+    module.log_dict = SyncedByDefault(module.log_dict, batch_size, check)
+    return True
 
 
 def _dropout_draws(args: tuple, kwargs: dict, p_at: int = 1, training_at: int = 2, training: bool = True) -> bool:
@@ -135,8 +149,9 @@ class RandomDraws(TorchFunctionMode):
 
 
 class UserModule(L.Callback):
-    """Applies the module doc's rules to the trained module; `seed`: the run's (keys the dropout masks);
-    `compile_dropout`: how keyed dropout runs (src/models/dropout.py, wants_kernel)."""
+    """Changes the trained module as the module doc says, at setup: its `log` and `log_dict` rebound (`rebind_log`),
+    its `all_gather` rebound (RowsInOrder), its metrics synced each step, its dropouts keyed; `seed`: the run's (keys
+    the dropout masks); `compile_dropout`: how keyed dropout runs (src/models/dropout.py, wants_kernel)."""
 
     def __init__(self, seed: int, compile_dropout: Any = "auto", optimized_metric: Optional[str] = None) -> None:
         keyed.wants_kernel(compile_dropout, torch.device("cpu"))  # a bad value fails here, before the run
@@ -153,10 +168,8 @@ class UserModule(L.Callback):
         self.probed = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not isinstance(pl_module.log, SyncedByDefault):
+        if rebind_log(pl_module, lambda: self.batch_size, self.check_epoch_end):
             self.per_rank = PerRankValues(lambda: self.monitored(trainer))
-            pl_module.log = SyncedByDefault(pl_module.log, lambda: self.batch_size, self.check_epoch_end)
-            pl_module.log_dict = SyncedByDefault(pl_module.log_dict, lambda: self.batch_size, self.check_epoch_end)
         kernel = keyed.wants_kernel(self.compile_dropout, trainer.strategy.root_device)
         keyed.use_kernel(kernel)
         if stage == "fit" and keyed.has_dropout(pl_module):

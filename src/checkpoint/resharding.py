@@ -16,7 +16,7 @@ Which path a checkpoint takes depends on the form it was written in and the form
 More than Lightning's loaders: Lightning reads a full file into FSDP2 by numbering the optimizer's parameters
 in `named_parameters()` order, which is wrong as soon as the optimizer has two parameter groups (ours: decay
 and no decay), and reads a DCP dir into nothing but the strategy that wrote it. So every checkpoint also stores
-its optimizer's parameter names (NAMES_KEY) and its data position (src/checkpoint/resume.py).
+its optimizer's parameter names (NAMES_KEY) and its data position (src/callbacks/resume_anywhere.py).
 """
 
 from __future__ import annotations

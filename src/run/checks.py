@@ -92,8 +92,9 @@ def check_top_level_keys(cfg: DictConfig) -> None:
             )
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Values whose failure would come late or from deep inside a library."""
+def resolve_and_check_values(cfg: DictConfig) -> None:
+    """Resolves model.compile=auto in `cfg` (resolve_auto_compile), then checks the values whose failure would come
+    late or from deep inside a library."""
     resolve_auto_compile(cfg)
     for key in ("data.seq_len", "data.global_batch_size"):  # others interpolate them: name them before they resolve
         value = OmegaConf.select(cfg, key, default=None)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.convert import as_pretrained, is_checkpoint, read_config
 from src.datamodules import plain
-from src.run.checks import check_machine, check_top_level_keys, check_values
+from src.run.checks import check_machine, check_top_level_keys, resolve_and_check_values
 from src.utils.config import ConfigError, check_targets, flatten
 from src.utils.logging import quiet_console
 
@@ -49,15 +49,17 @@ def absolute_paths(cfg: DictConfig) -> None:
             parent[leaf] = str(Path(value).resolve())
 
 
-def prepare(cfg: DictConfig) -> None:
-    """Checks before any expensive work, then seed and config tree."""
+def check_export_and_seed(cfg: DictConfig) -> None:
+    """Checks before any expensive work, changing `cfg` where they resolve a value (model.compile=auto, paths made
+    absolute); a model.pretrained checkpoint of this template exported to a Hugging Face dir, which `cfg` then names;
+    then the seed, the matmul precision, config_resolved.yaml and the config tree."""
     import lightning as L
 
     quiet_console()
     check_top_level_keys(cfg)
     plain.check_config(cfg)  # a plain LightningDataModule's overfit and batch: before the key check's general word
     check_targets(cfg)
-    check_values(cfg)
+    resolve_and_check_values(cfg)
     check_machine(cfg.trainer)
     absolute_paths(cfg)
     weights_from_checkpoint(cfg)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from src.architectures.gpt2 import GPT2
 from src.models.hf import decoder_layers
@@ -231,7 +232,7 @@ def estimate(
     return Estimate(p, g, o, activations(layers, n_head, n_embd, seq, micro_batch, checkpointing, tensor_parallel), cpu)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=SIZES, default="small", help="GPT-2's sizes (without --model)")
     ap.add_argument(
@@ -253,6 +254,11 @@ def main() -> None:
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches M per step")
     ap.add_argument("--stages-per-rank", type=int, default=1, help="v, for the interleaved schedule")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     a = ap.parse_args()
     try:
         fields = {k: _number(v) for k, v in (item.split("=", 1) for item in a.config)}
@@ -276,6 +282,11 @@ def main() -> None:
         )
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError: one sentence each
         ap.error(str(exc).strip().splitlines()[0])
+    report(a, config, e)
+
+
+def report(a: argparse.Namespace, config: Any, e: Estimate) -> None:
+    """The estimate `e` for the command line `a` (and --model's `config`, else None), per rank in GiB."""
     gib = 2**30
     n_layer, _, n_embd = SIZES[a.size]
     data_parallel = a.world_size // (a.tensor_parallel * a.pipeline_parallel)

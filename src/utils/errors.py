@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from hydra.errors import CompactHydraException
-from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
 EXIT_USER_ERROR = 2
@@ -134,36 +133,3 @@ def user_errors(cfg: Optional[Any] = None) -> Iterator[None]:
             raise JobFailed(message) from None
         sys.stderr.flush()
         raise SystemExit(EXIT_USER_ERROR) from None
-
-
-class LogDirCheck(Callback):
-    """A Hydra callback (conf/hydra/default.yaml): `paths.log_dir` inside a file ends the run with one sentence on
-    stderr and exit 2. Hydra makes the run dir before the job starts, so `user_errors` never sees its
-    NotADirectoryError, which Hydra printed with a traceback."""
-
-    def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        self.check(config)
-
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        self.check(config)
-
-    @staticmethod
-    def check(config: Any) -> None:
-        from pathlib import Path
-
-        from omegaconf import OmegaConf
-
-        log_dir = OmegaConf.select(config, "paths.log_dir", default=None, throw_on_missing=False)
-        if not isinstance(log_dir, str):
-            return
-        existing = Path(log_dir).absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
-            print(
-                f"[ERROR] - paths.log_dir={log_dir} is inside {existing}, which is a file, not a directory: pick "
-                "another paths.log_dir.",
-                file=sys.stderr,
-                flush=True,
-            )
-            raise SystemExit(EXIT_USER_ERROR)

@@ -44,13 +44,13 @@ def local_tasks(root: Path) -> tuple[list[str], Path]:
         write_task(root, name, data, body)
 
     words = ["mat", "dog", "tree", "sky"]
-    task("bench_mc", [{"q": f"Q{i}: the cat sat on the", "choices": words, "answer": i % 4} for i in range(40)],
+    task("bench_mc", [{"q": f"Q{i}: the cat sat on the", "choices": words, "answer": i % 4} for i in range(200)],
          'output_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
          "metric_list:\n  - metric: acc\n")  # fmt: skip
-    task("bench_roll", [{"text": "The quick brown fox jumps over the lazy dog. " * k} for k in range(1, 21)],
+    task("bench_roll", [{"text": "The quick brown fox jumps over the lazy dog. " * k} for k in range(1, 41)],
          'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
          "metric_list:\n  - metric: word_perplexity\n")  # fmt: skip
-    task("bench_gen", [{"q": f"Say {w}:", "a": w} for w in words * 3],
+    task("bench_gen", [{"q": f"Say {w}:", "a": w} for w in words * 6],
          'output_type: generate_until\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\n'
          'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 16\n  do_sample: false\n'
          "metric_list:\n  - metric: exact_match\n")  # fmt: skip

@@ -26,10 +26,10 @@ from src.callbacks.user_module import UserModule
 from src.checkpoint import safe_load
 from src.checkpoint.latest import resume_from
 from src.checkpoint.resume import ResumeAnywhere
-from src.datamodules.plain import shard_loaders
+from src.core.plain_loaders import shard_loaders
 from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors
-from src.models.init import deferred_init
+from src.lm.init import deferred_init
 from src.parallel import capabilities
 from src.run.job import log_hyperparameters, metric_value, prepare
 from src.utils.config import instantiate_group, register_schemas

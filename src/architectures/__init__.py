@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from src.architectures.adapter import Adapter
-from src.architectures.gpt2 import GPT2
+from src.architectures.gpt2_adapter import GPT2
+from src.architectures.handwritten import Adapter
 
 ADAPTERS: dict[str, Adapter] = {"gpt2": GPT2}
 

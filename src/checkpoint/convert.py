@@ -106,15 +106,15 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
 
 
 # the objectives a checkpoint written before objectives were a config group can name
-OBJECTIVES = {"sft": "src.objectives.sft.SFT", "dpo": "src.objectives.dpo.DPO"}
-# where a stored `_target_` of an objective, a reward function or the token loss lived before src/objectives/
+OBJECTIVES = {"sft": "src.lm.objectives.sft.SFT", "dpo": "src.lm.objectives.dpo.DPO"}
+# where a stored `_target_` of an objective, a reward function or the token loss lived before src/lm/objectives/
 MOVED = re.compile(r"^src\.models\.(objective|sft|dpo|reward|grpo|verifiers|loss|moe)\.")
 
 
 def upgraded(config: Any) -> Any:
     """A stored config as this version builds it: one from before objectives were a config group (`model.objective:
-    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.objectives.dpo.DPO, beta: ...}`; a
-    `_target_` under src/models/ that moved to src/objectives/ is named where it is now."""
+    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.lm.objectives.dpo.DPO, beta: ...}`; a
+    `_target_` under src/models/ that moved to src/lm/objectives/ is named where it is now."""
     config = _moved(config)
     model = config.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("objective"), str):
@@ -132,7 +132,7 @@ def _moved(node: Any) -> Any:
         return [_moved(v) for v in node]
     if isinstance(node, str) and MOVED.match(node):
         name = MOVED.match(node).group(1)
-        return MOVED.sub(f"src.objectives.{'base' if name == 'objective' else name}.", node)
+        return MOVED.sub(f"src.lm.objectives.{'base' if name == 'objective' else name}.", node)
     return node
 
 
@@ -196,7 +196,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
     also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix/P-tuning cannot be
     merged: `out_dir/base/` gets the frozen base model, for peft's PeftModel.from_pretrained. Bottleneck adapters: `out_dir/base/` (the
-    frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/models/bottleneck.py's `load`).
+    frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/lm/features/bottleneck.py's `load`).
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
@@ -206,7 +206,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         )
     out_dir = Path(out_dir)
     model = module.model
-    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/models/bottleneck.py)
+    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/lm/features/bottleneck.py)
         model.bottleneck_config.export(model, out_dir)  # the base alone (a plain model), then the adapters
         _save_tokenizer(datamodule, out_dir / "base")
         print(f"Base model written to {out_dir / 'base'}, its bottleneck adapters and loader to {out_dir / 'adapter'}.")

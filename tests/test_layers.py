@@ -126,6 +126,40 @@ def test_bench_sits_on_top():
     assert "bench.common" in {m for edges in imports("bench").values() for m in edges}  # the scan sees bench/
 
 
+# what only the language model knows: its package, objectives, token data, experts, adapters (case-insensitive)
+LM_WORDS = re.compile(
+    r"src[./]lm\b|\bobjectives?\b|\btokeni[sz]er|\b(token_cache|corpus|LANGUAGE_KINDS)\b|\bexperts?\b|CausalLM|"
+    r"\b(DPO|GRPO|peft|lora)\b",
+    re.IGNORECASE,
+)
+
+
+def lm_mentions(folder, root=ROOT) -> list[str]:
+    """Where a folder's modules import the LM package or name what only it knows (LM_WORDS), in code, strings,
+    docstrings and comments alike."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(root)}:{node.lineno}: imports {n}" for n in names if n.startswith("src.lm")]
+        for number, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(root)}:{number}: {m[0]}" for m in LM_WORDS.finditer(line)]
+    return found
+
+
+def test_the_core_knows_nothing_of_the_language_model():
+    """src/core/ is the floor both the LM (src/lm/) and a user's module stand on: none of its modules imports the LM
+    package or names its objectives, token data or experts (each such need is a hook the LM implements)."""
+    assert lm_mentions(ROOT / "src" / "core") == []
+
+
+def test_the_core_check_sees_a_mention(tmp_path):
+    (tmp_path / "a.py").write_text("from src.lm.data import text\n\nX = 1  # the DPO sums\n")
+    assert lm_mentions(tmp_path, root=tmp_path) == ["a.py:1: imports src.lm.data", "a.py:1: src.lm", "a.py:3: DPO"]
+
+
 def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):
     """The check bites: a utils module importing an objective's module is reported."""
     import test_layers

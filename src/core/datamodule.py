@@ -75,7 +75,7 @@ class PaddedSplit(Dataset):
 
 class Indexed(Dataset):
     """A training split whose item i is (i, the split's item i): the collate below adds each batch's sample indices,
-    which key its dropout masks (src/core/dropout.py) and are the same on every layout."""
+    which key the module's dropout masks (src/core/dropout.py) and are the same on every layout."""
 
     def __init__(self, split: Dataset) -> None:
         self.split = split
@@ -150,25 +150,24 @@ def working_shapes(
     return ", or ".join(options)
 
 
-LANGUAGE_KINDS = ("tokens", "pairs", "prompts")  # the batch kinds of a language model's data (src/lm/objectives/)
-
-
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses fill `self.splits` ("train", "val", "test" -> Dataset) in `build_splits`.
 
     The data.* keys every datamodule takes are typed and checked here, once: a subclass takes its own keys and
     passes the rest on (`**shared`; src/utils/config.py's key check reads this signature through it)."""
 
-    # what a batch holds, for a language model's objective (src/lm/objectives/base.py): tokens (input ids and their
-    # shifted targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts,
-    # for GRPO) | images (data=digits, mnist) | samples (anything else: your own data, for a model without objective)
+    # what a batch holds, for a module that reads several kinds: images (data=digits, mnist) | samples (anything else:
+    # your own data); a subclass names its own kinds
     batch_kind = "samples"
     # Evaluation on N ranks: False (the default), each rank's shard in as many batches as every other's, near-equal in
     # size, no padding: whatever the module logs (self.log's means, torchmetrics, a count) counts each sample once.
     # True: every batch but the last of one size, short shards ending with a padding sample whose labels are ignored
-    # (padding_sample): what the language-model data does (its metrics leave out the ignored labels; GRPO gathers the
-    # generations of each position).
+    # (padding_sample), for a module whose metrics leave the ignored labels out.
     pad_evaluation = False
+    # Randomness keyed by sample: False (the default), a Dataset's own random draws (augmentation) keyed by (seed,
+    # epoch, sample) (seeded.py); True, for dict batches whose module keys its randomness itself: each train batch
+    # carries its samples' indices (`sample_index`) instead.
+    indexes_samples = False
 
     def __init__(
         self,
@@ -188,7 +187,7 @@ class ShardedDataModule(L.LightningDataModule):
         self.num_workers, self.seed, self.overfit_batches = num_workers, seed, overfit_batches
         self.batch_size: Optional[int] = None  # per-device micro-batch, set in setup()
         self.splits: dict[str, Dataset] = {}
-        self._target_counts: Optional[tuple[Dataset, Any]] = None  # (train split, its target tokens per sample)
+        self._target_counts: Optional[tuple[Dataset, Any]] = None  # (train split, its targets per sample)
 
     def build_splits(self) -> dict[str, Dataset]:
         raise NotImplementedError
@@ -242,7 +241,7 @@ class ShardedDataModule(L.LightningDataModule):
         return self.batch_size * self.data_ranks()[1]
 
     def step_targets(self, epoch: int, accumulate: int) -> Optional[tuple[Any, int]]:
-        """(the target tokens of each optimizer step of `epoch`, over all ranks and accumulation micro-batches;
+        """(the targets of each optimizer step of `epoch`, over all ranks and accumulation micro-batches;
         the data-parallel ranks that table counts), or None when the train split cannot count its targets.
 
         The training sampler draws one seeded permutation per epoch that all ranks share, so every rank computes
@@ -256,10 +255,9 @@ class ShardedDataModule(L.LightningDataModule):
         return sampler.step_totals(self._target_counts[1], self.batch_size, accumulate, epoch), sampler.num_replicas
 
     def train_dataloader(self) -> DataLoader:
-        # a language model's dict batches carry their samples' indices (`sample_index`: the LM keys its dropout by
-        # them); any other batch is the user's as collated (src/callbacks/user_module.py reads the sampler instead)
-        # any other Dataset's own random draws (augmentation) are keyed by (seed, epoch, sample): datamodules/seeded.py
-        indexed = self.batch_kind in LANGUAGE_KINDS
+        # `indexes_samples`: dict batches carry their samples' indices; any other batch is the user's as collated
+        # (src/callbacks/user_module.py reads the sampler instead), its Dataset's draws keyed by sample (seeded.py)
+        indexed = self.indexes_samples
         split = self.splits["train"]
         dataset = Indexed(split) if indexed else SeededItems(split, self.seed or 0)
         collate = IndexedCollate(self.collate_fn()) if indexed else self.collate_fn()
@@ -289,7 +287,7 @@ class ShardedDataModule(L.LightningDataModule):
             if len(dataset) % sampler.world:  # some shards are one short: they get the padding item
                 dataset = PaddedSplit(dataset, self.padding_sample(dataset[0]))
             batches = {"batch_size": size, "sampler": sampler, "drop_last": False}
-        if self.batch_kind not in LANGUAGE_KINDS:  # a Dataset's own random draws keyed by sample (seeded.py)
+        if not self.indexes_samples:  # a Dataset's own random draws keyed by sample (seeded.py)
             dataset = SeededItems(dataset, self.seed or 0)
         return DataLoader(
             dataset,

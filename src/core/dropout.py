@@ -6,21 +6,17 @@ of 2, or in another micro-batch: a run with dropout trains another model on ever
 the trained model is replaced by `KeyedDropout` (`key_dropouts`), which hashes (row key, module, element position)
 with a 32-bit integer finaliser and keeps the elements whose hash is at least p x 2^32: plain tensor ops, on any
 device and under torch.compile, or (`use_kernel`, the run's `compile_dropout`: `wants_kernel`) one kernel per tensor
-compiled by inductor, with the same values. A row's key (`row_keys`) mixes the seed, the step and its sample index; an element's
-position is its index along each dimension, so a row right-padded to another width keeps its mask. The LM module
-sets the keys before each training forward (`set_keys`); a training forward without keys is an error, not a silent
-draw from torch's generator.
+compiled by inductor, with the same values. A row's key (`row_keys`) mixes the seed, the step and its sample index; an
+element's position is its index along each dimension, so a row right-padded to another width keeps its mask. Whoever
+runs the training forward sets the keys before it (`set_keys`); a training forward without keys is an error, not a
+silent draw from torch's generator.
 
 Dropout a model draws with `torch.nn.functional.dropout` is keyed the same way, salted by the module and the call's
 number within its forward: attention dropout goes through `keyed_attention` (transformers' attention function
 registry: the model's own eager attention function where a training forward drops, the implementation it was built
 with otherwise), and a module whose own forward calls it (Seed-OSS's and StarCoder2's residual dropout) runs that
-forward under `_KeyedFunctionalDropout`, entered by forward hooks. What no key reaches (a kernel's own dropout, router
-jitter) `check_draws` finds before step 1 (two training forwards under different generator states must agree) and
-refuses in one sentence.
-
-The LM module's option `model.dropout` (every dropout probability of the architecture, `set_probability`), its
-keying (`key_model`, `keys_of`), its probe (`check_draws`) and its refusals live here.
+forward under `_KeyedFunctionalDropout`, entered by forward hooks. A user's module is keyed whole by `key_module`;
+a config's dropout probabilities are set by `set_probability` (model.dropout).
 """
 
 from __future__ import annotations
@@ -37,9 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
-from src.core.probe import gap_beyond_rounding, probing
-from src.parallel import capabilities
-from src.utils.config import ArchitectureRefused, ConfigError, check_number
+from src.utils.config import ConfigError, check_number
 
 _M32 = 0xFFFFFFFF
 # (the keys of the current training forward's rows, int64 in [0, 2^32)); a module global rather than an attribute of
@@ -324,7 +318,7 @@ def key_attention(model: nn.Module, implementation: str) -> bool:
 
 
 def key_module(module: nn.Module) -> int:
-    """Every dropout of a user's module keyed per sample, as the LM's are: its nn.Dropout modules, the attention
+    """Every dropout of a user's module keyed per sample, as the language model's are: its nn.Dropout modules, the attention
     dropout of each transformers model inside it whose config holds a dropout probability (BERT's, RoBERTa's,
     ViT's...), and the functional dropout its modules' own forwards call (a forward that calls F.dropout). The number
     keyed (modules with p > 0, attention, functional); one sentence for attention that draws its dropout inside a
@@ -339,7 +333,7 @@ def key_module(module: nn.Module) -> int:
             continue  # keyed already (a second setup of the same module)
         if not key_attention(model, implementation):
             raise ConfigError(
-                f"{name or 'the module'} ({type(model).__name__}) has dropout ({_names(fields)}) and attention "
+                f"{name or 'the module'} ({type(model).__name__}) has dropout ({field_list(fields)}) and attention "
                 f"{implementation!r}, which draws its attention dropout inside its kernel from each rank's generator: "
                 "build it with attn_implementation='sdpa' or 'eager' (keyed per sample), or set its attention dropout to 0."
             )
@@ -391,7 +385,7 @@ def set_probabilities(config: Any, p: float) -> None:
         setattr(target, field, p)
 
 
-# ---- the LM module's option (model.dropout), its keys, its probe and its refusals ----
+# ---- a model's dropout probability (model.dropout) ----
 
 
 def check_probability(p: Optional[float]) -> Optional[float]:
@@ -403,7 +397,7 @@ def check_probability(p: Optional[float]) -> Optional[float]:
 
 def set_probability(built: Any, p: Optional[float]) -> Any:
     """model.dropout (when set) in a config, before its model is built, or in a built model's dropout modules: every
-    dropout probability of the architecture (its adapter's is model.lora.dropout)."""
+    dropout probability of the architecture (an adapter's has its own option)."""
     if p is not None:
         if isinstance(built, PretrainedConfig):
             set_probabilities(built, p)
@@ -413,77 +407,6 @@ def set_probability(built: Any, p: Optional[float]) -> Any:
     return built
 
 
-def key_model(model: nn.Module, attn_implementation: str) -> int:
-    """Every dropout of `model` keyed per sample: its dropout modules, and where its config holds a dropout
-    probability, its attention's; the number of dropouts with p > 0 (modules or attention)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    functional = 0
-    if any(config_fields(base.config).values()):  # the forward may draw dropout itself
-        functional = key_attention(base, attn_implementation) + key_functional_dropouts(base)
-    return key_dropouts(model) + functional
-
-
-def keys_of(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The dropout keys of the LM module's training batch's rows: the run's seed, the optimizer step and each row's
-    sample; one sentence for a batch that does not name its samples."""
-    rows = batch["input_ids"].shape[0]
-    index = batch.get("sample_index")
-    if index is None or rows % index.numel():
-        raise ConfigError(
-            f"{type(module.hf_model).__name__} has dropout and this batch does not say which sample each row is "
-            f"(the data's train loader gives `sample_index`; {module.objective.name}'s rows are its own): "
-            "set model.dropout=0."
-        )
-    # Lightning's global_step: the trainer's, or 0 for a module used on its own
-    return row_keys(index.to(batch["input_ids"].device), rows, module.global_step, module.base_seed)
-
-
-def check_draws(module: Any) -> None:
-    """Before step 1, on every rank alike: the LM module's training forward draws nothing from torch's generator (two
-    forwards under different generator states give the same logits), or one sentence. Its dropout modules are keyed
-    per sample; what a forward draws itself (functional attention dropout, router jitter) would give each layout other
-    masks. Under a strategy that splits a row's forward (tensor parallel, pipeline stages: `keys_dropout` false) any
-    dropout is refused."""
-    fields = {k: v for k, v in config_fields(module.config).items() if v}
-    kind = type(module.hf_model).__name__
-    if not capabilities.of(module.trainer.strategy).keys_dropout:
-        if has_dropout(module.model) or fields:
-            raise ArchitectureRefused(
-                f"{kind} has dropout ({_names(fields)}), which {type(module.trainer.strategy).__name__} "
-                f"would draw per rank: {_fix(module.model, fields)}."
-            )
-        return
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, module.vocab_size, (1, 8), generator=generator).to(module.device)
-    batch = {"input_ids": ids, "sample_index": torch.zeros(1, dtype=torch.long)}
-    gpus = [module.device] if module.device.type == "cuda" else []  # the generators the probe must not advance
-    outs = []
-    with probing(module, training=True), torch.random.fork_rng(devices=gpus):
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            outs.append(module.lm_forward(batch).logits.float())
-    fp32 = next(module.model.parameters()).dtype == torch.float32
-    gap = gap_beyond_rounding(outs[1], outs[0], fp32)
-    if gap is not None:
-        raise ArchitectureRefused(
-            f"{kind}'s training forward draws random numbers of its own ({_names(fields)}; logits {gap:.3g} apart "
-            f"under two generator states), which would differ with the number of devices: {_fix(module.model, fields)}."
-        )
-
-
-def _fix(model: nn.Module, fields: dict[str, float]) -> str:
-    """What turns off every random draw named in a refusal: model.dropout, the config's other random fields (router
-    jitter: model.config.X), LoRA's dropout."""
-    fix = []
-    probabilities = [k for k in fields if PROBABILITY_FIELD.search(k)]
-    if probabilities or not fields:
-        fix.append("model.dropout=0")
-    fix += [f"model.config.{k}=0" for k in fields if not PROBABILITY_FIELD.search(k)]
-    if any(isinstance(m, KeyedDropout) and m.p > 0 and "lora_" in m.name for m in model.modules()):
-        fix.append("model.lora.dropout=0")
-    return "set " + " and ".join(fix)
-
-
-def _names(fields: dict[str, float]) -> str:
+def field_list(fields: dict[str, float]) -> str:
     named = [f"{k}={v}" for k, v in fields.items()]
     return ", ".join(named) if named else "its dropout modules"

@@ -1,5 +1,5 @@
-"""What every model here shares: a train loss normalised by the tokens of the whole optimizer step
-(so 1 x 8, 2 x 4 and 1 x 4 x accumulation 2 optimise the same objective), epoch metrics synced over
+"""What every model here shares: a train loss normalised by the targets of the whole optimizer step
+(so 1 x 8, 2 x 4 and 1 x 4 x accumulation 2 optimise the same loss), epoch metrics synced over
 ranks, and an optimizer whose LR can follow the global batch size."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.profiler import record_function
 
+from src.core.metrics import epoch_values
 from src.parallel import capabilities
 from src.utils.config import ConfigError
 from src.utils.logging import TRAIN_LOSS_REDUCE
@@ -60,12 +61,7 @@ class LitModule(L.LightningModule):
         self.optimizer_fn, self.scheduler_fn, self.weight_decay = optimizer, scheduler, weight_decay
         self.lr_scaling, self.base_batch_size = lr_scaling, base_batch_size
         self._loss_sum: Optional[torch.Tensor] = None
-        self._stat_sums: Optional[torch.Tensor] = None  # other per-step statistics' sums (DPO's rewards, ...)
-        self._step_totals: Optional[tuple[Any, Any, int]] = None  # (key, target tokens per step, data ranks)
-        # Divergence (src/callbacks/divergence.py): on the device, the first optimizer step (1-based) since
-        # the last check whose loss was not finite (inf: none); on logging steps, its reduced flag.
-        self.first_nonfinite: Optional[torch.Tensor] = None
-        self.nonfinite_reduced: Optional[torch.Tensor] = None
+        self._step_totals: Optional[tuple[Any, Any, int]] = None  # (key, targets per step, data ranks)
 
     @property
     def automatic_optimization(self) -> bool:
@@ -90,7 +86,7 @@ class LitModule(L.LightningModule):
         return self
 
     def networks(self) -> list[torch.nn.Module]:
-        """Every network a step runs: network(), then frozen ones that never train (DPO's reference policy).
+        """Every network a step runs: network(), then frozen ones that never train (a reference policy).
         Strategies shard each alike; blocks() lists the blocks of all of them."""
         return [self.network()]
 
@@ -101,19 +97,19 @@ class LitModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Nothing: sharding is applied from outside, by src/parallel/parallelize.py (Lightning requires the hook).
-        A model built on the meta device (src/lm/init.py) materialises itself here or in `materialize`."""
+        A model built on the meta device materialises itself here or in `materialize`."""
 
     def materialize(self, device: torch.device, sharded: bool) -> None:
         """Give a model built on the meta device its values (the FSDP2 strategy calls it after fully_shard).
-        Nothing here: only models that defer their init (CausalLMLitModule) override it."""
+        Nothing here: only models that defer their init override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """The micro-batch's share of its optimizer step's loss, the mean over the step's target tokens
-        on all ranks and accumulation micro-batches (the idea of transformers' `num_items_in_batch`).
+        """The micro-batch's share of its optimizer step's loss, the mean over the step's targets (a
+        language model's target tokens, a classifier's labels) on all ranks and accumulation micro-batches (the idea of transformers' `num_items_in_batch`).
 
         Returned to Lightning, which divides it by A (accumulation); DDP and FSDP average the gradients
-        over the W ranks. So we return (sum of this micro-batch's token losses) x W x A / N_step, and
-        the step's gradient is that of (sum of all its token losses) / N_step, whatever W and A are.
+        over the W ranks. So we return (sum of this micro-batch's target losses) x W x A / N_step, and
+        the step's gradient is that of (sum of all its target losses) / N_step, whatever W and A are.
         N_step comes from a table every rank computes alike (see step_total): no communication, no
         host sync. Without a table (the train set cannot count its targets), the micro-batch's own mean.
         """
@@ -124,7 +120,7 @@ class LitModule(L.LightningModule):
         return loss_sum * (world * self.trainer.accumulate_grad_batches / max(total, 1))
 
     def sequence_mean_loss(self, loss_sum: torch.Tensor, n_sequences: int, batch_idx: int) -> torch.Tensor:
-        """As token_mean_loss, over the step's sequences instead of its target tokens: (sum over this micro-batch's
+        """As token_mean_loss, over the step's sequences instead of its targets: (sum over this micro-batch's
         b sequences) x W x A / (b x W x the step's micro-batches) = x A / (b x its micro-batches), W cancelling (the
         epoch's last step may have fewer than A micro-batches, as Lightning runs it)."""
         accumulate = self.trainer.accumulate_grad_batches
@@ -142,7 +138,7 @@ class LitModule(L.LightningModule):
         return loss
 
     def step_total(self, batch_idx: int) -> Optional[int]:
-        """Target tokens of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches: the
+        """Targets of the optimizer step that `batch_idx` belongs to, over all ranks and micro-batches: the
         datamodule's table for the epoch (`step_targets`), None for data that cannot count its targets.
         `batch_idx` counts on from a mid-epoch checkpoint, as the sampler skips the batches done."""
         trainer = self.trainer
@@ -156,54 +152,50 @@ class LitModule(L.LightningModule):
             self._step_totals = (key, *table)  # numpy: 8 bytes a step
         return int(self._step_totals[1][batch_idx // accumulate])
 
-    def log_train_loss(self, loss: torch.Tensor, batch_idx: int, sums: Optional[torch.Tensor] = None) -> None:
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
         """Log the step's loss: the sum over its micro-batches of `loss` / A, averaged over ranks.
 
-        With `token_mean_loss` that is the mean over the step's target tokens on all ranks; with
-        per-micro-batch means, the mean of those means. One all-reduce on logging steps only; other
-        steps just add on the device (no host sync). Lightning's `self.log(..., sync_dist=True)` would
-        all-reduce on every step, and logging without it shows rank 0's own loss, which is not the
-        loss of the global batch. `sums` (a vector of sums with a count last) are added over the step's
-        micro-batches and ride along in the same all-reduce; train_metrics turns them into means.
+        With `token_mean_loss` that is the mean over the step's targets on all ranks; with per-micro-batch
+        means, the mean of those means. One all-reduce on logging steps only; other steps just add on the
+        device (no host sync). Lightning's `self.log(..., sync_dist=True)` would all-reduce on every step, and
+        logging without it shows rank 0's own loss, which is not the loss of the global batch. Riding along in
+        the same all-reduce: the module's other sums of the step (`take_step_sums`, turned into means by
+        train_metrics), and what a callback watching the loss returns (`watch_step_loss`, the divergence check's).
         """
         trainer = self.trainer
         share = loss.detach() / trainer.accumulate_grad_batches  # what Lightning backpropagates
         self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
-        if sums is not None:
-            self._stat_sums = sums if self._stat_sums is None else self._stat_sums + sums
         if (batch_idx + 1) % trainer.accumulate_grad_batches:  # mid-accumulation: the step is not over
             return
-        self._note_finite(self._loss_sum, trainer.global_step + 1)
-        if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
-            # the divergence flag rides along in the same all-reduce: its mean is > 0 iff a rank saw one
-            flag = torch.isfinite(self.first_nonfinite).float().to(self._loss_sum.dtype)
-            values = torch.stack([self._loss_sum, flag])
-            if self._stat_sums is not None:  # a mean of sums over a mean of counts: the ratio of the totals
-                values = torch.cat([values, self._stat_sums.to(values.dtype)])
-            with record_function(TRAIN_LOSS_REDUCE):
-                reduced = trainer.strategy.reduce(values, reduce_op="mean")
-            mean, self.nonfinite_reduced = reduced[0], reduced[1]
-            extra = (reduced[2:],) if self._stat_sums is not None else ()
-            self.log_dict(self.train_metrics(mean, *extra), prog_bar=True, sync_dist=False)  # reduced above
-        self._loss_sum, self._stat_sums = None, None
+        step_loss, self._loss_sum = self._loss_sum, None
+        step, sums = trainer.global_step + 1, self.take_step_sums()
+        logging = step % trainer.log_every_n_steps == 0
+        watchers = [c for c in trainer.callbacks if hasattr(c, "watch_step_loss")]
+        riders = [watcher.watch_step_loss(step_loss, step, logging) for watcher in watchers]
+        if not logging:
+            return
+        values = torch.stack([step_loss, *(r.to(step_loss.dtype) for r in riders)])
+        if sums is not None:  # a mean of sums over a mean of counts: the ratio of the totals
+            values = torch.cat([values, sums.to(values.dtype)])
+        with record_function(TRAIN_LOSS_REDUCE):
+            reduced = trainer.strategy.reduce(values, reduce_op="mean")
+        for watcher, mean in zip(watchers, reduced[1:]):
+            watcher.step_loss_reduced(mean)
+        extra = (reduced[1 + len(watchers) :],) if sums is not None else ()
+        self.log_dict(self.train_metrics(reduced[0], *extra), prog_bar=True, sync_dist=False)  # reduced above
 
-    def _note_finite(self, step_loss: torch.Tensor, step: int) -> None:
-        """Remember, on the device, the first step whose loss is not finite: no host sync. The divergence
-        callback reads it where the host waits anyway (logging steps, validation, checkpoint saves)."""
-        if self.first_nonfinite is None:
-            self.first_nonfinite = torch.full((), math.inf, device=step_loss.device)
-        bad = ~torch.isfinite(step_loss)
-        self.first_nonfinite = torch.where(bad, self.first_nonfinite.clamp(max=step), self.first_nonfinite)
+    def take_step_sums(self) -> Optional[torch.Tensor]:
+        """The module's other sums of the optimizer step that just ended (a vector, a count last), taken: reduced
+        with the loss on logging steps and handed to train_metrics. None (the default): none."""
+        return None
 
     def train_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"train/loss": loss}
 
     def log_epoch_metrics(self, stage: str, metrics: Any) -> dict[str, torch.Tensor]:
-        """compute() all-gathers each torchmetrics state (sums and counts) over ranks; then reset."""
-        values = {f"{stage}/{name}": metric.compute() for name, metric in metrics.items()}
+        """Log `metrics`' values over all ranks (src/core/metrics.py epoch_values), and reset them."""
+        values = epoch_values(stage, metrics)
         self.log_dict(values, prog_bar=stage == "val", sync_dist=False)  # compute() synced them
-        for metric in metrics.values():
-            metric.reset()
         return values
 
     def configure_gradient_clipping(
@@ -219,11 +211,6 @@ class LitModule(L.LightningModule):
         bf16 has no scaler, so clipping is exact as is; under fp16 we unscale first, and
         GradScaler.step then sees that the gradients are unscaled and does not unscale them again.
         """
-        if gradient_clip_val and capabilities.of(self.trainer.strategy).grads_on_several_meshes:
-            from src.parallel.expert_parallel import clip_grad_norm  # torch's cannot stack norms of several meshes
-
-            clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val)
-            return
         plugin = self.trainer.precision_plugin
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if not (gradient_clip_val and fused and isinstance(plugin, MixedPrecision)):
@@ -243,7 +230,7 @@ class LitModule(L.LightningModule):
             {"params": [p for p in params if id(p) in matrix], "weight_decay": self.weight_decay, "name": "decay"},
             {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0, "name": "no_decay"},
         ]
-        # an empty group (LoRA trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
+        # an empty group (an adapter that trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
         # schedule, made on the groups given here, would then step one group more than the optimizer has
         groups = [group for group in groups if group["params"]]
         base_lr = lr = self.optimizer_fn.keywords["lr"]

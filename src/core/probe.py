@@ -1,6 +1,6 @@
-"""Pre-flight probes: the forwards a feature of the LM module runs before step 1 to prove that the model does what the
-feature assumes (src/core/dropout.py, chunked_loss.py, padded_vocab.py, router.py, packing.py). Each runs on every
-rank alike, eager (model.compile's graphs are for the run's shapes), outside autograd, and leaves the module in the
+"""Pre-flight probes: the forwards a feature of a module runs before step 1 to prove that the model does what the
+feature assumes (the language model's keyed dropout, chunked loss, padded vocabulary, ...). Each runs on every rank
+alike, eager (model.compile's graphs are for the run's shapes), outside autograd, and leaves the module in the
 mode it found it in, whatever happens."""
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
-    keys_dropout = False  # splits a row's forward: a model with dropout is refused (src/core/dropout.py, check_draws)
+    keys_dropout = (
+        False  # splits a row's forward: a model with dropout is refused (src/lm/features/dropout.py, check_draws)
+    )
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"

@@ -27,9 +27,16 @@ def split_counts(
     return n - n_val - n_test, n_val, n_test
 
 
+LANGUAGE_KINDS = ("tokens", "pairs", "prompts")  # the batch kinds of a language model's data (src/lm/objectives/)
+
+
 class TokenDataModule(ShardedDataModule):
+    # what a batch holds, for the LM's objective (src/lm/objectives/base.py): tokens (input ids and their shifted
+    # targets) | pairs (a chosen and a rejected answer per prompt: data=preference) | prompts (data=prompts, for GRPO)
     batch_kind = "tokens"
-    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out
+    pad_evaluation = True  # batches of one shape; the token metrics leave the padding's ignored labels out (GRPO
+    # gathers the generations of each position)
+    indexes_samples = True  # the LM keys its dropout by each row's sample index (src/core/dropout.py)
     special_tokens: Sequence[str] = ()  # added to a HF tokenizer's vocabulary (data.special_tokens, where taken)
 
     def __init__(

@@ -27,11 +27,12 @@ from src.core import dropout as keyed
 from src.core.module import LitModule
 from src.lm import hf, init
 from src.lm.features import chunked_loss, compiling, frozen, packing, padded_vocab, peft_adapters, router
+from src.lm.features.dropout import check_draws, key_model, keys_of
 from src.lm.features.flops import FlopCount
 from src.lm.models.spec import ModelSpec
 from src.lm.objectives.base import Objective
 from src.lm.objectives.sft import SFT
-from src.parallel import capabilities, compiled_attention
+from src.parallel import capabilities, compiled_attention, expert_parallel
 from src.parallel.parallelize import parallelize, parallelized
 from src.utils.config import ConfigError
 
@@ -47,7 +48,7 @@ def checked_objective(objective: Any) -> Objective:
 
 
 class CausalLMLitModule(LitModule):
-    exact_by_itself = True  # dropout keyed by each row's sample (keyed.keys_of), metrics updated, not forward
+    exact_by_itself = True  # dropout keyed by each row's sample (keys_of), metrics updated, not forward
     spec_type = ModelSpec  # how the model is built: an architecture with its own rules subclasses it (gpt2.py)
 
     def __init__(
@@ -82,6 +83,7 @@ class CausalLMLitModule(LitModule):
     ) -> None:
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         self.objective = objective = checked_objective(objective)  # what the step optimises
+        self._stat_sums: Optional[torch.Tensor] = None  # the objective's other sums of the step (log_train_loss)
         ModelSpec.check_choices(model_type, pretrained, size_for)
         lora, peft, self.freezing = peft_adapters.choose(lora, peft, freeze)  # the frozen part: applied in _prepare
         self.compiling = compiling.Compiling(compile, compile_mode, compile_loss, gradient_checkpointing)
@@ -101,7 +103,7 @@ class CausalLMLitModule(LitModule):
         self.reference = self._reference_of(model, lora is not None or peft_adapters.is_peft(peft))  # peft: its own
         self.n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
         model, peft = peft_adapters.add(self._prepare(model), lora, peft, seq_len, self._added)
-        self.dropouts = keyed.key_model(model, self.attn_implementation)  # its dropouts with p > 0, keyed per sample
+        self.dropouts = key_model(model, self.attn_implementation)  # its dropouts with p > 0, keyed per sample
         self.flop_count: FlopCount = peft_adapters.flops_of(model, peft)
         self.model = model
         self.router_balance = router.balance_loss(router_aux_loss, self.hf_model)  # before a strategy wraps it
@@ -155,7 +157,7 @@ class CausalLMLitModule(LitModule):
         """The policy (or the reference) rebuilt under ZeRO-3, with the features the eager build gave it."""
         model = self.spec.rebuilt(self.config)
         if name == "model":  # what the objective adds is filled below
-            self.dropouts = keyed.key_model(self._prepare(self.spec.set_dropout(model)), self.attn_implementation)
+            self.dropouts = key_model(self._prepare(self.spec.set_dropout(model)), self.attn_implementation)
         else:  # the reference: the keyed attention and the padding's mask, as the model
             self.padding.mask(model)
             if any(keyed.config_fields(model.config).values()):
@@ -242,7 +244,7 @@ class CausalLMLitModule(LitModule):
         of the trained model keys its dropout masks by the batch's sample indices (src/core/dropout.py)."""
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
         if self.dropouts and self.training and (network is None or network is self.model):
-            keyed.set_keys(keyed.keys_of(self, batch))
+            keyed.set_keys(keys_of(self, batch))
         network = network if network is not None else self.model
         with compiled_attention.plain_causal(network, inputs):  # a whole compiled network's SDPA told is_causal
             return network(**inputs, use_cache=False, **kwargs)
@@ -251,6 +253,25 @@ class CausalLMLitModule(LitModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.loss_for_backward(self.objective.training_step(self, batch, batch_idx))
+
+    def log_train_loss(self, loss: torch.Tensor, batch_idx: int, sums: Optional[torch.Tensor] = None) -> None:
+        """`sums`: the objective's other statistics of the micro-batch (a vector, a count last: DPO's rewards, ...),
+        added over the step and logged as means by train_metrics."""
+        if sums is not None:
+            self._stat_sums = sums if self._stat_sums is None else self._stat_sums + sums
+        super().log_train_loss(loss, batch_idx)
+
+    def take_step_sums(self) -> Optional[torch.Tensor]:
+        sums, self._stat_sums = self._stat_sums, None
+        return sums
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Experts on their own ranks (expert parallel) have gradients on several meshes, whose norms torch's clip
+        cannot stack: src/parallel/expert_parallel.py clips them."""
+        if gradient_clip_val and capabilities.of(self.trainer.strategy).grads_on_several_meshes:
+            expert_parallel.clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         return self.objective.train_metrics(loss, sums)
@@ -278,7 +299,7 @@ class CausalLMLitModule(LitModule):
     # ---- the features' probes, before the first step on every rank alike ----
 
     def on_fit_start(self) -> None:
-        keyed.check_draws(self)
+        check_draws(self)
         router.check_router_logits(self)
         self.padding.probe(self)
         self.on_validation_start()

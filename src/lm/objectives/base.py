@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from src.core.metrics import epoch_values
+
 
 class TrainedModule(Protocol):
     """What an objective may use of the module it trains (src/lm/models/causal_lm.py, CausalLMLitModule)."""
@@ -125,7 +127,7 @@ class Objective(nn.Module):
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
         """The stage's logged metrics over all ranks' batches; then reset for the next epoch."""
-        raise NotImplementedError
+        return epoch_values(stage, metrics)
 
     def export(self, model: nn.Module, pad_id: Optional[int] = None) -> nn.Module:
         """The transformers model that export-hf saves: the trained model itself, unless the objective changed what
@@ -152,8 +154,8 @@ class PairObjective(Objective):
 
     def __init__(self) -> None:
         super().__init__()
-        self.val_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
-        self.test_metrics = nn.ModuleDict({"pairs": PairStats(self.STATS)})
+        self.val_metrics = nn.ModuleDict({"pairs": MeanStats(self.STATS)})
+        self.test_metrics = nn.ModuleDict({"pairs": MeanStats(self.STATS)})
 
     def pair_sums(self, module: TrainedModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums over the batch's pairs of each of STATS (the loss first, with its gradient) and the number of
@@ -173,16 +175,11 @@ class PairObjective(Objective):
     def evaluation_step(self, module: TrainedModule, batch: dict[str, torch.Tensor], metrics: nn.ModuleDict) -> None:
         metrics["pairs"].update(*self.pair_sums(module, batch))
 
-    def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
-        values = {f"{stage}/{name}": value for name, value in metrics["pairs"].compute().items()}
-        metrics["pairs"].reset()
-        return values
 
-
-class PairStats(Metric):
-    """Σ of each of `names` (per-pair statistics, a pair's loss first) over the pairs of all ranks, and their count:
-    compute() gives the means. Evaluation's padding pairs (no targets) are not counted, so every pair counts once on
-    any number of ranks."""
+class MeanStats(Metric):
+    """Σ of each of `names` (per-item statistics: a preference pair's or a GRPO prompt's, its loss first) over the
+    items of all ranks, and their count: compute() gives the means. Evaluation's padding items (no targets) are not
+    counted, so every item counts once on any number of ranks."""
 
     full_state_update = False
 

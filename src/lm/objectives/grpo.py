@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from src.lm.objectives.base import Objective, PairStats, TrainedModule, disable_dropout
+from src.core.metrics import epoch_values
+from src.lm.objectives.base import MeanStats, Objective, TrainedModule, disable_dropout
 from src.utils.config import ConfigError, check_number
 from src.utils.precision import at_least_fp32
 
@@ -84,6 +85,52 @@ def group_advantages(rewards: torch.Tensor, scale: str) -> tuple[torch.Tensor, t
     return (advantages / (std + 1e-4) if scale == "group" else advantages), std
 
 
+def checked_rewards(rewards: Sequence[Callable], reward_weights: Optional[Sequence[float]]) -> tuple[list, list]:
+    """(the reward functions, their weights: all 1 where none are given), or one sentence."""
+    rewards = list(rewards)
+    if not rewards or not all(callable(f) for f in rewards):
+        raise ConfigError(
+            "model.objective.rewards needs at least one reward function: a list of {_target_: module.function, "
+            "_partial_: true} (src/lm/objectives/verifiers.py has exact_match and format_match)."
+        )
+    weights = [1.0] * len(rewards) if reward_weights is None else [float(w) for w in reward_weights]
+    if len(weights) != len(rewards):
+        raise ConfigError(
+            f"model.objective.reward_weights has {len(weights)} weights for {len(rewards)} reward functions: "
+            "give one per function, or none (all 1)."
+        )
+    return rewards, weights
+
+
+def check_sampling(num_generations: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    check_number(
+        "model.objective.num_generations", num_generations, lambda v: v >= 2,
+        "2 or more samples per prompt (a group of one has no spread to learn from)", integer=True,
+    )  # fmt: skip
+    check_number("model.objective.max_new_tokens", max_new_tokens, lambda v: v >= 1, "a positive number of tokens",
+                 integer=True)  # fmt: skip
+    if not temperature > 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ConfigError(
+            f"model.objective sampling: temperature={temperature!r} must be > 0, top_p={top_p!r} in (0, 1], "
+            f"top_k={top_k!r} >= 0 (0: off)."
+        )
+
+
+def check_loss(loss_type: str, scale_rewards: str, beta: float, epsilon: float) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(
+            f"model.objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)} (TRL's bnpo and dapo "
+            "normalise by the tokens of a batch that is not known before sampling, which would change with N)."
+        )
+    if scale_rewards not in SCALE_REWARDS:
+        raise ConfigError(
+            f"model.objective.scale_rewards={scale_rewards!r}: use group or none (batch scaling would mix "
+            "the prompts of a step, which N ranks hold apart)."
+        )
+    if not beta >= 0 or not epsilon >= 0:
+        raise ConfigError(f"model.objective: beta={beta!r} and epsilon={epsilon!r} must be >= 0.")
+
+
 class GRPO(Objective):
     name = "grpo"
     batch_kind = "prompts"
@@ -107,41 +154,9 @@ class GRPO(Objective):
         disable_dropout: bool = True,
     ) -> None:
         super().__init__()
-        rewards = list(rewards)
-        if not rewards or not all(callable(f) for f in rewards):
-            raise ConfigError(
-                "model.objective.rewards needs at least one reward function: a list of {_target_: module.function, "
-                "_partial_: true} (src/lm/objectives/verifiers.py has exact_match and format_match)."
-            )
-        weights = [1.0] * len(rewards) if reward_weights is None else [float(w) for w in reward_weights]
-        if len(weights) != len(rewards):
-            raise ConfigError(
-                f"model.objective.reward_weights has {len(weights)} weights for {len(rewards)} reward functions: "
-                "give one per function, or none (all 1)."
-            )
-        check_number(
-            "model.objective.num_generations", num_generations, lambda v: v >= 2,
-            "2 or more samples per prompt (a group of one has no spread to learn from)", integer=True,
-        )  # fmt: skip
-        check_number("model.objective.max_new_tokens", max_new_tokens, lambda v: v >= 1, "a positive number of tokens",
-                     integer=True)  # fmt: skip
-        if not temperature > 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ConfigError(
-                f"model.objective sampling: temperature={temperature!r} must be > 0, top_p={top_p!r} in (0, 1], "
-                f"top_k={top_k!r} >= 0 (0: off)."
-            )
-        if loss_type not in LOSS_TYPES:
-            raise ConfigError(
-                f"model.objective.loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)} (TRL's bnpo and dapo "
-                "normalise by the tokens of a batch that is not known before sampling, which would change with N)."
-            )
-        if scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(
-                f"model.objective.scale_rewards={scale_rewards!r}: use group or none (batch scaling would mix "
-                "the prompts of a step, which N ranks hold apart)."
-            )
-        if not beta >= 0 or not epsilon >= 0:
-            raise ConfigError(f"model.objective: beta={beta!r} and epsilon={epsilon!r} must be >= 0.")
+        rewards, weights = checked_rewards(rewards, reward_weights)
+        check_sampling(num_generations, max_new_tokens, temperature, top_p, top_k)
+        check_loss(loss_type, scale_rewards, beta, epsilon)
         self.rewards, self.reward_weights = rewards, torch.tensor(weights, dtype=torch.float64)
         self.G, self.max_new_tokens = num_generations, max_new_tokens
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
@@ -159,8 +174,8 @@ class GRPO(Objective):
             *(f"rewards/{n}" for n in self.names),
         )
         self.EVAL_STATS = ("reward", "reward_std", "completion_length", *(f"rewards/{n}" for n in self.names))
-        self.val_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
-        self.test_metrics = nn.ModuleDict({"prompts": PairStats(self.EVAL_STATS)})
+        self.val_metrics = nn.ModuleDict({"prompts": MeanStats(self.EVAL_STATS)})
+        self.test_metrics = nn.ModuleDict({"prompts": MeanStats(self.EVAL_STATS)})
         self.samples: list[tuple[str, str, float]] = []  # the last group scored: prompt, completions, rewards
         self.sampling_seconds = 0.0  # wall time sampling since the module was built (read by bench/compare/grpo.py)
 
@@ -337,6 +352,5 @@ class GRPO(Objective):
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
         """The held-out prompts' mean reward and the rest; `loss` is minus the mean reward, so the best-checkpoint
         rule (the lowest val/loss, conf/callbacks/model_checkpoint.yaml) keeps the highest reward."""
-        values = {f"{stage}/{name}": value for name, value in metrics["prompts"].compute().items()}
-        metrics["prompts"].reset()
+        values = epoch_values(stage, metrics)
         return {f"{stage}/loss": -values[f"{stage}/reward"], **values}

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from src.core.metrics import epoch_values
 from src.lm.objectives import moe
 from src.lm.objectives.base import Objective, TrainedModule
 from src.lm.objectives.loss import TokenMeanLoss
@@ -72,6 +73,5 @@ class SFT(Objective):
         metrics["loss"].update(loss_sum, n_targets)
 
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
-        loss = metrics["loss"].compute()
-        metrics["loss"].reset()
-        return {f"{stage}/loss": loss, f"{stage}/ppl": torch.exp(loss)}
+        values = epoch_values(stage, metrics)
+        return {**values, f"{stage}/ppl": torch.exp(values[f"{stage}/loss"])}

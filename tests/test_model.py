@@ -256,10 +256,13 @@ def test_train_loss_needs_one_reduce_per_logging_step_and_none_otherwise():
     each over the mean of that step's micro-batch losses."""
     from types import SimpleNamespace
 
+    from src.callbacks.divergence import Divergence
+
     model = tiny_model()
     reduced, logged = [], []
     strategy = SimpleNamespace(reduce=lambda t, reduce_op: reduced.append(t.clone()) or t)
     trainer = SimpleNamespace(accumulate_grad_batches=2, log_every_n_steps=5, global_step=0, strategy=strategy)
+    trainer.callbacks = [Divergence()]  # its flag rides in the loss's all-reduce (watch_step_loss)
     model._trainer = trainer
     model.log_dict = lambda metrics, **kw: logged.append(metrics)
     for batch_idx in range(20):

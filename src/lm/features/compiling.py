@@ -12,6 +12,7 @@ import torch
 
 from src.core.probe import trainer_of
 from src.lm.objectives.loss import run_logits, summed_token_loss, token_loss_function
+from src.lm.options import Compile
 from src.parallel.parallelize import check_compile_mode, compile_region
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,12 @@ def auto_compile(
 
 
 class Compiling:
-    def __init__(self, compile: Any, compile_mode: Optional[str], compile_loss: Any, checkpointing: bool) -> None:
-        token_loss_function(compile_loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
-        compile_region(compile, whole_model=True)
-        check_compile_mode(compile_mode, compile)
-        self.compile, self.compile_mode, self.compile_loss = compile, compile_mode, compile_loss
-        self.checkpointing = checkpointing
+    def __init__(self, options: Compile) -> None:
+        token_loss_function(options.loss, 0, torch.device("cpu"))  # a bad value fails here, not at the first step
+        compile_region(options.compile, whole_model=True)
+        check_compile_mode(options.mode, options.compile)
+        self.compile, self.compile_mode, self.compile_loss = options.compile, options.mode, options.loss
+        self.checkpointing = options.gradient_checkpointing
         self.token_loss: Optional[Callable] = None
 
     def wrappers(self) -> dict[str, Any]:

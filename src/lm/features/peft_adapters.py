@@ -13,15 +13,16 @@ import torch
 from src.lm import hf
 from src.lm.features import bottleneck, frozen
 from src.lm.features.flops import FlopCount, count_flops
+from src.lm.options import Adapters
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def choose(lora: Optional[dict[str, Any]], peft: Any, freeze: Any = None) -> tuple[Optional[dict[str, Any]], Any, Any]:
+def choose(adapters: Adapters) -> tuple[Optional[dict[str, Any]], Any, Any]:
     """(model.lora's options without `enabled`, None when off; model/peft's config; model.freeze checked:
     src/lm/features/frozen.py), one sentence where both adapters are set or one is with model.freeze."""
-    lora = dict(lora or {})
+    lora, peft, freeze = dict(adapters.lora or {}), adapters.peft, adapters.freeze
     enabled = bool(lora.pop("enabled", False))
     if enabled and peft is not None:
         raise ConfigError("Set either model.lora.enabled=true or model/peft=..., not both.")

@@ -12,7 +12,7 @@ from torch import nn
 from src.core.probe import probing
 from src.lm.objectives import moe
 from src.lm.objectives.base import Objective
-from src.parallel import capabilities
+from src.parallel import capabilities, expert_parallel
 from src.utils.config import ArchitectureRefused, ConfigError
 
 
@@ -49,3 +49,12 @@ def check_router_logits(module: Any) -> None:
             f"{type(module.hf_model).__name__}'s forward with output_router_logits=True {problem}, and its router "
             "load-balancing loss reads them: set model.router_aux_loss=false."
         )
+
+
+def clip_over_meshes(module: Any, optimizer: Any, max_norm: Optional[float]) -> bool:
+    """Gradient clipping where experts sit on their own ranks (expert parallel): gradients on several meshes, whose
+    norms torch's clip cannot stack, clipped by src/parallel/expert_parallel.py; False (nothing done) elsewhere."""
+    if not (max_norm and capabilities.of(module.trainer.strategy).grads_on_several_meshes):
+        return False
+    expert_parallel.clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
+    return True

@@ -25,77 +25,60 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from src.core import dropout as keyed
 from src.core.module import LitModule
-from src.lm import hf, init
+from src.lm import hf, init, options
 from src.lm.features import chunked_loss, compiling, frozen, packing, padded_vocab, peft_adapters, router
 from src.lm.features.dropout import check_draws, key_model, keys_of
 from src.lm.features.flops import FlopCount
 from src.lm.models.spec import ModelSpec
+from src.lm.objectives import sft
 from src.lm.objectives.base import Objective
-from src.lm.objectives.sft import SFT
-from src.parallel import capabilities, compiled_attention, expert_parallel
+from src.parallel import capabilities, compiled_attention
 from src.parallel.parallelize import parallelize, parallelized
-from src.utils.config import ConfigError
-
-
-def checked_objective(objective: Any) -> Objective:
-    """model/objective's choice (SFT when none), or one sentence."""
-    if objective is not None and not isinstance(objective, Objective):  # model.objective=dpo: a string
-        raise ConfigError(
-            f"model.objective={objective!r} is not an objective: choose one with model/objective=sft|dpo|reward|grpo "
-            "(conf/model/objective/) and set its options as model.objective.<option>."
-        )
-    return SFT() if objective is None else objective
 
 
 class CausalLMLitModule(LitModule):
     exact_by_itself = True  # dropout keyed by each row's sample (keys_of), metrics updated, not forward
-    spec_type = ModelSpec  # how the model is built: an architecture with its own rules subclasses it (gpt2.py)
+    spec_type = ModelSpec  # how the model is built: an architecture with its own rules subclasses it (gpt2_module.py)
 
-    def __init__(
-        self,
-        vocab_size: int,
-        seq_len: int,
-        model_type: Optional[str] = None,
-        config: Optional[dict[str, Any]] = None,
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
-        scheduler: Optional[Callable[..., Any]] = None,
-        weight_decay: float = 0.1,
-        lr_scaling: str = "none",
-        base_batch_size: int = 32,
-        pretrained: Optional[str] = None,
-        gradient_checkpointing: bool = False,
-        lora: Optional[dict[str, Any]] = None,
-        peft: Optional[Any] = None,
-        compile: bool = False,
-        compile_mode: Optional[str] = None,
-        attn_implementation: str = "auto",
-        resize_embeddings: bool = False,
-        tokenizer: Optional[str] = None,
+    def __init__(  # the flat model.* keys (conf/model/causal_lm.yaml) in their groups; src/utils/config.py reads them
+        self, vocab_size: int, seq_len: int, model_type: Optional[str] = None, config: Optional[dict[str, Any]] = None,
         objective: Optional[Objective] = None,
-        size_for: Optional[str] = None,
-        compile_loss: Any = "auto",
-        fastest_attention: str = "sdpa",
-        router_aux_loss: bool = True,
-        dropout: Optional[float] = None,
-        loss_chunk: Optional[int] = None,
-        pad_vocab_multiple: Optional[int] = None,
-        freeze: Optional[Any] = None,
-    ) -> None:
+        # what the model is: options.Architecture
+        pretrained: Optional[str] = None, attn_implementation: str = "auto", fastest_attention: str = "sdpa",
+        size_for: Optional[str] = None, dropout: Optional[float] = None,
+        # its vocabulary: options.Vocabulary
+        tokenizer: Optional[str] = None, resize_embeddings: bool = False, pad_vocab_multiple: Optional[int] = None,
+        # compiling: options.Compile
+        compile: bool = False, compile_mode: Optional[str] = None, compile_loss: Any = "auto",
+        gradient_checkpointing: bool = False,
+        # what trains: options.Adapters; the loss: options.Loss
+        lora: Optional[dict[str, Any]] = None, peft: Optional[Any] = None, freeze: Optional[Any] = None,
+        loss_chunk: Optional[int] = None, router_aux_loss: bool = True,
+        # the optimizer: src/core/module.py
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None, scheduler: Optional[Callable[..., Any]] = None,
+        weight_decay: float = 0.1, lr_scaling: str = "none", base_batch_size: int = 32,
+    ) -> None:  # fmt: skip
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
-        self.objective = objective = checked_objective(objective)  # what the step optimises
+        self.objective = objective = sft.chosen(objective)  # what the step optimises
+        architecture = options.Architecture(model_type=model_type, fields=config, pretrained=pretrained,
+                                            attn_implementation=attn_implementation, fastest_attention=fastest_attention,
+                                            size_for=size_for, dropout=dropout)  # fmt: skip
+        adapters = options.Adapters(lora=lora, peft=peft, freeze=freeze)
+        compile_options = options.Compile(compile=compile, mode=compile_mode, loss=compile_loss,
+                                          gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+        loss = options.Loss(chunk=loss_chunk, router_aux_loss=router_aux_loss)
+        vocabulary = options.Vocabulary(size=vocab_size, tokenizer=tokenizer, resize_embeddings=resize_embeddings,
+                                        pad_multiple=pad_vocab_multiple)  # fmt: skip
         self._stat_sums: Optional[torch.Tensor] = None  # the objective's other sums of the step (log_train_loss)
-        ModelSpec.check_choices(model_type, pretrained, size_for)
-        lora, peft, self.freezing = peft_adapters.choose(lora, peft, freeze)  # the frozen part: applied in _prepare
-        self.compiling = compiling.Compiling(compile, compile_mode, compile_loss, gradient_checkpointing)
-        chunk = chunked_loss.check_loss_chunk(loss_chunk, objective, compile)
+        lora, peft, self.freezing = peft_adapters.choose(adapters)  # the frozen part: applied in _prepare
+        self.compiling = compiling.Compiling(compile_options)
+        chunk = chunked_loss.check_loss_chunk(loss.chunk, objective, compile)
         self.chunked = chunked_loss.ChunkedLoss(chunk) if chunk is not None else None
-        multiple = padded_vocab.check_pad_vocab(pad_vocab_multiple, pretrained, loss_chunk)
+        multiple = padded_vocab.check_pad_vocab(vocabulary.pad_multiple, pretrained, loss.chunk)
         self.padding = padded_vocab.PaddedVocab(multiple, vocab_size)
-        self.spec = self.spec_type(
-            vocab_size, seq_len, model_type, config, pretrained, attn_implementation, fastest_attention,
-            resize_embeddings, tokenizer, self.padding.rows, keyed.check_probability(dropout),
-            deferred=init.init_is_deferred() and lora is None and peft is None,  # an adapter is built eagerly
-        )  # fmt: skip
+        keyed.check_probability(dropout)
+        deferred = init.init_is_deferred() and lora is None and peft is None  # an adapter is built eagerly
+        self.spec = self.spec_type(architecture, vocabulary, seq_len=seq_len, rows=self.padding.rows, deferred=deferred)
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.base_seed, self.attn_implementation = self.spec.base_seed, self.spec.attn_implementation
         model = self.spec.build()
@@ -106,7 +89,7 @@ class CausalLMLitModule(LitModule):
         self.dropouts = key_model(model, self.attn_implementation)  # its dropouts with p > 0, keyed per sample
         self.flop_count: FlopCount = peft_adapters.flops_of(model, peft)
         self.model = model
-        self.router_balance = router.balance_loss(router_aux_loss, self.hf_model)  # before a strategy wraps it
+        self.router_balance = router.balance_loss(loss.router_aux_loss, self.hf_model)  # before a strategy wraps it
         objective.check(self)
         router.check_objective(self.router_balance, objective, self.hf_model)
 
@@ -266,12 +249,8 @@ class CausalLMLitModule(LitModule):
         return sums
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Experts on their own ranks (expert parallel) have gradients on several meshes, whose norms torch's clip
-        cannot stack: src/parallel/expert_parallel.py clips them."""
-        if gradient_clip_val and capabilities.of(self.trainer.strategy).grads_on_several_meshes:
-            expert_parallel.clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], gradient_clip_val)
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if not router.clip_over_meshes(self, optimizer, gradient_clip_val):  # experts on their own ranks: there
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def train_metrics(self, loss: torch.Tensor, sums: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         return self.objective.train_metrics(loss, sums)

@@ -14,49 +14,31 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from src.core import dropout as keyed
 from src.lm import hf, init
+from src.lm.options import Architecture, Vocabulary
 from src.utils.config import ConfigError
 
 
 class ModelSpec:
-    @staticmethod
-    def check_choices(model_type: Optional[str], pretrained: Optional[str], size_for: Optional[str]) -> None:
-        """One sentence for a model named twice or not at all."""
-        if size_for and not pretrained and size_for != model_type:  # set by a model/size preset (conf/model/size/)
-            raise ConfigError(
-                f"The model/size preset is a {size_for} shape and this is model={model_type}: use "
-                f"model={size_for} with it, or a {model_type} size (conf/model/size/)."
-            )
-        if not pretrained and not model_type:
-            raise ConfigError(
-                "model.model_type is not set: name an architecture (model=llama, model=qwen2, ...) "
-                "or load one with model.pretrained=DIR_OR_HUB_NAME."
-            )
-
     def __init__(
-        self,
-        vocab_size: int,
-        seq_len: int,
-        model_type: Optional[str],
-        fields: Any,
-        pretrained: Optional[str],
-        attn_implementation: str,
-        fastest_attention: str,
-        resize_embeddings: bool,
-        tokenizer: Optional[str],
-        rows: int,
-        dropout: Optional[float],
-        deferred: bool,
+        self, architecture: Architecture, vocabulary: Vocabulary, seq_len: int, rows: int, deferred: bool
     ) -> None:
-        """`fields`: model.config; `rows`: the embedding's rows (the vocabulary, padded by model.pad_vocab_multiple); `dropout`: model.dropout;
-        `deferred`: leave the model on the meta device for a strategy to materialise."""
-        self.vocab_size, self.seq_len, self.model_type = vocab_size, seq_len, model_type
-        # plain lists and dicts: transformers' config validation rejects OmegaConf's (e.g. layer_types=[...])
+        """`rows`: the embedding's rows (the vocabulary, padded by model.pad_vocab_multiple); `deferred`: leave the
+        model on the meta device for a strategy to materialise."""
+        self.vocab_size, self.seq_len, self.model_type = vocabulary.size, seq_len, architecture.model_type
+        fields = architecture.fields  # plain lists and dicts: transformers rejects OmegaConf's (e.g. layer_types=[...])
         self.fields = OmegaConf.to_container(fields) if isinstance(fields, DictConfig) else dict(fields or {})
-        self.pretrained, self.resize_embeddings, self.tokenizer = pretrained, resize_embeddings, tokenizer
-        self.rows, self.dropout, self.deferred = rows, dropout, deferred
+        self.pretrained, self.resize_embeddings = architecture.pretrained, vocabulary.resize_embeddings
+        self.tokenizer, self.rows, self.dropout, self.deferred = (
+            vocabulary.tokenizer,
+            rows,
+            architecture.dropout,
+            deferred,
+        )
         self.base_seed = init.draw_base_seed()  # seeds every parameter's init (src/lm/init.py)
-        kind = hf.pretrained_config(pretrained).model_type if pretrained else model_type
-        self.attn_implementation = hf.choose_attention(kind, attn_implementation, fastest_attention)
+        kind = hf.pretrained_config(self.pretrained).model_type if self.pretrained else self.model_type
+        self.attn_implementation = hf.choose_attention(
+            kind, architecture.attn_implementation, architecture.fastest_attention
+        )
         self._fill: tuple[Optional[str], Any] = (None, None)
 
     def build(self) -> PreTrainedModel:

@@ -4,7 +4,7 @@ an MoE model adds its router's load-balancing loss (src/lm/objectives/moe.py). M
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from src.core.metrics import epoch_values
 from src.lm.objectives import moe
 from src.lm.objectives.base import Objective, TrainedModule
 from src.lm.objectives.loss import TokenMeanLoss
+from src.utils.config import ConfigError
 from src.utils.labels import IGNORE_INDEX
 
 
@@ -75,3 +76,13 @@ class SFT(Objective):
     def epoch_metrics(self, stage: str, metrics: nn.ModuleDict) -> dict[str, torch.Tensor]:
         values = epoch_values(stage, metrics)
         return {**values, f"{stage}/ppl": torch.exp(values[f"{stage}/loss"])}
+
+
+def chosen(objective: Any) -> Objective:
+    """model/objective's choice (SFT when none), or one sentence."""
+    if objective is not None and not isinstance(objective, Objective):  # model.objective=dpo: a string
+        raise ConfigError(
+            f"model.objective={objective!r} is not an objective: choose one with model/objective=sft|dpo|reward|grpo "
+            "(conf/model/objective/) and set its options as model.objective.<option>."
+        )
+    return SFT() if objective is None else objective

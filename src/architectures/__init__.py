@@ -1,5 +1,5 @@
 """What the code knows of an architecture without building it: the transformers config a `model:` node builds
-(config.py), and the one hand-written adapter, GPT-2's (gpt2.py, behind adapter.py's interface), for the model
+(config.py), and the one hand-written adapter, GPT-2's (gpt2_adapter.py, behind handwritten.py's interface), for the model
 transformers ships no tensor-parallel or pipeline plan for."""
 
 from __future__ import annotations

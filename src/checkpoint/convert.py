@@ -109,12 +109,23 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
 OBJECTIVES = {"sft": "src.lm.objectives.sft.SFT", "dpo": "src.lm.objectives.dpo.DPO"}
 # where a stored `_target_` of an objective, a reward function or the token loss lived before src/lm/objectives/
 MOVED = re.compile(r"^src\.models\.(objective|sft|dpo|reward|grpo|verifiers|loss|moe)\.")
+# where a stored `_target_`'s module lived before the language model had its own floor (src/lm/)
+MOVED_MODULES = {
+    "src.models.causal_lm": "src.lm.models.causal_lm",
+    "src.models.gpt2": "src.lm.models.gpt2_module",
+    "src.models.bottleneck": "src.lm.features.bottleneck",
+    **{
+        f"src.datamodules.{m}": f"src.lm.data.{m}"
+        for m in ("text", "instruct", "chat", "preference", "prompts", "shards")
+    },
+    **{f"src.objectives.{m}": f"src.lm.objectives.{m}" for m in ("base", "sft", "dpo", "reward", "grpo", "verifiers")},
+}
 
 
 def upgraded(config: Any) -> Any:
     """A stored config as this version builds it: one from before objectives were a config group (`model.objective:
     dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.lm.objectives.dpo.DPO, beta: ...}`; a
-    `_target_` under src/models/ that moved to src/lm/objectives/ is named where it is now."""
+    `_target_` under src/models/, src/datamodules/ or src/objectives/ that moved to src/lm/ is named where it is now."""
     config = _moved(config)
     model = config.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("objective"), str):
@@ -133,6 +144,9 @@ def _moved(node: Any) -> Any:
     if isinstance(node, str) and MOVED.match(node):
         name = MOVED.match(node).group(1)
         return MOVED.sub(f"src.lm.objectives.{'base' if name == 'objective' else name}.", node)
+    if isinstance(node, str) and node.rpartition(".")[0] in MOVED_MODULES:
+        module, _, name = node.rpartition(".")
+        return f"{MOVED_MODULES[module]}.{name}"
     return node
 
 

@@ -318,8 +318,8 @@ def key_attention(model: nn.Module, implementation: str) -> bool:
 
 
 def key_module(module: nn.Module) -> int:
-    """Every dropout of a user's module keyed per sample, as the language model's are: its nn.Dropout modules, the attention
-    dropout of each transformers model inside it whose config holds a dropout probability (BERT's, RoBERTa's,
+    """Every dropout of a user's module keyed per sample, as the language model's are: its nn.Dropout modules, the
+    attention dropout of each transformers model inside it whose config holds a dropout probability (BERT's, RoBERTa's,
     ViT's...), and the functional dropout its modules' own forwards call (a forward that calls F.dropout). The number
     keyed (modules with p > 0, attention, functional); one sentence for attention that draws its dropout inside a
     kernel no key reaches (FlashAttention, flex)."""

@@ -104,8 +104,9 @@ class LitModule(L.LightningModule):
         Nothing here: only models that defer their init override it."""
 
     def token_mean_loss(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """The micro-batch's share of its optimizer step's loss, the mean over the step's targets (a
-        language model's target tokens, a classifier's labels) on all ranks and accumulation micro-batches (the idea of transformers' `num_items_in_batch`).
+        """The micro-batch's share of its optimizer step's loss, the mean over the step's targets (a language
+        model's target tokens, a classifier's labels) on all ranks and accumulation micro-batches (the idea of
+        transformers' `num_items_in_batch`).
 
         Returned to Lightning, which divides it by A (accumulation); DDP and FSDP average the gradients
         over the W ranks. So we return (sum of this micro-batch's target losses) x W x A / N_step, and
@@ -230,7 +231,7 @@ class LitModule(L.LightningModule):
             {"params": [p for p in params if id(p) in matrix], "weight_decay": self.weight_decay, "name": "decay"},
             {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0, "name": "no_decay"},
         ]
-        # an empty group (an adapter that trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
+        # an empty group (an adapter trains matrices only) is left out: DeepSpeed's ZeRO optimizer drops it, and the LR
         # schedule, made on the groups given here, would then step one group more than the optimizer has
         groups = [group for group in groups if group["params"]]
         base_lr = lr = self.optimizer_fn.keywords["lr"]

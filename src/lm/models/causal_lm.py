@@ -55,14 +55,14 @@ class CausalLMLitModule(LitModule):
         lora: Optional[dict[str, Any]] = None, peft: Optional[Any] = None, freeze: Optional[Any] = None,
         loss_chunk: Optional[int] = None, router_aux_loss: bool = True,
         # the optimizer: src/core/module.py
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None, scheduler: Optional[Callable[..., Any]] = None,
-        weight_decay: float = 0.1, lr_scaling: str = "none", base_batch_size: int = 32,
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None, weight_decay: float = 0.1,
+        scheduler: Optional[Callable[..., Any]] = None, lr_scaling: str = "none", base_batch_size: int = 32,
     ) -> None:  # fmt: skip
         super().__init__(optimizer, scheduler, weight_decay, lr_scaling, base_batch_size)
         self.objective = objective = sft.chosen(objective)  # what the step optimises
         architecture = options.Architecture(model_type=model_type, fields=config, pretrained=pretrained,
-                                            attn_implementation=attn_implementation, fastest_attention=fastest_attention,
-                                            size_for=size_for, dropout=dropout)  # fmt: skip
+                                            size_for=size_for, dropout=dropout, attn_implementation=attn_implementation,
+                                            fastest_attention=fastest_attention)  # fmt: skip
         adapters = options.Adapters(lora=lora, peft=peft, freeze=freeze)
         compile_options = options.Compile(compile=compile, mode=compile_mode, loss=compile_loss,
                                           gradient_checkpointing=gradient_checkpointing)  # fmt: skip

@@ -1,6 +1,6 @@
 """GPT-2 (`model=gpt2`, the default): the generic causal LM (src/lm/models/causal_lm.py) with GPT-2's shape keys
-(n_layer, n_head, n_embd, dropout, activation_function) and its own initialisation scale (src/architectures/gpt2_adapter.py,
-GPT-2's adapter, says the rest the template knows of GPT-2)."""
+(n_layer, n_head, n_embd, dropout, activation_function) and its own initialisation scale (GPT-2's adapter,
+src/architectures/gpt2_adapter.py, says the rest the template knows of GPT-2)."""
 
 from __future__ import annotations
 

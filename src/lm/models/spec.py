@@ -2,7 +2,7 @@
 (the vocabulary from the tokenizer, the context from data.seq_len, unless the fields set them) or from a pretrained
 checkpoint, whose shape wins over the fields. Under a sharding strategy (train.py's deferred_init) the model is built
 on the meta device and the strategy has each rank materialise its own share (`materialize`), the values the same on
-every layout (src/lm/init.py). An architecture with its own rules subclasses ModelSpec (src/lm/models/gpt2_module.py)."""
+every layout (src/lm/init.py). An architecture with its own rules subclasses ModelSpec (gpt2_module.py)."""
 
 from __future__ import annotations
 

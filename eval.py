@@ -20,7 +20,7 @@ import src.launch.resolvers  # noqa: F401
 from src.checkpoint import safe_load
 from src.checkpoint.convert import consolidate, is_sharded, read_config
 from src.checkpoint.files import problem
-from src.datamodules.plain import shard_loaders
+from src.core.plain_loaders import shard_loaders
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
 from src.parallel import capabilities

@@ -22,10 +22,10 @@ import src.launch.resolvers  # noqa: F401  (registers ${project_root:}, ${device
 from src.callbacks import trackers
 from src.checkpoint import safe_load
 from src.checkpoint.latest import resume_from
-from src.datamodules.plain import shard_loaders
+from src.core.plain_loaders import shard_loaders
 from src.launch.hydra_ddp import ddp_job
 from src.launch.timeouts import distributed_errors
-from src.models.init import deferred_init
+from src.lm.init import deferred_init
 from src.parallel import capabilities
 from src.run.always_on import always_on
 from src.run.job import check_export_and_seed, log_hyperparameters, metric_value

@@ -90,7 +90,7 @@ def data_and_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
 
-    from src.datamodules.text import TextDataModule
+    from src.lm.data.text import TextDataModule
 
     layers, heads, width, ctx, batch = SHAPES[shape]
     if attn == "auto":
@@ -255,7 +255,7 @@ def trl_parts(args, n_positions: int) -> tuple:
 
     layers, heads, width = map(int, args.shape.split(","))
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/datamodules/tokenizers.py)
+    tokenizer.eos_token = "<|endoftext|>"  # a bare tokenizer.json declares none (src/lm/data/tokenizers.py)
     torch.manual_seed(0)
     config = gpt2_config(len(tokenizer), n_positions, (layers, heads, width), "sdpa", "gelu")
     times: list[float] = []

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from src.objectives.loss import chunked_token_loss, summed_token_loss  # noqa: E402
+from src.lm.objectives.loss import chunked_token_loss, summed_token_loss  # noqa: E402
 
 
 def step(

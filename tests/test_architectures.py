@@ -9,9 +9,9 @@ import torch
 from test_model import assert_batched_generation_is_the_oracles
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from src.models import hf, init
-from src.models.causal_lm import CausalLMLitModule
-from src.models.gpt2 import GPT2LitModule
+from src.lm import hf, init
+from src.lm.models.causal_lm import CausalLMLitModule
+from src.lm.models.gpt2_module import GPT2LitModule
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64
 
@@ -103,7 +103,7 @@ def test_pretrained_dir_gives_transformers_logits_eager_and_through_meta_init(tm
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("adapter", ["none", "lora"])
 def test_flop_count_is_within_2_percent_of_flop_counter(arch, adapter):
-    """The count walks any decoder by rules (src/models/flops.py); torch's FlopCounterMode counts what a real
+    """The count walks any decoder by rules (src/lm/features/flops.py); torch's FlopCounterMode counts what a real
     forward + backward runs. GQA's narrower k/v, SwiGLU's three matrices, an untied head, LoRA's frozen base."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -210,7 +210,7 @@ def test_attention_is_one_the_model_supports_and_a_failed_load_says_what_failed(
 
 
 def test_canary_transformers_init_weights_recomputes_rotary_buffers():
-    """src/models/init.py `allocate` calls transformers' private `_init_weights` on buffer-only modules (RoPE):
+    """src/lm/init.py `allocate` calls transformers' private `_init_weights` on buffer-only modules (RoPE):
     this fails by name if transformers renames it or stops recomputing inv_freq there."""
     model = build("llama").model
     rotary = model.model.rotary_emb

@@ -59,7 +59,7 @@ ARCHS = {
     "qwen3": ["model=causal_lm", "model.model_type=qwen3", *ADDED, "+model.config.head_dim=8"],
     # fused qkv_proj and gate_up_proj (trainer=tp: colwise_gather_output, rowwise_split_input)
     "phi3": ["model=causal_lm", "model.model_type=phi3", *ADDED, "+model.config.pad_token_id=0"],
-    # experts: the router's load-balancing loss is trained (src/objectives/moe.py) and logged as train/aux_loss
+    # experts: the router's load-balancing loss is trained (src/lm/objectives/moe.py) and logged as train/aux_loss
     "mixtral": [
         "model=causal_lm",
         "model.model_type=mixtral",

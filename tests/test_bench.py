@@ -26,7 +26,7 @@ def test_nanogpt_with_bias_is_the_templates_gpt2_parameter_for_parameter():
     """The way nanogpt_bias compares the template with nanoGPT at GPT-2's own architecture: the same parameter
     shapes as the template's GPT-2 (nanoGPT's default, bias=False, has none of the Linear and LayerNorm biases)."""
     from bench.compare.nanogpt import GPT
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     def shapes(model):  # dims sorted: transformers' Conv1D stores a projection as (in, out), nn.Linear as (out, in)
         return sorted(tuple(sorted(p.shape)) for p in model.parameters())
@@ -42,7 +42,7 @@ def test_outside_bench_gives_nanogpt_as_many_eval_forwards_as_the_template_valid
     nanoGPT evaluates `eval_iters` batches of each of its two splits, the template its whole val split, whose
     length the bench derives from the corpus size: it must be the template's own val dataloader length."""
     from bench.compare.outside import BATCH, CTX, nanogpt_eval_iters, template_val_batches
-    from src.datamodules.text import TextDataModule
+    from src.lm.data.text import TextDataModule
 
     corpus = shared("tinyshakespeare", "input.txt")
     data = TextDataModule(path=str(corpus), seq_len=CTX, global_batch_size=BATCH, cache_dir=str(tmp_path))

@@ -70,7 +70,7 @@ def test_a_strategy_that_owns_the_step_turns_lightnings_optimization_off():
     module that turned it off keeps it off."""
     import lightning as L
 
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=8)
     assert module.automatic_optimization and PipelineStrategy.owns_step and not capabilities.of(DDPStrategy).owns_step

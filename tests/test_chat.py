@@ -1,4 +1,4 @@
-"""data=chat (src/datamodules/chat.py) and packing (src/datamodules/packing.py), in one process: the assistant mask
+"""data=chat (src/lm/data/chat.py) and packing (src/lm/data/packing.py), in one process: the assistant mask
 token by token against transformers' own, the EOS learned when it is also the padding, long conversations, bad
 input in one sentence, and packed = padded for the loss and the gradients."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import shared
 
-from src.datamodules.base import ignore_labels
-from src.datamodules.chat import ChatDataModule, ChatTemplate, encode, read_conversations, spans
-from src.datamodules.corpus import CorpusError
-from src.datamodules.instruct import pad_collate
-from src.datamodules.packing import PackedRows, pack, packed_collate
-from src.datamodules.text import IGNORE_INDEX
-from src.datamodules.tokenizers import load_tokenizer
+from src.core.datamodule import ignore_labels
+from src.lm.data.chat import ChatDataModule, ChatTemplate, encode, read_conversations, spans
+from src.lm.data.corpus import CorpusError
+from src.lm.data.instruct import pad_collate
+from src.lm.data.packing import PackedRows, pack, packed_collate
+from src.lm.data.text import IGNORE_INDEX
+from src.lm.data.tokenizers import load_tokenizer
 from src.utils.config import ConfigError
 from tests.helpers.chat_template import MARKED
 
@@ -175,8 +175,8 @@ def test_a_hugging_face_dataset_trains_as_its_json_file(tmp_path):
 def test_instructions_and_pairs_read_from_a_hugging_face_dataset_split(tmp_path, kind):
     """data=instruct and data=preference read data.path=hf:<name> too, the split named by data.hf_split."""
     datasets = pytest.importorskip("datasets", reason="needs the `datasets` package (pip install -e '.[hf]')")
-    from src.datamodules.instruct import InstructDataModule
-    from src.datamodules.preference import PreferenceDataModule
+    from src.lm.data.instruct import InstructDataModule
+    from src.lm.data.preference import PreferenceDataModule
 
     module, name = {
         "instruct": (InstructDataModule, ("alpaca", "alpaca_en_demo.json")),
@@ -215,7 +215,7 @@ def packed_and_padded(model_type: str, device: str = "cpu", dtype: torch.dtype =
     ids) through one model on `device` in `dtype`: ((summed token loss, gradients) padded, the same packed)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from src.objectives.loss import summed_token_loss
+    from src.lm.objectives.loss import summed_token_loss
 
     tokenizer = gpt2_tokenizer()
     render = ChatTemplate(tokenizer, None)
@@ -279,8 +279,8 @@ def test_packed_rows_give_the_padded_batch_loss_and_gradients(model_type):
     ],
 )  # fmt: skip
 def test_a_model_that_lets_packed_records_see_each_other_is_refused_before_step_1(model_type, config, refused):
-    from src.models.causal_lm import CausalLMLitModule
-    from src.models.packing import check_packing
+    from src.lm.features.packing import check_packing
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     module = CausalLMLitModule(vocab_size=100, seq_len=32, model_type=model_type, config=config)
     if refused:

@@ -125,8 +125,11 @@ def test_the_names_the_deepspeed_allowlist_holds_still_exist():
 
 def test_a_stored_target_outside_conf_and_src_is_refused_and_the_templates_own_pass():
     ok = {
-        "model": {"_target_": "src.models.gpt2.GPT2LitModule", "optimizer": {"_target_": "torch.optim.AdamW"}},
-        "data": {"_target_": "src.datamodules.text.TextDataModule"},
+        "model": {
+            "_target_": "src.lm.models.gpt2_module.GPT2LitModule",
+            "optimizer": {"_target_": "torch.optim.AdamW"},
+        },
+        "data": {"_target_": "src.lm.data.text.TextDataModule"},
     }
     safe_load.check_targets(ok, "ok.ckpt")
     for bad in ("os.system", "builtins.eval", "torch.load", "src.tools.checkpoints.main", "src.nosuch.Module"):

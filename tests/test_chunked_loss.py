@@ -1,4 +1,4 @@
-"""model.loss_chunk=N (src/models/chunked_loss.py): the LM head and the token loss N tokens at a time give the plain
+"""model.loss_chunk=N (src/lm/features/chunked_loss.py): the LM head and the token loss N tokens at a time give the plain
 loss and its gradients, never make the logits of every token, are refused in one sentence where that is not the
 model's function or the strategy computes the loss elsewhere, and N ranks with it train what 1 process trains with
 the plain loss."""
@@ -16,10 +16,10 @@ from conftest import FULL_MATRIX_ONLY, path_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from src.models.causal_lm import CausalLMLitModule
-from src.models.chunked_loss import check_loss_chunk
-from src.models.gpt2 import GPT2LitModule
-from src.objectives.loss import chunked_token_loss, summed_token_loss
+from src.lm.features.chunked_loss import check_loss_chunk
+from src.lm.models.causal_lm import CausalLMLitModule
+from src.lm.models.gpt2_module import GPT2LitModule
+from src.lm.objectives.loss import chunked_token_loss, summed_token_loss
 from src.utils.config import ArchitectureRefused, ConfigError
 from src.utils.labels import IGNORE_INDEX
 from tests.helpers.margins import U32, close64, within
@@ -28,7 +28,7 @@ NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 VOCAB, SEQ, WIDTH = 301, 40, 32
 CHUNK = 23  # 3 x 40 = 120 tokens: 5 chunks of 23 and one of 5 (4 targets)
 SHAPE = {"hidden_size": WIDTH, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
-MODELS = {  # GPT-2: tied head (the adapter's model, src/architectures/gpt2.py); Llama: untied
+MODELS = {  # GPT-2: tied head (the adapter's model, src/architectures/gpt2_adapter.py); Llama: untied
     "gpt2": lambda **kw: GPT2LitModule(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, n_embd=WIDTH, **kw),
     "llama": lambda **kw: causal_lm("llama", {"intermediate_size": 64, "tie_word_embeddings": False}, **kw),
 }
@@ -242,9 +242,9 @@ def test_the_probe_refuses_a_head_with_dropout():
     ],
 )
 def test_options_the_chunked_loss_cannot_serve_are_one_sentence(chunk, objective, compile, words):
-    from src.objectives.dpo import DPO
-    from src.objectives.reward import Reward
-    from src.objectives.sft import SFT
+    from src.lm.objectives.dpo import DPO
+    from src.lm.objectives.reward import Reward
+    from src.lm.objectives.sft import SFT
 
     with pytest.raises(ConfigError, match=words):
         check_loss_chunk(chunk, {"sft": SFT, "dpo": DPO, "reward": Reward}[objective](), compile)

@@ -9,8 +9,8 @@ nothing of the template reaches it:
   user's model may have a helper module of its own), and
 - no option that README's Configuration table names (`convnet`, `digits`, ...) has it as its `_target_`.
 Each template module of those folders is reached one of these two ways (its code imports it, or the README documents
-the option that builds it: convnet.py, images.py, prompts.py), so leaving one out of the map still fails; anywhere
-else every module must be listed. test_the_check_sees_a_module_left_out proves both.
+the option that builds it: convnet.py, images.py), so leaving one out of the map still fails; anywhere else every
+module must be listed. test_the_check_sees_a_module_left_out proves both.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ def code_map(text: str) -> dict[str, str]:
 
 
 def importers(root: Path) -> dict[str, set[str]]:
-    """Each module name the template's code imports (`src.models.hf`) -> the modules that import it, read with ast
+    """Each module name the template's code imports (`src.lm.hf`) -> the modules that import it, read with ast
     from src/, bench/, train.py and eval.py (function-level imports too)."""
     found: dict[str, set[str]] = {}
     for path in [*(root / "src").rglob("*.py"), *(root / "bench").rglob("*.py"), root / "train.py", root / "eval.py"]:
         module = ".".join(path.relative_to(root).with_suffix("").parts)
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:  # `from src.models import hf` names src.models.hf
+            if isinstance(node, ast.ImportFrom) and node.module:  # `from src.models import hf` names src.lm.hf
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -116,21 +116,26 @@ def test_the_readme_code_map_matches_the_tree():
 
 
 def test_the_check_sees_a_module_left_out():
-    """Anywhere, and in the plug-in folders too: a module the template's code imports (hf.py, base.py), and the ones
-    only an option the README documents builds (convnet.py: model=convnet; images.py: data=digits, mnist;
-    prompts.py: data=prompts)."""
+    """Anywhere (modules the template's code imports: hf.py, datamodule.py, prompts.py), and in the plug-in folders
+    too: the ones only an option the README documents builds (convnet.py: model=convnet; images.py: data=digits,
+    mnist). A plug-in module the template's code imports: test_a_users_model_and_datamodule_do_not_fail_the_check."""
     entries = code_map((ROOT / "README.md").read_text())
     entries["src/parallel/"] = entries["src/parallel/"].replace("experts.py", "")
     del entries["src/launch/"]
     entries["bench/scale/"] = entries["bench/scale/"].replace("comm.py", "")
     del entries["bench/suite/"]
-    entries["src/models/"] = entries["src/models/"].replace("hf.py", "").replace("convnet.py", "")
-    for name in ("base.py", "images.py", "prompts.py"):
-        entries["src/datamodules/"] = entries["src/datamodules/"].replace(name, "")
+    entries["src/core/"] = entries["src/core/"].replace("datamodule.py", "")
+    entries["src/lm/"] = entries["src/lm/"].replace("hf.py", "")
+    entries["src/lm/data/"] = entries["src/lm/data/"].replace("prompts.py", "")
+    entries["src/models/"] = entries["src/models/"].replace("convnet.py", "")
+    entries["src/datamodules/"] = entries["src/datamodules/"].replace("images.py", "")
     assert check(entries) == [
         "src/parallel/: unlisted ['experts.py'], not in the folder []",
-        "src/models/: unlisted ['convnet.py', 'hf.py'], not in the folder []",
-        "src/datamodules/: unlisted ['base.py', 'images.py', 'prompts.py'], not in the folder []",
+        "src/core/: unlisted ['datamodule.py'], not in the folder []",
+        "src/lm/: unlisted ['hf.py'], not in the folder []",
+        "src/lm/data/: unlisted ['prompts.py'], not in the folder []",
+        "src/models/: unlisted ['convnet.py'], not in the folder []",
+        "src/datamodules/: unlisted ['images.py'], not in the folder []",
         "bench/scale/: unlisted ['comm.py'], not in the folder []",
         "bench/suite/: no line in the code map",
         "src/launch/: no line in the code map",
@@ -138,10 +143,10 @@ def test_the_check_sees_a_module_left_out():
 
 
 USER_FILES = {  # a user's addition: a tiny MLP on a scikit-learn table, its helper, its data, their conf
-    "src/models/ranker.py": "from src.models.base import LitModule\nfrom src.models.ranker_blocks import block\n\n\n"
+    "src/models/ranker.py": "from src.core.module import LitModule\nfrom src.models.ranker_blocks import block\n\n\n"
     "class RankerLitModule(LitModule):\n    pass\n",
     "src/models/ranker_blocks.py": "from torch import nn\n\n\ndef block(n_in, n_out):\n    return nn.Linear(n_in, n_out)\n",
-    "src/datamodules/ledger.py": "from src.datamodules.base import ShardedDataModule\n\n\n"
+    "src/datamodules/ledger.py": "from src.core.datamodule import ShardedDataModule\n\n\n"
     "class LedgerDataModule(ShardedDataModule):\n    pass\n",
     "conf/model/ranker.yaml": "_target_: src.models.ranker.RankerLitModule\n",
     "conf/data/ledger.yaml": "_target_: src.datamodules.ledger.LedgerDataModule\n",

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: 15-40 s an archi
 
 
 def compiled_module(arch: str, compile=True, config_overrides=None, **kwargs):
-    from src.models.causal_lm import CausalLMLitModule
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
     from src.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
@@ -56,13 +56,13 @@ def batch_of(vocab: int = 100) -> dict[str, torch.Tensor]:
 def test_the_compiled_region_compiles_once_and_computes_what_the_eager_model_does(arch, compile, monkeypatch):
     """GPT-2 in float64, so that its first step is also checked against the same module run eagerly: loss and every
     gradient to FLOAT64_TOL (inductor's fusions reorder sums, ~1e-15 in float64; a wrong graph moves them by far
-    more). `dropout`: the whole model compiled with dropout 0.1 (keyed: src/models/dropout.py), its masks graph inputs,
+    more). `dropout`: the whole model compiled with dropout 0.1 (keyed: src/core/dropout.py), its masks graph inputs,
     not guards. The sample's architectures (full matrix) in fp32, their graphs only."""
     from torch._dynamo.utils import counters
 
     from src.callbacks.generate_text import GenerateText
-    from src.models.causal_lm import CausalLMLitModule
-    from src.models.packing import check_packing
+    from src.lm.features.packing import check_packing
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     torch._dynamo.reset()
     counters.clear()
@@ -190,21 +190,21 @@ def test_the_region_is_the_whole_network_only_where_no_mesh_or_hook_divides_it()
     assert compile_region(False, whole_model=True) is None
     with pytest.raises(ConfigError, match=r"model.compile='model': use true"):
         compile_region("model", whole_model=True)
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     with pytest.raises(ConfigError, match=r"model.compile='model': use true"):  # when the module is built
         GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, compile="model")
 
 
 def test_compile_auto_is_decided_from_the_run_before_the_model_is_built(tmp_path, monkeypatch):
-    """model.compile=auto (the default: src/models/compiling.py auto_compile, written into the config by
+    """model.compile=auto (the default: src/lm/features/compiling.py auto_compile, written into the config by
     src/run/checks.py before anything reads it): false on this CPU, true wherever a compile_mode asks for it; with a GPU
     (torch.cuda.is_available patched: the decision, not a GPU run) true from AUTO_MIN_STEPS training steps or a run
     bounded by epochs, false below, blocks with model.loss_chunk (a network compiled whole is refused with it), true
     under FSDP2 (each block: its own rule), false under the pipeline (whose own check refuses model.compile)."""
     from test_configs import compose_cfg
 
-    from src.models.compiling import AUTO_MIN_STEPS
+    from src.lm.features.compiling import AUTO_MIN_STEPS
     from src.run.checks import resolve_and_check_values
 
     def resolved(overrides: list[str]):

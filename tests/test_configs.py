@@ -186,8 +186,8 @@ import torch
 from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
-from src.datamodules.base import ShardedDataModule
-from src.models.base import LitModule
+from src.core.datamodule import ShardedDataModule
+from src.core.module import LitModule
 
 
 class TableDataModule(ShardedDataModule):
@@ -321,7 +321,7 @@ def test_a_datamodule_takes_its_own_keys_and_the_shared_ones_and_refuses_a_typo(
 
 
 def test_a_subclass_that_inherits_a_datamodules_init_is_checked_as_strictly():
-    from src.datamodules.chat import ChatDataModule
+    from src.lm.data.chat import ChatDataModule
     from src.utils.config import accepted_parameters
 
     keys = set(accepted_parameters(type("MyChat", (ChatDataModule,), {})))

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import shared, worker_processes
 
-from src.datamodules.base import micro_batch_size
-from src.datamodules.corpus import Corpus, CorpusError
-from src.datamodules.text import IGNORE_INDEX, TextDataModule, split_blocks
-from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from src.core.datamodule import micro_batch_size
+from src.lm.data.corpus import Corpus, CorpusError
+from src.lm.data.text import IGNORE_INDEX, TextDataModule, split_blocks
+from src.lm.data.token_cache import load_or_build
+from src.lm.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from src.utils.config import ConfigError
 
 DOCS = ["first document", "a second, much longer document " * 20, "ünïcödé ☃", "last"]
@@ -129,7 +129,7 @@ def test_cache_is_reused_and_invalidated_when_corpus_or_tokenizer_change(tmp_pat
 
 
 def _build_in_process(root: str, cache: str, log: str, start) -> None:
-    from src.datamodules import token_cache
+    from src.lm.data import token_cache
 
     real_build = token_cache._build
 

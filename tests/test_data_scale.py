@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, python, shared
 
-from src.datamodules.corpus import Corpus, CorpusError
-from src.datamodules.file_hashes import UNVERIFIED_WINDOW_NS, hash_entry, trusted
-from src.datamodules.text import TextDataModule
-from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer
+from src.lm.data.corpus import Corpus, CorpusError
+from src.lm.data.file_hashes import UNVERIFIED_WINDOW_NS, hash_entry, trusted
+from src.lm.data.text import TextDataModule
+from src.lm.data.token_cache import load_or_build
+from src.lm.data.tokenizers import ByteTokenizer, HFTokenizer
 
 
 def shakespeare() -> str:
@@ -172,9 +172,9 @@ def test_a_failure_after_some_batches_leaves_no_cache_and_no_hash_index(tmp_path
 
 BUILD_AND_REPORT_RSS = """
 import resource, sys
-from src.datamodules.corpus import Corpus
-from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokenizers import ByteTokenizer
+from src.lm.data.corpus import Corpus
+from src.lm.data.token_cache import load_or_build
+from src.lm.data.tokenizers import ByteTokenizer
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 tokens = load_or_build(Corpus.from_config(sys.argv[1], None, "train", "text"), ByteTokenizer(), sys.argv[2])
 print(len(tokens), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
@@ -286,7 +286,7 @@ def test_two_nodes_build_the_cache_once_shared_or_once_per_node_local_disk(tmp_p
 MEMORY_PER_BLOCK = """
 import resource
 import numpy as np
-from src.datamodules.text import PackedBlocks
+from src.lm.data.text import PackedBlocks
 from src.parallel.samplers import ResumableDistributedSampler
 
 n = 20_000_000  # blocks: a 2.5 GB corpus at seq_len 128 (here seq_len 1 over zero pages: no token memory)

@@ -27,14 +27,14 @@ def test_the_strategys_setup_places_every_metric_and_buffer_on_its_device():
     """Under ZeRO-3 neither DeepSpeed nor Lightning moves what is not a partitioned parameter: DeepSpeedStrategy.setup
     places the evaluation metrics (DPO's pair statistics) and the buffers (Llama's rotary frequencies) on the root
     device. A CPU has one device, so the move is checked towards the meta device; parameters stay."""
-    from src.models.causal_lm import CausalLMLitModule
-    from src.objectives.dpo import DPO
+    from src.lm.models.causal_lm import CausalLMLitModule
+    from src.lm.objectives.dpo import DPO
     from src.parallel.deepspeed import place_states
 
     config = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
               "intermediate_size": 32}  # fmt: skip
     module = CausalLMLitModule(vocab_size=100, seq_len=16, model_type="llama", config=config, objective=DPO())
-    metrics = [m for m in module.modules() if type(m).__name__ == "PairStats"]
+    metrics = [m for m in module.modules() if type(m).__name__ == "MeanStats"]
     assert len(metrics) == 2 and len(list(module.buffers())) >= 1
     place_states(module, torch.device("meta"))
     assert all(state.is_meta for m in metrics for state in m.metric_state.values())

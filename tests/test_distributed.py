@@ -145,7 +145,7 @@ def test_padded_split_labels_are_ignored():
     """The padding item: a real sample's inputs, every label -100 (dicts, and (x, y) tuples)."""
     from torch.utils.data import TensorDataset
 
-    from src.datamodules.base import PaddedSplit, ignore_labels
+    from src.core.datamodule import PaddedSplit, ignore_labels
 
     data = [{"input_ids": torch.arange(4), "labels": torch.arange(4)}]
     padded = PaddedSplit(data, ignore_labels(data[0]))

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from src.callbacks.divergence import Divergence, DivergenceError
-from src.models.base import LitModule
+from src.core.module import LitModule
 from tests.conftest import ROOT, python, read_events, run_script
 from tests.helpers.divergence import InjectNaN
 from tests.test_parity import GPT2, QUIET

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from conftest import ALL, FULL_MATRIX_ONLY, shared
 
-from src.datamodules.corpus import CorpusError
-from src.datamodules.preference import PreferenceDataModule, pair_collate
-from src.models.gpt2 import GPT2LitModule
-from src.objectives.dpo import DPO, answer_logps
+from src.lm.data.corpus import CorpusError
+from src.lm.data.preference import PreferenceDataModule, pair_collate
+from src.lm.models.gpt2_module import GPT2LitModule
+from src.lm.objectives.dpo import DPO, answer_logps
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, close64, within
 
@@ -200,7 +200,7 @@ def tiny_pairs(tokenizer, n: int = 4, data: str = EN) -> list[dict[str, list[int
 
 
 def our_batch(pairs: list[dict], sequence=None) -> dict[str, torch.Tensor]:
-    from src.datamodules.preference import sequence as masked
+    from src.lm.data.preference import sequence as masked
 
     sequence = sequence or masked
     items = [
@@ -685,7 +685,7 @@ def test_a_checkpoint_from_before_objectives_were_a_config_group_builds_its_dpo_
 
 
 def test_a_checkpoint_from_before_src_objectives_builds_its_objective_and_rewards(tmp_path):
-    """A stored config names its objective and reward functions where they lived before src/objectives/
+    """A stored config names its objective and reward functions where they lived before src/lm/objectives/
     (`src.models.grpo.GRPO`, `src.models.verifiers.exact_match`): read back, they are named where they are now and
     the model builds with them."""
     from hydra.utils import instantiate
@@ -693,12 +693,12 @@ def test_a_checkpoint_from_before_src_objectives_builds_its_objective_and_reward
     from test_configs import compose_cfg
 
     from src.checkpoint.convert import read_config
-    from src.objectives.grpo import GRPO
+    from src.lm.objectives.grpo import GRPO
 
     cfg = compose_cfg(["model/objective=grpo", "data=prompts", "model.pretrained=null", *GPT2_SHAPE])
     stored = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
     stored = OmegaConf.to_container(
-        OmegaConf.create(OmegaConf.to_yaml(stored).replace("src.objectives.", "src.models."))
+        OmegaConf.create(OmegaConf.to_yaml(stored).replace("src.lm.objectives.", "src.models."))
     )  # as train.py stored it before
     assert stored["model"]["objective"]["_target_"] == "src.models.grpo.GRPO"
     torch.save({"config": stored}, tmp_path / "old.ckpt")
@@ -706,3 +706,28 @@ def test_a_checkpoint_from_before_src_objectives_builds_its_objective_and_reward
     assert "src.models.grpo" not in str(config) and "src.models.verifiers" not in str(config)
     module = instantiate(OmegaConf.create(config).model, vocab_size=257)
     assert isinstance(module.objective, GRPO)
+
+
+def test_a_checkpoint_from_before_src_lm_builds_its_model_and_data(tmp_path):
+    """A stored config names its model, data and objective where they lived before src/lm/ (`src.models.gpt2`,
+    `src.datamodules.text`, `src.objectives.sft`): read back, they are named where they are now and build."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from test_configs import compose_cfg
+
+    from src.checkpoint.convert import read_config
+    from src.lm.models.gpt2_module import GPT2LitModule
+
+    cfg = compose_cfg(["model.pretrained=null", *GPT2_SHAPE])
+    stored = OmegaConf.to_yaml({key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")})
+    for new, old in [("src.lm.models.gpt2_module.", "src.models.gpt2."), ("src.lm.data.", "src.datamodules.")]:
+        stored = stored.replace(new, old)
+    stored = OmegaConf.to_container(OmegaConf.create(stored.replace("src.lm.objectives.", "src.objectives.")))
+    assert stored["model"]["_target_"] == "src.models.gpt2.GPT2LitModule"  # as train.py stored it before
+    assert stored["data"]["_target_"] == "src.datamodules.text.TextDataModule"
+    torch.save({"config": stored}, tmp_path / "old.ckpt")
+    config = read_config(tmp_path / "old.ckpt")
+    assert "src.models.gpt2" not in str(config) and "src.datamodules" not in str(config)
+    assert "src.objectives" not in str(config).replace("src.lm.objectives", "")
+    assert config["data"]["_target_"] == "src.lm.data.text.TextDataModule"
+    assert isinstance(instantiate(OmegaConf.create(config).model, vocab_size=257), GPT2LitModule)

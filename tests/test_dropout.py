@@ -1,4 +1,4 @@
-"""Dropout keyed per sample (src/models/dropout.py): a row's masks depend on the seed, the step, its sample and the
+"""Dropout keyed per sample (src/core/dropout.py): a row's masks depend on the seed, the step, its sample and the
 module only, so dropout on trains the same model on any number of ranks and any accumulation; a forward that draws
 its own random numbers is refused before step 1."""
 
@@ -19,7 +19,7 @@ KEYS = dict(step=3, seed=1234)
 
 
 def mask(shape, sample_index, salt=7, p=0.25, rows=None):
-    from src.models.dropout import keyed_mask, row_keys
+    from src.core.dropout import keyed_mask, row_keys
 
     index = torch.as_tensor(sample_index)
     keys = row_keys(index, rows or len(index), **KEYS)
@@ -29,7 +29,7 @@ def mask(shape, sample_index, salt=7, p=0.25, rows=None):
 def test_a_rows_mask_depends_on_its_sample_and_position_only():
     """The same sample gets the same mask alone or among others, in any order, right-padded to any width; another
     sample, step, seed or module gets another."""
-    from src.models.dropout import keyed_mask, row_keys
+    from src.core.dropout import keyed_mask, row_keys
 
     batch = mask((4, 6, 16), [5, 9, 2, 11])
     assert torch.equal(mask((1, 6, 16), [9])[0], batch[1])
@@ -71,7 +71,7 @@ def test_a_compiled_keyed_dropout_draws_the_eager_masks_and_compiles_once():
     compiled GPT-2 with dropout: test_compile.py, full matrix."""
     from torch._dynamo.utils import counters
 
-    from src.models import dropout
+    from src.core import dropout
 
     torch._dynamo.reset()
     counters.clear()
@@ -93,7 +93,7 @@ def test_a_compiled_keyed_dropout_draws_the_eager_masks_and_compiles_once():
 
 @pytest.mark.slow  # inductor compiles C++ kernels
 def test_the_dropout_kernel_gives_the_eager_values_with_one_graph_per_rank():
-    """compile_dropout (src/models/dropout.py, use_kernel): keyed dropout as one compiled kernel per tensor gives the
+    """compile_dropout (src/core/dropout.py, use_kernel): keyed dropout as one compiled kernel per tensor gives the
     eager ops' values bit for bit, forward and backward, at two probabilities: hidden states in fp32 (then another
     length, then a transposed input) and attention weights in bf16 (4 dims). Forward and backward share one graph per
     tensor rank: a new length, other strides and another p do not recompile (p a Python float in the graph, inductor's
@@ -101,7 +101,7 @@ def test_the_dropout_kernel_gives_the_eager_values_with_one_graph_per_rank():
     model on any layout holds for the kernel (and test_the_dropout_kernel_trains_like_the_eager_ops_on_two_ranks)."""
     from torch._dynamo.utils import counters
 
-    from src.models import dropout
+    from src.core import dropout
 
     torch._dynamo.reset()
     counters.clear()
@@ -135,8 +135,8 @@ def test_the_dropout_kernel_keys_a_forwards_own_functional_dropout_as_the_eager_
     its attention dropout in the keyed eager attention: with the kernel (each of those calls through it, counted) its
     training logits and gradients are the eager ops', bit for bit (GPT-2's modules and LoRA's through train.py: the
     two-rank run above)."""
-    from src.models import dropout
-    from src.models.causal_lm import CausalLMLitModule
+    from src.core import dropout
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     applied = []
     apply = dropout._KeyedKernel.apply
@@ -167,7 +167,7 @@ def test_the_dropout_kernel_keys_a_forwards_own_functional_dropout_as_the_eager_
 
 
 def dropout_forward(module, ids, index):
-    from src.models import dropout
+    from src.core import dropout
 
     module.train()
     dropout.set_keys(dropout.row_keys(torch.as_tensor(index), ids.shape[0], 0, module.base_seed))
@@ -175,7 +175,7 @@ def dropout_forward(module, ids, index):
 
 
 def test_compile_dropout_auto_is_the_kernel_on_a_gpu_only():
-    from src.models.dropout import wants_kernel
+    from src.core.dropout import wants_kernel
     from src.utils.config import ConfigError
 
     assert wants_kernel("auto", torch.device("cuda")) and not wants_kernel("auto", torch.device("cpu"))
@@ -185,13 +185,13 @@ def test_compile_dropout_auto_is_the_kernel_on_a_gpu_only():
 
 
 def gpt2(**options):
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     return GPT2LitModule(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=16, **options)
 
 
 def logits(module, ids, index, training, seed=0):
-    from src.models import dropout
+    from src.core import dropout
 
     module.train(training)
     torch.manual_seed(seed)
@@ -207,7 +207,7 @@ def test_every_dropout_of_a_model_is_keyed_and_applied():
     too; in evaluation the keyed attention gives the logits of the model's own sdpa attention."""
     from torch import nn
 
-    from src.models.dropout import KeyedDropout
+    from src.core.dropout import KeyedDropout
 
     torch.manual_seed(0)
     module = gpt2(
@@ -272,8 +272,8 @@ def test_a_training_batch_that_does_not_name_its_samples_is_one_sentence():
 def test_model_dropout_sets_a_pretrained_checkpoints_probabilities():
     """model.dropout=null keeps a checkpoint's dropout (tiny GPT-2's 0.1, keyed); a number sets every probability
     of its config before the model is built, so its attention is left as it was at 0."""
-    from src.models.causal_lm import CausalLMLitModule
-    from src.models.dropout import KeyedDropout, config_fields
+    from src.core.dropout import KeyedDropout, config_fields
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     path = str(shared("tiny-gpt2"))
     kept = CausalLMLitModule(vocab_size=50257, seq_len=32, pretrained=path)
@@ -294,8 +294,8 @@ def test_each_architectures_dropout_is_keyed(arch):
 
     from transformers import AutoModelForCausalLM
 
-    from src.models import dropout
-    from src.models.causal_lm import CausalLMLitModule
+    from src.core import dropout
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     config, fields = tiny_or_skip(arch)
     modules = []

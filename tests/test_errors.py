@@ -238,9 +238,9 @@ def test_bugs_keep_their_traceback() -> None:
 
 
 def test_failed_token_cache_build_leaves_nothing(bad: Path, tmp_path: Path) -> None:
-    from src.datamodules.corpus import Corpus, CorpusError
-    from src.datamodules.token_cache import load_or_build
-    from src.datamodules.tokenizers import ByteTokenizer
+    from src.lm.data.corpus import Corpus, CorpusError
+    from src.lm.data.token_cache import load_or_build
+    from src.lm.data.tokenizers import ByteTokenizer
 
     corpus = Corpus.from_config(str(bad / "broken.jsonl"), None, "train", "text")
     with pytest.raises(CorpusError, match="broken.jsonl:2"):

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import path_overrides, run_script, shared
 
-from src.datamodules.corpus import CorpusError
-from src.datamodules.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
-from src.datamodules.text import IGNORE_INDEX
-from src.datamodules.tokenizers import load_tokenizer
-from src.models.gpt2 import GPT2LitModule
+from src.lm.data.corpus import CorpusError
+from src.lm.data.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
+from src.lm.data.text import IGNORE_INDEX
+from src.lm.data.tokenizers import load_tokenizer
+from src.lm.models.gpt2_module import GPT2LitModule
 from src.parallel.parallelize import parallelize
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64, close_fp32_weights, within
@@ -201,7 +201,7 @@ def test_continued_pretraining_recipe_runs_offline(dirs):
 
 
 def test_special_tokens_extend_the_vocabulary_and_the_embeddings(tmp_path):
-    from src.datamodules.text import TextDataModule
+    from src.lm.data.text import TextDataModule
 
     (tmp_path / "c.txt").write_text("<|user|> hello <|assistant|> hi\n" * 50)
     dm = TextDataModule(
@@ -263,12 +263,12 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
     (Lightning's trainer.overfit_batches gives every rank the same batches), and evaluated on the same 16."""
     from pathlib import Path
 
-    from src.datamodules.text import TextDataModule
+    from src.lm.data.text import TextDataModule
 
     corpus = Path(__file__).parent / "data" / "tiny_corpus.txt"
     seen = {}
     for rank in range(2):
-        monkeypatch.setattr("src.datamodules.base.rank_and_world", lambda trainer: (rank, 2))
+        monkeypatch.setattr("src.core.datamodule.rank_and_world", lambda trainer: (rank, 2))
         dm = TextDataModule(
             path=str(corpus), seq_len=32, global_batch_size=8, overfit_batches=2, cache_dir=str(tmp_path)
         )

@@ -1,4 +1,4 @@
-"""P-tuning (peft), bottleneck adapters (src/models/bottleneck.py) and frozen layers (model.freeze): what each one
+"""P-tuning (peft), bottleneck adapters (src/lm/features/bottleneck.py) and frozen layers (model.freeze): what each one
 computes and trains, and each under DDP and FSDP2 == 1 process, evaluated by eval.py, exported and loaded back."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from test_architectures_parity import STRATEGIES, eval_val_loss, llama_args
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
-from src.models import frozen as freezing
-from src.models.bottleneck import BottleneckConfig
-from src.models.gpt2 import GPT2LitModule
+from src.lm.features import frozen as freezing
+from src.lm.features.bottleneck import BottleneckConfig
+from src.lm.models.gpt2_module import GPT2LitModule
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64, close_fp32_weights, within
 
@@ -35,7 +35,7 @@ def test_bottleneck_adapters_compute_the_houlsby_formula_in_float64():
     torch.manual_seed(0)
     base = GPT2LitModule(**SMALL).double().eval()
     adapted = copy.deepcopy(base)
-    from src.models import bottleneck
+    from src.lm.features import bottleneck
 
     bottleneck.add(adapted.model, BottleneckConfig(reduction_factor=4, placement="both", seed=3))
     assert {n for n, p in adapted.named_parameters() if p.requires_grad} == {
@@ -251,7 +251,7 @@ def test_the_docs_trainable_parameter_counts_are_the_architectures(tmp_path):
     from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from src.models import bottleneck
+    from src.lm.features import bottleneck
 
     llama = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64)  # fmt: skip

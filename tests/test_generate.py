@@ -212,8 +212,8 @@ def test_chat_three_turns_on_a_chat_checkpoint(tmp_path, chat_checkpoint):
     """Each reply is transformers' greedy completion of the whole conversation so far (the earlier replies in it),
     rendered by the template the checkpoint trained with, stopped at the end of the assistant's turn."""
     from src.checkpoint.convert import export_hf, read_config
-    from src.datamodules.chat import ChatTemplate
-    from src.datamodules.tokenizers import load_tokenizer
+    from src.lm.data.chat import ChatTemplate
+    from src.lm.data.tokenizers import load_tokenizer
 
     turns = ["Hi, who are you?", "What is the weather in Paris?", 'tool: {"temperature": 21}']
     proc = generate(tmp_path, chat_checkpoint, ["chat=true", "temperature=0", "max_new_tokens=10"],

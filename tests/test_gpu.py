@@ -69,7 +69,7 @@ def test_a_recipe_trains_on_one_gpu(tmp_path, name, args):
 
 
 def test_keyed_dropout_on_a_gpu_is_the_same_with_accumulation_and_compiled(tmp_path):
-    """Dropout 0.1 everywhere (src/models/dropout.py: masks hashed from seed, step, sample and module) on the GPU, fp32,
+    """Dropout 0.1 everywhere (src/core/dropout.py: masks hashed from seed, step, sample and module) on the GPU, fp32,
     as one compiled kernel a tensor (compile_dropout=auto on a GPU): 1 x 8 = 1 x 4 x accumulation 2 = the eager ops
     (compile_dropout=false) = the model compiled (inductor's kernels hash the same integers), every step."""
     base = ["model.dropout=0.1", "trainer.precision=32-true"] + GPU
@@ -99,11 +99,11 @@ def test_cuda_graphs_train_what_the_eager_model_trains(tmp_path):
 
 @CUDA_ITSELF
 def test_compile_auto_compiles_a_long_training_run_on_this_gpu(tmp_path):
-    """model.compile=auto (the default, src/models/compiling.py) on a real GPU: the whole network for a training run of
+    """model.compile=auto (the default, src/lm/features/compiling.py) on a real GPU: the whole network for a training run of
     AUTO_MIN_STEPS steps, nothing for the lane's short runs (tests/test_compile.py decides each case on a CPU)."""
     from test_configs import compose_cfg
 
-    from src.models.compiling import AUTO_MIN_STEPS
+    from src.lm.features.compiling import AUTO_MIN_STEPS
     from src.run.checks import resolve_and_check_values
 
     for steps, want in ((AUTO_MIN_STEPS, True), (6, False)):

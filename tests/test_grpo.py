@@ -12,9 +12,9 @@ import torch
 from conftest import FULL_MATRIX_ONLY, shared
 from test_dpo import CPU_DS, LORA, moved, worst_relative_difference
 
-from src.models.gpt2 import GPT2LitModule
-from src.objectives.grpo import GRPO, completion_mask, group_advantages, sample_seed
-from src.objectives.verifiers import exact_match, format_match
+from src.lm.models.gpt2_module import GPT2LitModule
+from src.lm.objectives.grpo import GRPO, completion_mask, group_advantages, sample_seed
+from src.lm.objectives.verifiers import exact_match, format_match
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
 
@@ -243,7 +243,7 @@ def test_objective_data_and_strategy_must_agree(overrides, words):
 
 REWARDS = [
     "model.objective.rewards=[{_target_: tests.helpers.rewards.digit_share, _partial_: true},"
-    "{_target_: src.objectives.verifiers.exact_match, _partial_: true}]",
+    "{_target_: src.lm.objectives.verifiers.exact_match, _partial_: true}]",
     "model.objective.reward_weights=[1.0,2.0]",
 ]
 
@@ -332,8 +332,8 @@ def test_grpo_raises_the_reward_of_a_short_sft_on_sums(tmp_path):
 def test_a_reward_model_scores_completions_as_its_export_does(tmp_path):
     """RewardModelScore on export-hf's dir of a reward model (bytes): the scores of prompt + completion are the
     reward model's own (the head at the last real token); the policy's tokenizer must be the reward model's."""
-    from src.datamodules.tokenizers import ByteTokenizer, HFTokenizer
-    from src.objectives.reward import Reward, RewardModelScore
+    from src.lm.data.tokenizers import ByteTokenizer, HFTokenizer
+    from src.lm.objectives.reward import Reward, RewardModelScore
 
     torch.manual_seed(0)
     module = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward()).eval()
@@ -377,7 +377,7 @@ def test_sft_then_a_reward_model_then_grpo_from_config_alone(tmp_path):
     run_script("-m", ["src.tools.checkpoints", "export-hf", str(last_ckpt(tmp_path, "reward")), str(tmp_path / "rm")])
     run_script("train.py", stage("grpo") + [
         "experiment=gpt2_grpo", f"model.pretrained={sft}", f"data.path={arithmetic(tmp_path / 'sums.jsonl')}",
-        f"model.objective.rewards=[{{_target_: src.objectives.reward.RewardModelScore, path: {tmp_path / 'rm'}}}]",
+        f"model.objective.rewards=[{{_target_: src.lm.objectives.reward.RewardModelScore, path: {tmp_path / 'rm'}}}]",
         "trainer.val_check_interval=2", "model.objective.num_generations=2",
     ])  # fmt: skip
     (run,) = (tmp_path / "grpo" / "train" / "runs").iterdir()
@@ -391,9 +391,9 @@ def test_prompts_plain_or_chat_rendered_with_their_fields(tmp_path):
     """data=prompts: text is used as it is; chat messages (and ShareGPT turns) go through the tokenizer's chat
     template with the generation prompt; every other field is kept for the reward functions; long prompts lose
     their start; evaluation's padding prompt is numbered -1."""
-    from src.datamodules.chat import CHATML
-    from src.datamodules.prompts import PromptDataModule
-    from src.datamodules.tokenizers import HFTokenizer
+    from src.lm.data.chat import CHATML
+    from src.lm.data.prompts import PromptDataModule
+    from src.lm.data.tokenizers import HFTokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
     records = [

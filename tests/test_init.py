@@ -2,7 +2,7 @@
 initialisation (`AutoModelForCausalLM.from_config`), constants exactly (Gemma's zero-centred norm gains, Mamba's D
 and dt_bias, biases) and random tensors in distribution (mean and standard deviation within a bound derived from the
 tensor's size: Mamba's and the gated delta rule's A_log, every weight); and on every layout the same values
-(src/models/init.py draws each parameter from its own generator: tests/test_meta_init.py compares the layouts).
+(src/lm/init.py draws each parameter from its own generator: tests/test_meta_init.py compares the layouts).
 
 The default suite: Llama, Gemma 2, Qwen3-Next (gated delta rule + attention), Falcon-H1 (Mamba-2 hybrid) and GPT-2
 (its own adapter's rule, residual projections scaled by 1/sqrt(2 n_layer)); TEST_ALL_ARCHITECTURES=1: every
@@ -51,7 +51,7 @@ def differences(ours: torch.nn.Module, theirs: torch.nn.Module) -> list[str]:
 def test_from_scratch_every_parameter_starts_as_transformers_starts_it(arch):
     from transformers import AutoModelForCausalLM
 
-    from src.models.causal_lm import CausalLMLitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     config, fields = tiny_or_skip(arch)
     torch.manual_seed(0)
@@ -67,10 +67,10 @@ def test_from_scratch_every_parameter_starts_as_transformers_starts_it(arch):
 
 
 def test_gpt2_keeps_its_adapters_rule_which_is_gpt2s():
-    """GPT-2's adapter (src/architectures/gpt2.py) against transformers' GPT-2 init: the same distributions."""
+    """GPT-2's adapter (src/architectures/gpt2_adapter.py) against transformers' GPT-2 init: the same distributions."""
     from transformers import AutoModelForCausalLM
 
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     torch.manual_seed(0)
     ours = GPT2LitModule(vocab_size=1000, seq_len=64, n_layer=4, n_head=4, n_embd=64).model
@@ -84,8 +84,8 @@ def test_the_check_sees_the_generic_rule_on_gemma2_and_a_mamba_hybrid(monkeypatc
     biases for every architecture): Gemma 2's gains of 1 + w start at 2, Falcon-H1's A_log, D and dt_bias are off."""
     from transformers import AutoModelForCausalLM
 
-    from src.models import hf
-    from src.models.causal_lm import CausalLMLitModule
+    from src.lm import hf
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     monkeypatch.setattr(hf, "architecture_fill", lambda model, fallback: fallback)
     for arch, words in (("gemma2", "input_layernorm.weight"), ("falcon_h1", "mamba.A_log")):

@@ -2,11 +2,14 @@
 
 The order, lowest first (README "Code map"): utils (errors, config, logging, labels, machine: imports nothing of
 ours) < architectures (what is known of a model before it is built, GPT-2's adapter), launch (starting the ranks)
-< checkpoint (saving, reading, resuming anywhere) < parallel (what makes N ranks
-train as 1) < objectives (what a step optimises, and the contract a module offers it) < models, datamodules (which
-know nothing of each other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and
-bench/ sit on top: nothing in src/ imports bench/, bench/common.py (what the benches share) imports no bench, and the
-benches import each other in no circle.
+< checkpoint (saving, reading, resuming anywhere) < parallel (what makes N ranks train as 1) < core (the generic
+floor: the base LightningModule and DataModule, keyed randomness, a plain datamodule's loaders; it knows no tokens,
+objectives or experts) < lm (the language-model floor, built on core as a user's module is; inside it, lowest
+first: its own root modules (hf.py, init.py: what it knows of transformers' models) < objectives, data (which know
+nothing of each other) < features < models) < models, datamodules (the user's rooms, which know nothing of each
+other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and bench/ sit on top:
+nothing in src/ imports bench/, bench/common.py (what the benches share) imports no bench, and the benches import
+each other in no circle.
 Function-level imports count too: they are how a circle hides.
 
 UPWARD lists the imports that still run against the order, each a debt to pay by moving the code that needs it
@@ -23,9 +26,10 @@ import tokenize
 import pytest
 from conftest import ROOT
 
-LAYER = {
-    **{"utils": 0, "architectures": 1, "launch": 1, "checkpoint": 2, "parallel": 3, "objectives": 4},
-    **{"models": 5, "datamodules": 5, "callbacks": 6, "tools": 7, "run": 8},
+LAYER = {  # a package of src/ (`core`) or of src/lm/ (`lm.data`); `lm` is src/lm/'s own modules
+    **{"utils": 0, "architectures": 1, "launch": 1, "checkpoint": 2, "parallel": 3, "core": 4},
+    **{"lm": 5, "lm.objectives": 6, "lm.data": 6, "lm.features": 7, "lm.models": 8},
+    **{"models": 9, "datamodules": 9, "callbacks": 10, "tools": 11, "run": 12},
 }
 UPWARD: set[tuple[str, str]] = set()  # (importing module, imported module): known debts; none left
 
@@ -51,9 +55,16 @@ def imports(top: str = "src") -> dict[str, set[str]]:
     return graph
 
 
-def layer(module: str) -> int | None:
+def package(module: str) -> str | None:
+    """The LAYER key of a module of src/ (`src.lm.data.text` -> `lm.data`); None for src/'s own modules."""
     parts = module.split(".")
-    return LAYER.get(parts[1]) if len(parts) > 2 else None
+    if len(parts) > 3 and ".".join(parts[1:3]) in LAYER:
+        return ".".join(parts[1:3])
+    return parts[1] if len(parts) > 2 else None
+
+
+def layer(module: str) -> int | None:
+    return LAYER.get(package(module))
 
 
 def test_no_import_runs_against_the_layer_order():
@@ -64,7 +75,7 @@ def test_no_import_runs_against_the_layer_order():
         for b in edges
         if layer(a) is not None
         and layer(b) is not None
-        and (layer(b) > layer(a) or (layer(b) == layer(a) and a.split(".")[1] != b.split(".")[1]))
+        and (layer(b) > layer(a) or (layer(b) == layer(a) and package(a) != package(b)))
     }
     assert upward - UPWARD == set(), f"imports against the order {LAYER}: {sorted(upward - UPWARD)}"
     assert UPWARD - upward == set(), f"paid debts: remove {sorted(UPWARD - upward)} from UPWARD"
@@ -72,6 +83,7 @@ def test_no_import_runs_against_the_layer_order():
 
 def test_every_package_has_a_layer():
     packages = {p.name for p in (ROOT / "src").iterdir() if (p / "__init__.py").is_file()}
+    packages |= {f"lm.{p.name}" for p in (ROOT / "src" / "lm").iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(LAYER), f"give each package of src/ a layer: {sorted(packages ^ set(LAYER))}"
 
 
@@ -114,40 +126,74 @@ def test_bench_sits_on_top():
     assert "bench.common" in {m for edges in imports("bench").values() for m in edges}  # the scan sees bench/
 
 
+# what only the language model knows: its package, objectives, token data, experts, adapters (case-insensitive)
+LM_WORDS = re.compile(
+    r"src[./]lm\b|\bobjectives?\b|\btokeni[sz]er|\b(token_cache|corpus|LANGUAGE_KINDS)\b|\bexperts?\b|CausalLM|"
+    r"\b(DPO|GRPO|peft|lora)\b",
+    re.IGNORECASE,
+)
+
+
+def lm_mentions(folder, root=ROOT) -> list[str]:
+    """Where a folder's modules import the LM package or name what only it knows (LM_WORDS), in code, strings,
+    docstrings and comments alike."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(root)}:{node.lineno}: imports {n}" for n in names if n.startswith("src.lm")]
+        for number, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(root)}:{number}: {m[0]}" for m in LM_WORDS.finditer(line)]
+    return found
+
+
+def test_the_core_knows_nothing_of_the_language_model():
+    """src/core/ is the floor both the LM (src/lm/) and a user's module stand on: none of its modules imports the LM
+    package or names its objectives, token data or experts (each such need is a hook the LM implements)."""
+    assert lm_mentions(ROOT / "src" / "core") == []
+
+
+def test_the_core_check_sees_a_mention(tmp_path):
+    (tmp_path / "a.py").write_text("from src.lm.data import text\n\nX = 1  # the DPO sums\n")
+    assert lm_mentions(tmp_path, root=tmp_path) == ["a.py:1: imports src.lm.data", "a.py:1: src.lm", "a.py:3: DPO"]
+
+
 def test_the_layer_test_sees_an_upward_import(tmp_path, monkeypatch):
     """The check bites: a utils module importing an objective's module is reported."""
     import test_layers
 
     fake = tmp_path / "src" / "utils"
     fake.mkdir(parents=True)
-    (fake / "bad.py").write_text("from src.objectives.loss import IGNORE_INDEX\n")
-    (tmp_path / "src" / "objectives").mkdir()
-    (tmp_path / "src" / "objectives" / "loss.py").write_text("IGNORE_INDEX = -100\n")
+    (fake / "bad.py").write_text("from src.lm.objectives.loss import IGNORE_INDEX\n")
+    (tmp_path / "src" / "lm" / "objectives").mkdir(parents=True)
+    (tmp_path / "src" / "lm" / "objectives" / "loss.py").write_text("IGNORE_INDEX = -100\n")
     monkeypatch.setattr(test_layers, "ROOT", tmp_path)
     monkeypatch.setattr(test_layers, "UPWARD", set())
     try:
         test_layers.test_no_import_runs_against_the_layer_order()
     except AssertionError as e:
-        assert "('src.utils.bad', 'src.objectives.loss')" in str(e)
+        assert "('src.utils.bad', 'src.lm.objectives.loss')" in str(e)
     else:
         raise AssertionError("an upward import went unseen")
 
 
-OBJECTIVES = ["base", "sft", "dpo", "reward", "grpo"]  # src/objectives/: the objectives and their base
+OBJECTIVES = ["base", "sft", "dpo", "reward", "grpo"]  # src/lm/objectives/: the objectives and their base
 
 
 def test_objectives_use_only_the_trained_modules_contract():
-    """Every `module.<name>` an objective reads is a member of TrainedModule (src/objectives/base.py), none is
+    """Every `module.<name>` an objective reads is a member of TrainedModule (src/lm/objectives/base.py), none is
     private, and CausalLMLitModule has each: the contract between the module and its objectives is that class."""
     # every objective of conf/model/objective/ is scanned
     assert sorted(OBJECTIVES[1:]) == sorted(p.stem for p in (ROOT / "conf" / "model" / "objective").glob("*.yaml"))
-    from src.models.gpt2 import GPT2LitModule
-    from src.objectives.base import TrainedModule
+    from src.lm.models.gpt2_module import GPT2LitModule
+    from src.lm.objectives.base import TrainedModule
 
     contract = set(TrainedModule.__annotations__) | {n for n in vars(TrainedModule) if not n.startswith("_")}
     used: dict[str, set[str]] = {}
     for name in OBJECTIVES:
-        tree = ast.parse((ROOT / "src" / "objectives" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "src" / "lm" / "objectives" / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "module":
                 used.setdefault(node.attr, set()).add(name)
@@ -169,8 +215,8 @@ def test_an_objective_a_strategy_computes_gives_its_own_loss_and_metrics_through
     from hydra.utils import get_object
     from omegaconf import OmegaConf
 
-    from src.models.gpt2 import GPT2LitModule
-    from src.objectives.base import Objective
+    from src.lm.models.gpt2_module import GPT2LitModule
+    from src.lm.objectives.base import Objective
 
     asked = ("loss_sum", "n_targets", "add_sums")
     classes = [
@@ -246,13 +292,20 @@ def long_functions(folder, limit: int, root=ROOT) -> list[str]:
 
 def test_the_lm_module_is_a_short_composition():
     """The LM module composes a model spec, an objective and features that each own their option, probe and refusals
-    (src/models/causal_lm.py's docstring): it stays under 300 lines, no function of src/models/ runs over 60, and only
-    src/models/probe.py switches a module's mode for a probe (`probing`: restored whatever happens)."""
-    models = ROOT / "src" / "models"
-    assert len((models / "causal_lm.py").read_text().splitlines()) < 300, "move a feature out of causal_lm.py"
-    assert long_functions(models, 60) == []
-    toggles = [p.name for p in models.glob("*.py") if "was_training" in p.read_text() and p.name != "probe.py"]
-    assert toggles == [], f"probe with src/models/probe.py's probing(module) instead: {toggles}"
+    (src/lm/models/causal_lm.py's docstring): it stays under 300 lines, no function of the folders src/models/ was once
+    (the LM's models and features, the core, the user's models) runs over 60, and only src/core/probe.py switches a
+    module's mode for a probe (`probing`: restored whatever happens)."""
+    src = ROOT / "src"
+    folders = [src / "lm" / "models", src / "lm" / "features", src / "lm", src / "core", src / "models"]
+    assert len((src / "lm" / "models" / "causal_lm.py").read_text().splitlines()) < 300, "move a feature out"
+    assert [hit for folder in folders for hit in long_functions(folder, 60)] == []
+    toggles = [
+        p.name
+        for folder in folders
+        for p in folder.glob("*.py")
+        if "was_training" in p.read_text() and p != src / "core" / "probe.py"
+    ]
+    assert toggles == [], f"probe with src/core/probe.py's probing(module) instead: {toggles}"
 
 
 def test_the_length_check_sees_a_long_function(tmp_path):

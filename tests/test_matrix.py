@@ -37,7 +37,7 @@ if __name__ == "__main__":  # python -m tests.test_matrix RESULTS: the tests' ow
 from conftest import ALL, ROOT, once_per_session, path_overrides, read_events, run_script, shared
 from test_parity import QUIET
 
-from src.datamodules.base import LANGUAGE_KINDS
+from src.lm.data.tokens import LANGUAGE_KINDS
 from tests.helpers.margins import within
 
 # from scratch (dropout 0): 2 heads and 2 layers, so tensor parallel and 2 pipeline stages can split it

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import path_overrides, run_script, shared
 
-from src.architectures.gpt2 import GPT2
-from src.models import hf, init
-from src.models.gpt2 import GPT2LitModule
+from src.architectures.gpt2_adapter import GPT2
+from src.lm import hf, init
+from src.lm.models.gpt2_module import GPT2LitModule
 from tests.helpers.architectures import ARCHITECTURES, tiny_config, too_large
 from tests.helpers.margins import within
 

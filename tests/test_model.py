@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from src.callbacks.generate_text import GenerateText
-from src.datamodules.tokenizers import ByteTokenizer
-from src.models.gpt2 import GPT2LitModule
+from src.lm.data.tokenizers import ByteTokenizer
+from src.lm.models.gpt2_module import GPT2LitModule
 from tests.helpers.margins import close64, within
 
 
@@ -85,7 +85,7 @@ def test_prompts_generated_together_under_a_peft_adapter_complete_as_greedy_full
     step (its samples were those of another model), batched or alone."""
     from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
 
-    from src.models import bottleneck
+    from src.lm.features import bottleneck
 
     config = {
         "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True),
@@ -166,7 +166,7 @@ HEAD = V * D  # the LM head's matmul (its weight is the tied token embedding)
 
 def test_flops_per_token_by_hand():
     """Full training: 6N per token, N = the matmul weights (2 blocks + LM head; no embedding lookups, biases
-    or LayerNorms), plus PaLM's 12·L·d·T for attention (src/models/flops.py states the convention)."""
+    or LayerNorms), plus PaLM's 12·L·d·T for attention (src/lm/features/flops.py states the convention)."""
     model = GPT2LitModule(vocab_size=V, seq_len=T, n_layer=2, n_head=2, n_embd=D)
     n = 2 * BLOCK + HEAD
     assert n == 10256 and n < model.n_params  # n_params also has wte's lookup, wpe, biases and LayerNorms
@@ -218,8 +218,8 @@ def test_flop_count_is_what_autograd_computes(adapter):
     kwargs: dict = {"vocab_size": V, "seq_len": T, "n_layer": 2, "n_head": 2, "n_embd": D}
     if adapter.startswith("lora"):
         kwargs["lora"] = {"enabled": True, "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": [adapter[5:]]}
-    if adapter == "bottleneck":  # d -> d/4 -> d after each attention and MLP (src/models/bottleneck.py)
-        from src.models.bottleneck import BottleneckConfig
+    if adapter == "bottleneck":  # d -> d/4 -> d after each attention and MLP (src/lm/features/bottleneck.py)
+        from src.lm.features.bottleneck import BottleneckConfig
 
         kwargs["peft"] = BottleneckConfig(reduction_factor=4)
     if adapter == "prompt_tuning":  # needs a context longer than the input: the shared tiny pretrained GPT-2
@@ -239,7 +239,7 @@ def test_flop_count_is_what_autograd_computes(adapter):
 
 
 def test_lr_scaling_rules():
-    from src.models.base import scaled_lr
+    from src.core.module import scaled_lr
 
     assert scaled_lr(1e-3, "none", 256, 32) == 1e-3
     assert scaled_lr(1e-3, "linear", 256, 32) == pytest.approx(8e-3)  # Goyal et al.: k x batch, k x LR
@@ -256,10 +256,13 @@ def test_train_loss_needs_one_reduce_per_logging_step_and_none_otherwise():
     each over the mean of that step's micro-batch losses."""
     from types import SimpleNamespace
 
+    from src.callbacks.divergence import Divergence
+
     model = tiny_model()
     reduced, logged = [], []
     strategy = SimpleNamespace(reduce=lambda t, reduce_op: reduced.append(t.clone()) or t)
     trainer = SimpleNamespace(accumulate_grad_batches=2, log_every_n_steps=5, global_step=0, strategy=strategy)
+    trainer.callbacks = [Divergence()]  # its flag rides in the loss's all-reduce (watch_step_loss)
     model._trainer = trainer
     model.log_dict = lambda metrics, **kw: logged.append(metrics)
     for batch_idx in range(20):
@@ -353,7 +356,7 @@ def test_the_forward_without_kv_cache_gives_the_cached_loss(prefix):
     from conftest import shared
     from peft import PrefixTuningConfig
 
-    from src.objectives.loss import summed_token_loss
+    from src.lm.objectives.loss import summed_token_loss
 
     torch.manual_seed(0)
     if prefix:  # on pretrained weights, as users run it: the prefix takes positions of the model's context
@@ -406,7 +409,7 @@ def test_fused_optimizer_clips_like_the_unfused_one_under_amp(precision):
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from src.models.base import LitModule
+    from src.core.module import LitModule
 
     class Regression(LitModule):
         def __init__(self, fused: bool) -> None:
@@ -593,7 +596,7 @@ def test_convnet_val_loss_shows_nan_and_ignores_padding():
 
 
 def no_cache_module(arch: str, objective) -> "GPT2LitModule":
-    from src.models.causal_lm import CausalLMLitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     if arch == "gpt2":
         return GPT2LitModule(vocab_size=100, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=objective,
@@ -610,17 +613,17 @@ def test_no_training_or_evaluation_forward_fills_a_kv_cache(arch, objective, mon
     """Every forward an objective's loss runs (the policy's and the reference's) asks for no KV cache and returns
     none, whatever the module's device: the module is made to report a CUDA device, where transformers' default
     (config.use_cache) would fill one in every training forward."""
-    from src.models.causal_lm import CausalLMLitModule
-    from src.objectives.dpo import DPO
-    from src.objectives.grpo import GRPO
-    from src.objectives.reward import Reward
-    from src.objectives.verifiers import exact_match
+    from src.lm.models.causal_lm import CausalLMLitModule
+    from src.lm.objectives.dpo import DPO
+    from src.lm.objectives.grpo import GRPO
+    from src.lm.objectives.reward import Reward
+    from src.lm.objectives.verifiers import exact_match
 
     made = {"sft": None, "sft-packed": None, "dpo": DPO(), "dpo-lora": DPO(), "reward": Reward(center_rewards=0.01),
             "grpo": GRPO(rewards=[exact_match], num_generations=2, max_new_tokens=3, beta=0.04)}[objective]  # fmt: skip
     module = no_cache_module(arch, made)
     if objective == "dpo-lora":  # the reference is the model with its adapter disabled
-        from src.models import hf
+        from src.lm import hf
 
         module.model = __import__("peft").get_peft_model(
             module.model,

@@ -1,5 +1,5 @@
 """Mixture-of-experts models: the router's load-balancing loss is in the trained loss as transformers defines it
-(its own `load_balancing_loss_func`, on each sequence: src/objectives/moe.py), logged, and refused where a strategy or
+(its own `load_balancing_loss_func`, on each sequence: src/lm/objectives/moe.py), logged, and refused where a strategy or
 objective cannot carry it. That 2 ranks, FSDP2, pipeline stages and accumulation train what 1 process trains, aux
 loss included, is tests/test_architectures_parity.py's (mixtral cases)."""
 
@@ -9,10 +9,10 @@ import lightning as L
 import pytest
 import torch
 
-from src.models.causal_lm import CausalLMLitModule
-from src.models.packing import check_packing
-from src.models.router import check_router_logits
-from src.objectives.dpo import DPO
+from src.lm.features.packing import check_packing
+from src.lm.features.router import check_router_logits
+from src.lm.models.causal_lm import CausalLMLitModule
+from src.lm.objectives.dpo import DPO
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, within
 
@@ -67,9 +67,9 @@ def test_trained_loss_is_the_token_loss_plus_each_sequences_transformers_aux_los
 
 @pytest.mark.parametrize("name", ["dpo", "reward", "grpo"])
 def test_an_objective_without_the_router_loss_on_an_moe_model_is_one_sentence(name):
-    from src.objectives.grpo import GRPO
-    from src.objectives.reward import Reward
-    from src.objectives.verifiers import exact_match
+    from src.lm.objectives.grpo import GRPO
+    from src.lm.objectives.reward import Reward
+    from src.lm.objectives.verifiers import exact_match
 
     made = {"dpo": DPO, "reward": Reward, "grpo": lambda: GRPO(rewards=[exact_match])}[name]
     with pytest.raises(ConfigError, match=f"model/objective={name} does not add MixtralForCausalLM's router load-bal"):
@@ -82,7 +82,7 @@ def test_a_router_loss_of_another_form_is_refused_in_one_sentence():
     Switch Transformer form, its router logits would be read wrongly, so it is refused; Mixtral's is taken."""
     from transformers import AutoModelForCausalLM
 
-    from src.objectives.moe import balance_loss_function
+    from src.lm.objectives.moe import balance_loss_function
     from src.utils.config import ConfigError
     from tests.helpers.architectures import tiny_config
 
@@ -113,7 +113,7 @@ def test_routing_totals_carried_through_stages_give_each_sequences_transformers_
     within 2n U32; 4n U32 leaves room for the final sums."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from src.objectives.moe import each_sequence
+    from src.lm.objectives.moe import each_sequence
     from src.parallel.pipeline_stages import stage_statistics, statistics_balance
 
     batch, t, experts, k, n_layers = 3, 12, 4, 2, 3

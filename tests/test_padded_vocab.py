@@ -1,4 +1,4 @@
-"""model.pad_vocab_multiple (src/models/padded_vocab.py): the vocabulary padded to a multiple of N rows computes what
+"""model.pad_vocab_multiple (src/lm/features/padded_vocab.py): the vocabulary padded to a multiple of N rows computes what
 the unpadded model does (float64: loss, every gradient, the padded rows' gradients 0, sampling never picks a padded
 token); under tensor parallel (the head a replicated DTensor) 2 ranks train as 1 process; export-hf writes the
 unpadded vocabulary; what it cannot serve is refused in one sentence."""
@@ -16,8 +16,8 @@ V = 100  # the tokenizer's vocabulary in the module-level tests: padded to 128
 
 
 def module_of(arch: str, **kwargs):
-    from src.models.causal_lm import CausalLMLitModule
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     torch.manual_seed(0)
     if arch == "gpt2":

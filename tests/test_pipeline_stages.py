@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.models.hf import decoder_layers
+from src.lm.hf import decoder_layers
 from src.parallel.pipeline_stages import DecoderStage, check_stages, stage_class
 from src.utils.config import ConfigError
 from tests.helpers.architectures import ARCHITECTURES, SAMPLE, tiny_config, too_large

@@ -85,12 +85,12 @@ def test_torch_cpu_capability_probes(name):
 
 
 def test_transformers_attention_support_flags():
-    """src/models/hf.py `supported_attention` reads transformers' class flags `_supports_sdpa`, `_supports_flex_attn`
+    """src/lm/hf.py `supported_attention` reads transformers' class flags `_supports_sdpa`, `_supports_flex_attn`
     and `_supports_flash_attn` (what transformers itself checks before it builds a model with an implementation):
     a rename would make auto pick eager everywhere, silently slower."""
     from transformers import Gemma2ForCausalLM, LlamaForCausalLM
 
-    from src.models.hf import ATTENTION_SUPPORT
+    from src.lm.hf import ATTENTION_SUPPORT
 
     for flag in set(ATTENTION_SUPPORT.values()):
         assert getattr(LlamaForCausalLM, flag, None) is True, f"transformers' {flag} is gone"
@@ -110,7 +110,7 @@ def test_transformers_experts_expert_parallel_switch():
 
 
 def test_transformers_attention_implementation_of_a_built_model():
-    """src/models/dropout.py key_module reads a user's transformers model's `config._attn_implementation` (what it
+    """src/core/dropout.py key_module reads a user's transformers model's `config._attn_implementation` (what it
     was built with: sdpa, eager, flash_attention_2...) to key its attention dropout or refuse a kernel's own."""
     import transformers
 

@@ -149,7 +149,7 @@ def test_a_global_batch_that_does_not_divide_names_the_device_counts_that_do(tmp
 
 
 def test_working_shapes_are_the_nearest_divisors():
-    from src.datamodules.base import working_shapes
+    from src.core.datamodule import working_shapes
 
     assert working_shapes(12, 5, 1).startswith("use 4 or 6 device(s)")
     assert "trainer.accumulate_grad_batches=6 on 2 device(s)" in working_shapes(12, 2, 5)

@@ -19,8 +19,8 @@ from test_dpo import (
     worst_relative_difference,
 )
 
-from src.models.gpt2 import GPT2LitModule
-from src.objectives.reward import Reward
+from src.lm.models.gpt2_module import GPT2LitModule
+from src.lm.objectives.reward import Reward
 from src.utils.config import ConfigError
 from tests.helpers.margins import U32, close64, within
 
@@ -120,8 +120,8 @@ def test_preference_records_with_a_margin_bring_it_to_the_batch(tmp_path):
     without, or a margin that is not a number, is one sentence."""
     import json
 
-    from src.datamodules.corpus import CorpusError
-    from src.datamodules.preference import PreferenceDataModule
+    from src.lm.data.corpus import CorpusError
+    from src.lm.data.preference import PreferenceDataModule
 
     records = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no", "margin": i / 4} for i in range(8)]
     (tmp_path / "m.json").write_text(json.dumps(records))
@@ -175,7 +175,7 @@ def test_objective_data_and_strategy_must_agree(overrides, words):
 def test_the_head_trains_under_lora_and_is_filled_alike_on_every_build_path():
     """Under LoRA the base weights freeze and the new head trains; built on the meta device and materialised (as
     FSDP2 does) the head gets the values of an eager build."""
-    from src.models import init
+    from src.lm import init
 
     torch.manual_seed(0)
     eager = GPT2LitModule(vocab_size=257, seq_len=32, n_layer=1, n_head=2, n_embd=16, objective=Reward())
@@ -286,7 +286,7 @@ def test_a_reward_model_whose_lm_forward_rescales_its_logits_exports_its_own_sco
     grow)."""
     from transformers import AutoModelForSequenceClassification
 
-    from src.models.causal_lm import CausalLMLitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     config = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=64, head_dim=8)  # fmt: skip
@@ -322,7 +322,7 @@ def test_a_reward_model_whose_lm_forward_rescales_its_logits_exports_its_own_sco
 def test_an_architecture_without_a_sequence_classifier_is_refused_as_a_reward_model():
     """Granite has no AutoModelForSequenceClassification: its reward model could not be exported (nor used as
     GRPO's reward), so it is one sentence when built, not a traceback after training."""
-    from src.models.causal_lm import CausalLMLitModule
+    from src.lm.models.causal_lm import CausalLMLitModule
 
     config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
     with pytest.raises(ConfigError, match="model/objective=reward on granite: transformers has no sequence-classif"):

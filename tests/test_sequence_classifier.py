@@ -3,7 +3,7 @@ data=labeled_text): 2 ranks under DDP and FSDP2 train the 1-process model, its e
 transformers alone and gives the module's logits, and any encoder family fits (BERT, RoBERTa, DistilBERT).
 
 The config's dropouts (0.1) are keyed by sample by the UserModule callback: the hidden ones (nn.Dropout) and the
-attention's, drawn inside transformers' attention function (src/models/dropout.py key_module).
+attention's, drawn inside transformers' attention function (src/core/dropout.py key_module).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from conftest import FULL_MATRIX_ONLY, path_overrides, run_script, shared
 from test_experiments import parity
 
 from src.checkpoint.convert import build_module, load_checkpoint
+from src.core import dropout as keyed
 from src.datamodules.labeled_text import LabeledTextDataModule
-from src.models import dropout as keyed
 from src.models.sequence_classifier import SequenceClassifierLitModule
 from src.utils.config import ConfigError
 from tests.helpers.margins import close64

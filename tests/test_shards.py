@@ -62,8 +62,8 @@ def shards(tmp_path_factory) -> dict:
 def test_pack_reads_blocks_like_packed_blocks():
     """Blocks packed while the stream arrives in pieces = text.py's PackedBlocks over the whole stream, the
     last block's PAD becoming EOS inputs and ignored labels."""
-    from src.datamodules.shards import PAD, pack
-    from src.datamodules.text import PackedBlocks, count_blocks
+    from src.lm.data.shards import PAD, pack
+    from src.lm.data.text import PackedBlocks, count_blocks
 
     rng = np.random.default_rng(0)
     for n in (2, 33, 64, 65, 97, 500):
@@ -79,7 +79,7 @@ def test_pack_reads_blocks_like_packed_blocks():
 
 
 def datamodule(input_dir: str, **kw):
-    from src.datamodules.shards import LitDataModule
+    from src.lm.data.shards import LitDataModule
 
     dm = LitDataModule(
         input_dir=input_dir,
@@ -97,7 +97,7 @@ def datamodule(input_dir: str, **kw):
 def test_every_token_of_every_file_is_a_target_once(shards, tmp_path):
     """Over train + val + test (read through the bucket stand-in), the targets are each file's stream but its
     first token, files one after the other; target_counts (the loss normaliser) agrees with the labels."""
-    from src.datamodules.shards import read_documents
+    from src.lm.data.shards import read_documents
     from src.utils.config import ConfigError
 
     dm = datamodule(f"local:{shards['dir']}", cache_dir=str(tmp_path / "cache"))

@@ -18,8 +18,8 @@ import torch
 from conftest import ALL, shared
 from torch.utils.data import DataLoader
 
-from src.datamodules.instruct import InstructDataModule, pad_collate
-from src.datamodules.text import IGNORE_INDEX
+from src.lm.data.instruct import InstructDataModule, pad_collate
+from src.lm.data.text import IGNORE_INDEX
 from src.parallel.samplers import ResumableDistributedSampler
 from tests.helpers.margins import U32, close64, within
 
@@ -223,7 +223,7 @@ def test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs
     So |Δ sum| <= n V U32 + n U32 sum|loss| and |Δ grad| <= (V + 2) U32: worst cases, 4e-4 and 1.8e-5 here, of
     which 2 % and 0.25 % were seen (docs/testing.md). A softmax left in bf16 (no upcast) misses them by 460 and 27
     times."""
-    from src.objectives.loss import AUTO_MIN_LOGITS, summed_token_loss, token_loss_function
+    from src.lm.objectives.loss import AUTO_MIN_LOGITS, summed_token_loss, token_loss_function
     from src.utils.config import ConfigError
 
     cpu = torch.device("cpu")
@@ -269,7 +269,7 @@ def test_auto_compiles_the_loss_of_a_run_whose_logits_reach_the_threshold(tmp_pa
     from conftest import path_overrides, run_script
     from test_parity import QUIET
 
-    from src.objectives.loss import AUTO_MIN_LOGITS
+    from src.lm.objectives.loss import AUTO_MIN_LOGITS
 
     assert 8 * 256 * 50257 * 19 < AUTO_MIN_LOGITS <= 8 * 256 * 50257 * 20
     run_script(

@@ -21,7 +21,7 @@ from conftest import FULL_MATRIX_ONLY, ROOT, python, run_script
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from src.datamodules import plain
+from src.core import plain_loaders as plain
 from src.parallel import samplers
 from src.utils.config import ConfigError
 from tests.helpers.plain_lightning import write_configs
@@ -103,7 +103,7 @@ def test_a_lit_module_without_blocks_trains_under_fsdp2_as_one_unit():
     [
         (["experiment=convnet_digits", "trainer=tp"], "trainer=tp splits transformers decoder LMs only"),
         (["experiment=convnet_digits", "trainer=pipeline"], "trainer=pipeline splits transformers decoder LMs only"),
-        (["experiment=plain", "trainer=fsdp"], "trainer=fsdp shards the model through src/models/base.py's LitModule"),
+        (["experiment=plain", "trainer=fsdp"], "trainer=fsdp shards the model through src/core/module.py's LitModule"),
     ],
     ids=["convnet-tp", "convnet-pipeline", "plain-fsdp"],
 )
@@ -287,7 +287,7 @@ def test_a_transformers_models_own_dropouts_are_keyed_by_sample(kind):
     """Hidden, attention (SDPA's dropout_p, eager attention's F.dropout) and classifier dropout of an encoder a user's
     module holds: the logits of a training forward depend on each row's key only, not on torch's generator or on
     which rows share the batch (2 rows + 2 rows = 4 rows: what 2 ranks and 1 process compute), in float64."""
-    from src.models import dropout as keyed
+    from src.core import dropout as keyed
 
     model = encoder(kind)
     inputs = torch.randn(4, 1, 8, 8, dtype=torch.float64) if kind == "vit" else torch.randint(3, 60, (4, 10))
@@ -316,7 +316,7 @@ def test_a_keyed_training_forward_computes_the_models_own_function(kind):
     """Every dropout at 1e-12 (no element dropped, the keyed path taken): a keyed training forward equals the model's
     own evaluation forward with its eager attention (the function keyed attention runs) in float64. A mask the keyed attention adds of its own (a causal one on an encoder's
     unpadded batch) or a dropped residual would move the logits by orders of magnitude more."""
-    from src.models import dropout as keyed
+    from src.core import dropout as keyed
 
     model = encoder(kind, p=1e-12)
     reference = copy.deepcopy(model)  # its own eager attention (whose softmax some families take in float32)
@@ -334,7 +334,7 @@ def test_a_keyed_training_forward_computes_the_models_own_function(kind):
 
 
 def test_attention_that_drops_inside_its_kernel_is_one_sentence():
-    from src.models import dropout as keyed
+    from src.core import dropout as keyed
 
     model = encoder("bert")
     model.config._attn_implementation = "flash_attention_2"  # what a CUDA user may build; its kernel draws the mask
@@ -367,7 +367,7 @@ def test_a_datasets_random_draws_are_keyed_by_seed_epoch_and_sample():
     which it leaves as it found them; the training sampler hands the epoch along with each index."""
     import random as python_random
 
-    from src.datamodules.seeded import SeededItems
+    from src.core.seeded import SeededItems
     from tests.helpers.plain_lightning import Jitter
 
     items = SeededItems(Jitter(TensorDataset(torch.zeros(6, 3), torch.zeros(6)), 1.0), seed=7)

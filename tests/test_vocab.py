@@ -46,7 +46,7 @@ def test_extended_tokenizer_loads_round_trips_and_shortens_the_new_language(exte
 def test_training_with_it_starts_new_rows_as_their_pieces_mean(extended):
     """model.resize_embeddings=true with the extended tokenizer: the base rows and the base vocabulary's logits are
     untouched, each new row is the mean of its pieces' rows."""
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     tiny = str(shared("tiny-gpt2"))
     base = GPT2LitModule(vocab_size=50257, seq_len=64, pretrained=tiny).eval()

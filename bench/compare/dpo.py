@@ -42,7 +42,7 @@ LORA = ["model.lora.enabled=true", "model.lora.dropout=0.0", "model.lora.target_
 def full_window_pairs(seq_len: int, out: Path) -> int:
     """Writes the demo pairs that fill seq_len exactly after the template's cut (as plain records, decoded), re-read
     until stable (BPE re-encoding of a cut text can differ at the cut); returns how many."""
-    from src.datamodules.preference import PreferenceDataModule
+    from src.lm.data.preference import PreferenceDataModule
 
     records = json.loads(PAIRS.read_text())
     source = out.with_suffix(".src.json")

@@ -68,7 +68,7 @@ def template_cmd(work: Path, name: str, steps: int, corpus: Path, extra: list[st
 def template_val_batches(corpus: Path) -> int:
     """Batches in the template's val split of the corpus as bytes: one block per CTX tokens (the last one
     padded), 5% of them (data.val_fraction), BATCH a batch."""
-    from src.datamodules.text import split_blocks
+    from src.lm.data.text import split_blocks
 
     n_tokens = corpus.stat().st_size + 1  # the bytes and one EOS
     _, n_val, _ = split_blocks(math.ceil((n_tokens - 1) / CTX), val_fraction=0.05, test_fraction=0.05)

@@ -44,7 +44,7 @@ WAYS = ("template", "trl")
 def whole_conversations(seq_len: int, work: Path) -> tuple[Path, int]:
     """The demo's conversations that fit seq_len whole as a messages JSONL file (tools and call arguments as JSON
     text); returns its path and how many."""
-    from src.datamodules.chat import ChatDataModule, read_conversations
+    from src.lm.data.chat import ChatDataModule, read_conversations
 
     every, out = work / "all.jsonl", work / f"chats_{seq_len}.jsonl"
     with open(every, "w", encoding="utf-8") as f:

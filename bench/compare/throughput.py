@@ -59,7 +59,7 @@ MODELS = ("gpt2", "llama", "qwen2", "mistral")  # --model; the others than GPT-2
 
 def vocab_size(tokenizer: str) -> int:
     """The vocabulary every way trains with."""
-    from src.datamodules.text import TextDataModule
+    from src.lm.data.text import TextDataModule
 
     return TextDataModule(tokenizer=tokenizer).vocab_size
 
@@ -390,7 +390,7 @@ def main() -> None:
 
 def flops_per_token(model: str, shape: str, tokenizer: str) -> float:
     """Training FLOPs per token of GPT-2 of `shape` with the tokenizer's vocabulary, one convention for every way
-    (src/models/flops.py's, PaLM's): 6 per matmul weight (12·d² a block, V·d the LM head) + 12·L·d·T attention.
+    (src/lm/features/flops.py's, PaLM's): 6 per matmul weight (12·d² a block, V·d the LM head) + 12·L·d·T attention.
     Other models: NaN (their MFU is what train.py's callback logs)."""
     if model != "gpt2":
         return float("nan")

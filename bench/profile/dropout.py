@@ -1,4 +1,4 @@
-"""What keyed dropout (src/models/dropout.py) costs against torch's: one dropout, and a GPT-2 training step.
+"""What keyed dropout (src/core/dropout.py) costs against torch's: one dropout, and a GPT-2 training step.
 
     python -m bench.profile.dropout [--rows 8 --seq 256 --width 256 --layers 2 --rounds 7 --device cpu]
 
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from src.models import dropout as keyed
+from src.core import dropout as keyed
 
 
 def timed(fn, device: torch.device) -> float:

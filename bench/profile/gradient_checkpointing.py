@@ -21,7 +21,7 @@ import time
 def one_step(args: argparse.Namespace) -> dict:
     import torch
 
-    from src.models.gpt2 import GPT2LitModule
+    from src.lm.models.gpt2_module import GPT2LitModule
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

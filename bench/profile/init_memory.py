@@ -28,7 +28,7 @@ class PeakRSSAtFitStart(L.Callback):
     """Prints this rank's peak RSS and parameter bytes once the model is set up, then ends the run."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from src.models.init import local_param_bytes
+        from src.lm.init import local_param_bytes
 
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         full = sum(p.numel() * p.element_size() for p in pl_module.parameters())

@@ -5,7 +5,7 @@ is padding, on the shared chat demo (data=chat) and the Alpaca demo (data=instru
 
 Each way trains a fresh GPT-2 of `--shape` (layers, heads, width; fp32, AdamW) for `--steps` batches of `--batch`
 rows in the order training reads them (epoch 0's shuffle, seed 42): padded rows hold one record each (padded to the batch's longest, attention mask), packed rows
-several (src/datamodules/packing.py: position ids, no mask). "Real" tokens are the records' own, never padding. The
+several (src/lm/data/packing.py: position ids, no mask). "Real" tokens are the records' own, never padding. The
 ways are interleaved round by round in one process; the ratio is the median of per-round ratios [lowest-highest].
 """
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = SHARED / "gpt2-tokenizer"
 DATA = {
-    "chat": ("src.datamodules.chat", "ChatDataModule", SHARED / "chat" / "glaive_toolcall_en_demo.json"),
-    "alpaca": ("src.datamodules.instruct", "InstructDataModule", SHARED / "alpaca" / "alpaca_en_demo.json"),
+    "chat": ("src.lm.data.chat", "ChatDataModule", SHARED / "chat" / "glaive_toolcall_en_demo.json"),
+    "alpaca": ("src.lm.data.instruct", "InstructDataModule", SHARED / "alpaca" / "alpaca_en_demo.json"),
 }
 
 
@@ -53,7 +53,7 @@ def batches(data: str, packing: bool, batch: int, seq_len: int, steps: int) -> l
 def train_time(batches_: list[tuple[dict, int, int]], shape: tuple[int, int, int], vocab: int) -> float:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from src.objectives.loss import summed_token_loss
+    from src.lm.objectives.loss import summed_token_loss
 
     layers, heads, width = shape
     torch.manual_seed(0)

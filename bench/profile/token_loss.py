@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from src.objectives.loss import summed_token_loss
+from src.lm.objectives.loss import summed_token_loss
 
 
 def ways(bf16: bool) -> dict:

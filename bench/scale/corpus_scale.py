@@ -79,9 +79,9 @@ def make_corpus(path: Path, size_mb: int) -> int:
 
 BUILD = """
 import sys, time
-from src.datamodules.corpus import Corpus
-from src.datamodules.token_cache import load_or_build
-from src.datamodules.tokenizers import load_tokenizer
+from src.lm.data.corpus import Corpus
+from src.lm.data.token_cache import load_or_build
+from src.lm.data.tokenizers import load_tokenizer
 tok = load_tokenizer(sys.argv[2])
 t0 = time.perf_counter()
 tokens = load_or_build(Corpus.from_config(sys.argv[1], None, "train", "text"), tok, sys.argv[3])

@@ -4,9 +4,9 @@ Without this a diverged run trains on NaN to the end and rewrites last.ckpt with
 state to go back to is lost. Checks happen only where the host waits for the device anyway, so
 training runs without any extra host sync per step:
 
-* every step, `LitModule.log_train_loss` notes on the device the first step whose loss is not
-  finite; on logging steps the flag rides in the train-loss all-reduce and is read here after the
-  step (Lightning reads the logged loss at that point anyway);
+* every step, `LitModule.log_train_loss` hands the step's loss to `watch_step_loss`, which notes on
+  the device the first step whose loss is not finite; on logging steps the flag rides in the
+  train-loss all-reduce and is read here after the step (Lightning reads the logged loss then anyway);
 * at validation end, non-finite `val/...` metrics (GPT-2's TokenMeanLoss keeps NaN) or a pending flag;
 * before every checkpoint save (`on_save_checkpoint`, which every rank runs): a pending flag or a
   non-finite parameter vetoes the save, so last.ckpt and the best checkpoint stay finite.
@@ -77,6 +77,24 @@ class Divergence(L.Callback):
         self.skipped: Optional[torch.Tensor] = None  # on the device: optimizer updates skipped (action=skip)
         self._last_saved_step: Optional[int] = None
         self._scaler_skipped, self._scale_logged_at = 0, 0  # fp16: the GradScaler's skips as last logged, and when
+        # on the device, the first optimizer step (1-based) since the last check whose loss was not finite (inf:
+        # none); on logging steps, its flag's mean over ranks
+        self.first_nonfinite: Optional[torch.Tensor] = None
+        self.nonfinite_reduced: Optional[torch.Tensor] = None
+
+    # ---- the train loss, on the device: LitModule.log_train_loss calls these (src/core/module.py) ----
+
+    def watch_step_loss(self, step_loss: torch.Tensor, step: int, logging: bool) -> Optional[torch.Tensor]:
+        """Remember, on the device, the first step whose loss is not finite: no host sync. On logging steps, the
+        flag to ride in the loss's all-reduce: its mean is > 0 iff a rank saw one."""
+        if self.first_nonfinite is None:
+            self.first_nonfinite = torch.full((), math.inf, device=step_loss.device)
+        bad = ~torch.isfinite(step_loss)
+        self.first_nonfinite = torch.where(bad, self.first_nonfinite.clamp(max=step), self.first_nonfinite)
+        return torch.isfinite(self.first_nonfinite).float() if logging else None
+
+    def step_loss_reduced(self, mean: torch.Tensor) -> None:
+        self.nonfinite_reduced = mean
 
     # ---- skip: on the device, before each optimizer step ----
 
@@ -117,10 +135,10 @@ class Divergence(L.Callback):
             if hasattr(optimizer, "found_inf") and getattr(trainer.precision_plugin, "scaler", None) is None:
                 del optimizer.found_inf
         self._log_loss_scale(trainer, pl_module)
-        reduced = getattr(pl_module, "nonfinite_reduced", None)
+        reduced = self.nonfinite_reduced
         if reduced is None:
             return
-        pl_module.nonfinite_reduced = None
+        self.nonfinite_reduced = None
         if reduced.item() > 0:  # the host waits here anyway: Lightning reads the logged loss next
             self._diverged(trainer, pl_module, "the train loss was not finite")
 
@@ -133,14 +151,14 @@ class Divergence(L.Callback):
         bad = sorted(
             k for k, v in metrics.items() if k.startswith("val/") and torch.is_tensor(v) and not torch.isfinite(v).all()
         )
-        if self._any_rank(trainer, bool(bad) or self._pending(pl_module)):
+        if self._any_rank(trainer, bool(bad) or self._pending()):
             what = ", ".join(f"{k}={metrics[k].item():g}" for k in bad) if bad else "the train loss was not finite"
             self._diverged(trainer, pl_module, what, force_stop=bool(bad))
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """A save waits for the device anyway: one look at every local parameter, one all-reduce."""
         weights_bad = not all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters())
-        loss_bad = self.action == "stop" and self._pending(pl_module)
+        loss_bad = self.action == "stop" and self._pending()
         bad = torch.tensor([weights_bad, loss_bad], dtype=torch.float32, device=trainer.strategy.root_device)
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce(bad, reduce_op="sum")
@@ -177,9 +195,8 @@ class Divergence(L.Callback):
 
     # ---- helpers ----
 
-    @staticmethod
-    def _pending(pl_module: L.LightningModule) -> bool:
-        first = getattr(pl_module, "first_nonfinite", None)
+    def _pending(self) -> bool:
+        first = self.first_nonfinite
         return first is not None and bool(torch.isfinite(first))
 
     @staticmethod
@@ -189,7 +206,7 @@ class Divergence(L.Callback):
         return trainer.strategy.reduce_boolean_decision(flag, all=False)
 
     def _first_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[int]:
-        first = getattr(pl_module, "first_nonfinite", None)
+        first = self.first_nonfinite
         if first is None:
             first = torch.full((), math.inf, device=trainer.strategy.root_device)
         first = trainer.strategy.reduce(first.clone(), reduce_op="min") if trainer.world_size > 1 else first
@@ -216,7 +233,7 @@ class Divergence(L.Callback):
     ) -> None:
         """Every rank calls this together (the decision was reduced), so the collective below is safe."""
         first = self._first_step(trainer, pl_module)
-        pl_module.first_nonfinite = None
+        self.first_nonfinite = None
         since = f"first non-finite train loss at step {first}" if first is not None else "train loss finite"
         if self.action == "skip" and not force_stop:
             skipped = int(self.skipped.item()) if self.skipped is not None else 0

@@ -4,7 +4,7 @@ Logged keys: `train/items_per_sec` is tokens/s over all ranks (images/s for imag
 `train/device/items_per_sec` per rank; tokens are the real ones (the attention_mask's ones: a
 padded instruction batch's padding is not counted; packed text has no mask, every position counts).
 `samples_per_sec` counts sequences; `device/flops_per_sec` uses the model's `flops_of_batch(batch)`
-(the convention is in src/models/flops.py: about 6N + attention per real token for full training,
+(the convention is in src/lm/features/flops.py: about 6N + attention per real token for full training,
 4N with LoRA), or a constant `flops_per_batch` attribute; `device/mfu` divides it by the
 device's peak: `peak_flops` from config (e.g. a CPU's measured matmul peak, python -m bench.profile.matmul_peak), else
 DENSE_PEAKS below for the H200, else Lightning's table for the GPUs it recognises by name (A100, H100, ...).

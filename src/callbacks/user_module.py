@@ -7,7 +7,7 @@ Lightning's docs teach) that train or report another model on N ranks than on 1:
   sync_dist=False), not the global batch's. Here a call that does not say reduces over the ranks (sync_dist=True,
   with the call's reduce_fx): a mean of equal micro-batches' means is the global batch's mean, and an evaluation mean
   (Lightning weights each batch by its size and divides the synced sums) counts each sample once where no batch holds
-  padding (src/datamodules/plain.py). On 1 process the sync does nothing. A call that says sync_dist=False keeps
+  padding (src/core/plain_loaders.py). On 1 process the sync does nothing. A call that says sync_dist=False keeps
   rank 0's value: LitModule's own calls, whose values are already reduced, say so. Lightning adds the batch sizes it
   weights a mean by in an integer tensor and divides their synced mean as integers (57 rows on 2 ranks count as 28):
   here the batch size goes in as a float (the batch's own, as Lightning would infer it, or the call's).
@@ -16,10 +16,10 @@ Lightning's docs teach) that train or report another model on N ranks than on 1:
   that value is computed (torchmetrics' `dist_sync_on_step`): the global batch's value. Epoch values were synced
   already.
 - dropout: each rank draws its masks from its own generator, so a sample gets another mask on every layout. Here
-  each `nn.Dropout` becomes a KeyedDropout, and a transformers model's attention dropout (SDPA's `dropout_p`, eager
-  attention's) and the `F.dropout` a module's own forward calls are keyed the same way (src/models/dropout.py
-  key_module): a training batch's masks are keyed by the run's seed, the step and its samples' dataset indices,
-  read from the training sampler, so they are the masks one process draws. Any other random number a training step draws
+  each `nn.Dropout` becomes a KeyedDropout, a transformers model's attention dropout (SDPA's `dropout_p`, eager
+  attention's) and the `F.dropout` a module's own forward calls are keyed the same way (src/core/dropout.py
+  key_module), and a training batch's masks are keyed by the run's seed, the step and its samples' dataset indices,
+  read from the training sampler: the masks one process draws. Any other random number a training step draws
   itself (`torch.randn`, a Tensor's `normal_`, attention that drops inside its kernel) would come from each rank's
   generator too: on N ranks the first training step that draws one is refused in one sentence naming it, before
   its backward and any optimizer step.
@@ -42,7 +42,7 @@ from torchmetrics import Metric
 
 from src.callbacks.cancelled_bias import CancelledBiases
 from src.callbacks.epoch_end import PerRankValues, RowsInOrder
-from src.models import dropout as keyed
+from src.core import dropout as keyed
 from src.parallel.samplers import ResumableDistributedSampler
 from src.utils.config import ConfigError
 
@@ -151,7 +151,7 @@ class RandomDraws(TorchFunctionMode):
 class UserModule(L.Callback):
     """Changes the trained module as the module doc says, at setup: its `log` and `log_dict` rebound (`rebind_log`),
     its `all_gather` rebound (RowsInOrder), its metrics synced each step, its dropouts keyed; `seed`: the run's (keys
-    the dropout masks); `compile_dropout`: how keyed dropout runs (src/models/dropout.py, wants_kernel)."""
+    the dropout masks); `compile_dropout`: how keyed dropout runs (src/core/dropout.py, wants_kernel)."""
 
     def __init__(self, seed: int, compile_dropout: Any = "auto", optimized_metric: Optional[str] = None) -> None:
         keyed.wants_kernel(compile_dropout, torch.device("cpu"))  # a bad value fails here, before the run
@@ -286,7 +286,7 @@ class UserModule(L.Callback):
             raise ConfigError(
                 f"{type(pl_module).__name__} has dropout, whose masks are keyed by the samples the template's training "
                 "sampler deals, and its training loader has none: return a DataLoader with batch_size= and shuffle= "
-                "(src/datamodules/plain.py) or build the data on ShardedDataModule."
+                "(src/core/plain_loaders.py) or build the data on ShardedDataModule."
             )
         samples = torch.from_numpy(sampler.batch(batch_idx, loader.batch_size)).to(pl_module.device)
         keyed.set_keys(keyed.row_keys(samples, samples.numel(), trainer.global_step, self.seed))

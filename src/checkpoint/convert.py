@@ -106,15 +106,26 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
 
 
 # the objectives a checkpoint written before objectives were a config group can name
-OBJECTIVES = {"sft": "src.objectives.sft.SFT", "dpo": "src.objectives.dpo.DPO"}
-# where a stored `_target_` of an objective, a reward function or the token loss lived before src/objectives/
+OBJECTIVES = {"sft": "src.lm.objectives.sft.SFT", "dpo": "src.lm.objectives.dpo.DPO"}
+# where a stored `_target_` of an objective, a reward function or the token loss lived before src/lm/objectives/
 MOVED = re.compile(r"^src\.models\.(objective|sft|dpo|reward|grpo|verifiers|loss|moe)\.")
+# where a stored `_target_`'s module lived before the language model had its own floor (src/lm/)
+MOVED_MODULES = {
+    "src.models.causal_lm": "src.lm.models.causal_lm",
+    "src.models.gpt2": "src.lm.models.gpt2_module",
+    "src.models.bottleneck": "src.lm.features.bottleneck",
+    **{
+        f"src.datamodules.{m}": f"src.lm.data.{m}"
+        for m in ("text", "instruct", "chat", "preference", "prompts", "shards")
+    },
+    **{f"src.objectives.{m}": f"src.lm.objectives.{m}" for m in ("base", "sft", "dpo", "reward", "grpo", "verifiers")},
+}
 
 
 def upgraded(config: Any) -> Any:
     """A stored config as this version builds it: one from before objectives were a config group (`model.objective:
-    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.objectives.dpo.DPO, beta: ...}`; a
-    `_target_` under src/models/ that moved to src/objectives/ is named where it is now."""
+    dpo` with `model.dpo: {beta: ...}`) gets `model.objective: {_target_: src.lm.objectives.dpo.DPO, beta: ...}`; a
+    `_target_` under src/models/, src/datamodules/ or src/objectives/ that moved to src/lm/ is named where it is now."""
     config = _moved(config)
     model = config.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("objective"), str):
@@ -132,7 +143,10 @@ def _moved(node: Any) -> Any:
         return [_moved(v) for v in node]
     if isinstance(node, str) and MOVED.match(node):
         name = MOVED.match(node).group(1)
-        return MOVED.sub(f"src.objectives.{'base' if name == 'objective' else name}.", node)
+        return MOVED.sub(f"src.lm.objectives.{'base' if name == 'objective' else name}.", node)
+    if isinstance(node, str) and node.rpartition(".")[0] in MOVED_MODULES:
+        module, _, name = node.rpartition(".")
+        return f"{MOVED_MODULES[module]}.{name}"
     return node
 
 
@@ -196,7 +210,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     With a peft adapter, `out_dir/adapter/` gets the adapter alone (peft's save_pretrained); LoRA is
     also merged into the weights, so `out_dir` holds a plain model. Prompt/prefix/P-tuning cannot be
     merged: `out_dir/base/` gets the frozen base model, for peft's PeftModel.from_pretrained. Bottleneck adapters: `out_dir/base/` (the
-    frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/models/bottleneck.py's `load`).
+    frozen base, a plain model) and `out_dir/adapter/` (their weights and loader, src/lm/features/bottleneck.py's `load`).
     """
     module, datamodule = build_module(load_checkpoint(path))
     if not hasattr(module, "model") or not hasattr(module.model, "save_pretrained"):
@@ -206,7 +220,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         )
     out_dir = Path(out_dir)
     model = module.model
-    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/models/bottleneck.py)
+    if hasattr(model, "bottleneck_config"):  # the template's bottleneck adapters (src/lm/features/bottleneck.py)
         model.bottleneck_config.export(model, out_dir)  # the base alone (a plain model), then the adapters
         _save_tokenizer(datamodule, out_dir / "base")
         print(f"Base model written to {out_dir / 'base'}, its bottleneck adapters and loader to {out_dir / 'adapter'}.")

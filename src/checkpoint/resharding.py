@@ -40,7 +40,7 @@ NAMES_KEY = "optimizer_param_names"  # per optimizer, per param group: the param
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # not part of a parameter's name
 METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a DCP checkpoint
 # checkpoint entry: {"model_type", "size", ...} when the weights are in a hand-written adapter's tensor-parallel
-# layout (GPT-2's: src/architectures/gpt2.py), absent when in the model's own
+# layout (GPT-2's: src/architectures/gpt2_adapter.py), absent when in the model's own
 LAYOUT_KEY = "tensor_parallel"
 
 

@@ -1,7 +1,7 @@
 """Short texts with a class each, for a sequence classifier: a JSONL or CSV file of {text, label} at `path`, or,
 offline with no file, the docstrings of a few standard-library packages labelled by the package they come from.
 
-Each text is tokenized once (src/datamodules/tokenizers.py: UTF-8 bytes by default, or a Hugging Face tokenizer
+Each text is tokenized once (src/lm/data/tokenizers.py: UTF-8 bytes by default, or a Hugging Face tokenizer
 dir) as a classifier reads it: within the tokenizer's own special tokens (BERT's [CLS] ... [SEP]), or, for one that
 adds none (GPT-2's, the bytes), after its EOS, the token in [CLS]'s place that the head reads; a batch is padded to
 its longest text, with an attention mask. The labels are the sorted label names, their ids the positions:
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.datamodules.base import ShardedDataModule
-from src.datamodules.tokenizers import ByteTokenizer, load_hf_tokenizer
+from src.core.datamodule import ShardedDataModule
+from src.lm.data.tokenizers import ByteTokenizer, load_hf_tokenizer
 from src.utils.config import ConfigError, check_int
 from src.utils.errors import PathNotFound
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from src.datamodules.base import ShardedDataModule
+from src.core.datamodule import ShardedDataModule
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.models.base import LitModule
+from src.core.module import LitModule
 from src.utils.labels import IGNORE_INDEX
 
 
@@ -38,7 +38,7 @@ class ConvNetLitModule(LitModule):
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
 
         # Sample-weighted loss and accuracy whose sums and counts torchmetrics syncs over ranks; label
-        # IGNORE_INDEX (a padding sample, where a datamodule pads evaluation: src/datamodules/base.py) counts in
+        # IGNORE_INDEX (a padding sample, where a datamodule pads evaluation: src/core/datamodule.py) counts in
         # neither; a NaN loss (a diverged model) stays NaN instead of being dropped (the divergence callback reads
         # it). Not nan_strategy="disable": torchmetrics then replaces the weights by ones.
         def make() -> nn.ModuleDict:

@@ -14,7 +14,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.models.base import LitModule
+from src.core.module import LitModule
 
 
 class MLPLitModule(LitModule):

@@ -17,8 +17,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.models import dropout as keyed
-from src.models.base import LitModule
+from src.core import dropout as keyed
+from src.core.module import LitModule
 from src.utils.config import ConfigError
 
 

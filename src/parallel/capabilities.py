@@ -36,7 +36,7 @@ class Capabilities:
 
     keys_dropout: bool = True
     """Each rank runs whole rows through the whole model, so a row's dropout masks keyed by its sample
-    (src/models/dropout.py) are those one process draws. False (tensor parallel splits a row's heads and widths, the
+    (src/core/dropout.py) are those one process draws. False (tensor parallel splits a row's heads and widths, the
     pipeline's schedule its micro-batches over stages): a model with dropout is refused."""
 
     grads_on_several_meshes: bool = False
@@ -88,7 +88,7 @@ class Capabilities:
 
     takes_plain_modules: ClassVar[bool] = True
     """Any LightningModule trains under it, a plain one too: it asks nothing of the module (one device, DDP). False
-    (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/models/base.py:
+    (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/core/module.py:
     blocks(), networks(), materialize()), so src/run/checks.py refuses another module before any process starts."""
 
     requires_cuda: ClassVar[bool] = False

@@ -9,7 +9,7 @@ mask (`probe`, before the first compiled call) drops the mask it is handed. Slid
 context, and any pattern a model's own forward adds, were handed a mask in the probe and keep it.
 
 `route` sets it up for one network (parallelize, step 3); nothing changes for another attention implementation
-than sdpa (and keyed sdpa, src/models/dropout.py) or in a network that is not compiled whole."""
+than sdpa (and keyed sdpa, src/core/dropout.py) or in a network that is not compiled whole."""
 
 from __future__ import annotations
 

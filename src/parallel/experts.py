@@ -22,7 +22,7 @@ data-parallel ranks work as for any other weight). The function is the one of on
 
 What it needs: the expert count divides by the tensor-parallel size (one sentence otherwise). What it gives: each
 rank holds and computes 1/T of the experts; the load per rank follows the routing (the router's balance loss,
-src/objectives/moe.py, is what keeps it even), where transformers' width split is even by construction.
+src/lm/objectives/moe.py, is what keeps it even), where transformers' width split is even by construction.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
     """Pure data-parallel FSDP2 over all ranks, with FSDP2's switches as config (activation checkpointing and
     compile are the model's: model.gradient_checkpointing, model.compile).
 
-    With meta_init, train.py builds the model on the meta device (src/models/init.py) and `setup`
+    With meta_init, train.py builds the model on the meta device (src/lm/init.py) and `setup`
     materialises each rank's shards after fully_shard: no rank ever holds the whole model.
     """
 

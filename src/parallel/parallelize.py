@@ -105,7 +105,7 @@ def compile_region(compile: Union[bool, str], whole_model: bool) -> Optional[str
     graph too, where inductor pads a vocabulary such as GPT-2's 50257 to an aligned width) or "blocks" (each block,
     what FSDP2 and tensor parallel's per-block hooks and DTensors, and the pipeline's stages, allow; see
     `compiled_parts`). "auto" is decided from the run before the model is built (src/run/checks.py,
-    src/models/compiling.py `auto_compile`); a module made outside a run compiles nothing for it."""
+    src/lm/features/compiling.py `auto_compile`); a module made outside a run compiles nothing for it."""
     if compile not in (True, False, "blocks", "auto"):
         raise ConfigError(f"model.compile={compile!r}: use true (the largest correct region), blocks, false or auto.")
     if not compile or compile == "auto":

@@ -9,7 +9,7 @@ the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of 
 stages r, r + P, r + 2P, ... (the order the interleaved schedule expects).
 
 Exactness (each checked against one process in tests/test_pipeline.py):
-* loss: every micro-batch's loss is the objective's *sum* of its losses (`loss_sum`, src/objectives/base.py) times
+* loss: every micro-batch's loss is the objective's *sum* of its losses (`loss_sum`, src/lm/objectives/base.py) times
   1/N, N = the targets of the whole global batch (its `n_targets`), with scale_grads=False: the gradients are those
   of the mean over the global batch's targets (a per-micro-batch mean would weight micro-batches wrongly);
 * an MoE model's router loss: each micro-batch's adds router_aux_loss_coef x the sum of its sequences'
@@ -298,7 +298,7 @@ def parallelize(
     module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
 ) -> Pipeline:
     """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them,
-    its last stage computing the loss of the module's objective (`loss_sum`, src/objectives/base.py)."""
+    its last stage computing the loss of the module's objective (`loss_sum`, src/lm/objectives/base.py)."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank

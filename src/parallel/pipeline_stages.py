@@ -11,11 +11,11 @@ rank does not hold are `Skip`s, a hook hands the received activations to the sta
 the forward after its last layer. The last stage runs the causal LM's whole forward, so whatever a model does
 around its layers (Granite's multipliers and logits scaling, Cohere's logit scale, Gemma's soft-capping, ...)
 happens as it does in one process. GPT-2 ships no plan: its hand-written adapter's stage
-(src/architectures/gpt2.py) runs it, and is proved equal alike.
+(src/architectures/gpt2_adapter.py) runs it, and is proved equal alike.
 
 A mixture-of-experts model whose router loss is trained carries each sequence's routing totals from stage to stage
 (`Routing`), beside the activations, and its last stage also returns them for the loss. transformers' load-balancing
-loss (each MoE model's `load_balancing_loss_func`, taken per sequence by src/objectives/moe.py) adds, layer by layer,
+loss (each MoE model's `load_balancing_loss_func`, taken per sequence by src/lm/objectives/moe.py) adds, layer by layer,
 each expert's routed real tokens and its router probabilities, and takes the loss from the two totals: so each stage
 adds its layers' to the totals it received (`stage_statistics`, in transformers' order and dtype), the last takes
 each sequence's loss from them (`statistics_balance`), and the probabilities' gradient flows back through the stages.

@@ -4,7 +4,7 @@ Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only i
 so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
 and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
 `training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
-own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/objectives/base.py), metrics,
+own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/lm/objectives/base.py), metrics,
 optimizer and LR schedule are.
 
 Logging: the loss exists on the last stage only. Its ranks hold their data-parallel shard's share of
@@ -46,7 +46,9 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
-    keys_dropout = False  # splits a row's forward: a model with dropout is refused (src/models/dropout.py, check_draws)
+    keys_dropout = (
+        False  # splits a row's forward: a model with dropout is refused (src/lm/features/dropout.py, check_draws)
+    )
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"

@@ -49,7 +49,7 @@ class ResumableDistributedSampler(DistributedSampler):
     counts the restored batches on top)."""
 
     skip = 0  # indices of this rank's next pass to leave out; reset after one pass
-    with_epoch = False  # deal (epoch, index) pairs: what keys a Dataset's random augmentation (datamodules/seeded.py)
+    with_epoch = False  # deal (epoch, index) pairs: what keys a Dataset's random augmentation (src/core/seeded.py)
 
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
         """The epoch's permutation as every rank computes it, the dropped tail removed (what

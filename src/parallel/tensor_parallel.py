@@ -31,7 +31,7 @@ torch's, which need neither. An experts module (moe_tp_experts, with its weights
 split by experts instead (src/parallel/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
 all_reduce, embedding_rowwise, ...) are refused in one sentence naming them.
 
-GPT-2 has no plan: its hand-written adapter (src/architectures/gpt2.py) gives one, and turns its Conv1D layers
+GPT-2 has no plan: its hand-written adapter (src/architectures/gpt2_adapter.py) gives one, and turns its Conv1D layers
 into the nn.Linear that torch's styles split (`own_adapter`); its checkpoints keep that layout and say so
 (`layout`). Models with a plan keep transformers' own layout: their full state dict is already HF's.
 """
@@ -46,8 +46,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from src.architectures import adapter_for
-from src.architectures.adapter import Adapter
 from src.architectures.config import head_counts
+from src.architectures.handwritten import Adapter
 from src.parallel import experts
 from src.utils.config import ArchitectureRefused, ConfigError
 

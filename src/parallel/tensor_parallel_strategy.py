@@ -56,7 +56,9 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     src/checkpoint/convert.py can give them back in HF GPT-2 form.
     """
 
-    keys_dropout = False  # splits a row's forward: a model with dropout is refused (src/models/dropout.py, check_draws)
+    keys_dropout = (
+        False  # splits a row's forward: a model with dropout is refused (src/lm/features/dropout.py, check_draws)
+    )
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # splits LitModule.blocks()
     split_vocabulary = "the model's tp plan splits its output layer over the vocabulary"

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any, Optional
 
-from src.datamodules.chat import ChatTemplate, encode_text
+from src.lm.data.chat import ChatTemplate, encode_text
 from src.run.sampling import Printer, complete, stop_ids
 from src.utils.config import ConfigError
 

@@ -14,10 +14,10 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.files import problem
-from src.datamodules.base import micro_batch_size
+from src.core.datamodule import micro_batch_size
+from src.core.dropout import wants_kernel
 from src.launch.choices import CONF
-from src.models import compiling
-from src.models.dropout import wants_kernel
+from src.lm.features import compiling
 from src.parallel import capabilities
 from src.utils.config import ConfigError, EvalConfig, GenerateConfig, TrainConfig, check_int, check_number
 from src.utils.errors import CheckpointError, PathNotFound
@@ -157,12 +157,12 @@ def _check_module_fits(cfg: DictConfig, strategy: type) -> None:
     target = OmegaConf.select(cfg, "model._target_", default=None)
     if not target:
         return
-    from src.models.base import LitModule
+    from src.core.module import LitModule
 
     module, option = get_object(target), trainer_option(cfg)
     if not strategy.takes_plain_modules and not (isinstance(module, type) and issubclass(module, LitModule)):
         raise ConfigError(
-            f"trainer={option} shards the model through src/models/base.py's LitModule (its blocks() and networks()), "
+            f"trainer={option} shards the model through src/core/module.py's LitModule (its blocks() and networks()), "
             f"and {target} is not one: build it on LitModule (docs/your-model.md) or use trainer=ddp."
         )
 
@@ -217,7 +217,7 @@ def _check_objective(cfg: DictConfig) -> None:
 
 
 def resolve_auto_compile(cfg: DictConfig) -> None:
-    """model.compile=auto becomes true, blocks or false for this run (src/models/compiling.py, auto_compile), in the
+    """model.compile=auto becomes true, blocks or false for this run (src/lm/features/compiling.py, auto_compile), in the
     config itself, before anything reads it: the same on every rank (the same config, the same kind of device)."""
     if OmegaConf.select(cfg, "model.compile", default=None) != "auto":
         return
@@ -252,7 +252,7 @@ def _check_features(cfg: DictConfig) -> None:
     strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
     if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return
-    from src.models import chunked_loss, padded_vocab
+    from src.lm.features import chunked_loss, padded_vocab
 
     declared, name = capabilities.of(get_object(strategy._target_)), str(strategy._target_).rsplit(".", 1)[-1]
     chunked_loss.check_strategy(
@@ -262,10 +262,10 @@ def _check_features(cfg: DictConfig) -> None:
 
 
 def _check_adapters(cfg: DictConfig) -> None:
-    """model.freeze (src/models/frozen.py) and the bottleneck adapters' options (src/models/bottleneck.py)."""
+    """model.freeze (src/lm/features/frozen.py) and the bottleneck adapters' options (src/lm/features/bottleneck.py)."""
     peft = OmegaConf.select(cfg, "model.peft", default=None)
     if isinstance(peft, DictConfig) and str(peft.get("_target_", "")).endswith("bottleneck.BottleneckConfig"):
-        from src.models.bottleneck import BottleneckConfig
+        from src.lm.features.bottleneck import BottleneckConfig
 
         try:
             BottleneckConfig(**{k: v for k, v in OmegaConf.to_container(peft, resolve=True).items() if k != "_target_"})
@@ -273,7 +273,7 @@ def _check_adapters(cfg: DictConfig) -> None:
             raise ConfigError(str(error)) from None
     freeze = OmegaConf.select(cfg, "model.freeze", default=None)
     if freeze is not None:
-        from src.models import frozen as freezing
+        from src.lm.features import frozen as freezing
 
         lora = OmegaConf.select(cfg, "model.lora.enabled", default=False)
         freezing.check(OmegaConf.to_container(freeze) if isinstance(freeze, DictConfig) else freeze, lora or bool(peft))

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.convert import as_pretrained, is_checkpoint, read_config
-from src.datamodules import plain
+from src.core import plain_loaders as plain
 from src.run.checks import check_machine, check_top_level_keys, resolve_and_check_values
 from src.utils.config import ConfigError, check_targets, flatten
 from src.utils.logging import quiet_console

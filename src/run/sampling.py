@@ -2,7 +2,7 @@
 
 Each prompt is completed alone (a batch of one: no padding, so its numbers do not depend on which prompts share a
 batch) by transformers' `generate` with its KV cache; a sampled token is the Gumbel-max pick of GRPO
-(src/objectives/grpo.py `keyed_pick`: temperature, top-k, top-p) with noise from the prompt's own generator, seeded
+(src/lm/objectives/grpo.py `keyed_pick`: temperature, top-k, top-p) with noise from the prompt's own generator, seeded
 by a hash of (seed, prompt number) and drawn once per token position, so the text is the same on any number of
 ranks. temperature=0 is greedy search. On N ranks rank r takes prompts r, r + N, ...; every rank runs as many
 `generate` calls (a rank short of one repeats prompt 0 and drops it) with `synced_gpus` where the parameters are
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from src.callbacks.generate_text import prompt_learning_inputs
-from src.objectives.grpo import keyed_pick, sample_seed
+from src.lm.objectives.grpo import keyed_pick, sample_seed
 from src.utils.config import ConfigError
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")

@@ -41,8 +41,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from src.architectures.gpt2 import GPT2
-from src.models.hf import decoder_layers
+from src.architectures.gpt2_adapter import GPT2
+from src.lm.hf import decoder_layers
 from src.parallel import experts
 from src.parallel.tensor_parallel import check_divisible, check_plan
 
@@ -58,7 +58,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def gpt2_params(n_layer: int, n_embd: int, vocab: int = 50257, n_ctx: int = 1024) -> int:
-    """GPT-2's exact count (its adapter's, src/architectures/gpt2.py) for a size given by its numbers."""
+    """GPT-2's exact count (its adapter's, src/architectures/gpt2_adapter.py) for a size given by its numbers."""
     from transformers import GPT2Config
 
     return GPT2.param_count(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=1, vocab_size=vocab, n_positions=n_ctx))

@@ -6,7 +6,7 @@
 
 Each input file (.txt: documents split at blank lines; .jsonl: one {"text": ...} per line) is tokenized
 by one of `--workers` processes (litdata's `optimize`, items assigned to workers in order, so a rebuild
-gives the same blocks) into chunk files of packed blocks (see src/datamodules/shards.py). Many files
+gives the same blocks) into chunk files of packed blocks (see src/lm/data/shards.py). Many files
 spread the work; one huge file is one worker's job, so split big corpora into files first.
 Object storage: build into a local dir and copy it up (`aws s3 sync shards/ s3://bucket/shards/`), then
 train with `data.input_dir=s3://bucket/shards/` (litdata downloads the chunks a rank reads to
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from src.datamodules.shards import META, TARGETS, block_targets, input_files, tokenize_file
-from src.datamodules.tokenizers import load_tokenizer
+from src.lm.data.shards import META, TARGETS, block_targets, input_files, tokenize_file
+from src.lm.data.tokenizers import load_tokenizer
 
 
 def write_targets(output: str, seq_len: int) -> np.ndarray:

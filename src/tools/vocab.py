@@ -12,7 +12,7 @@ parts the base (or an earlier kept merge) has. Those N merges and tokens are app
 model, after its own merges, so every text the base tokenized before keeps its tokens unless a new merge
 applies; `AutoTokenizer.from_pretrained(OUT)` loads the result. OUT/vocab_extension.json records, for each
 new id, the base ids its text had: training with `model.resize_embeddings=true` initialises each new
-embedding row (and an untied head's) as the mean of those rows (src/models/hf.py).
+embedding row (and an untied head's) as the mean of those rows (src/lm/hf.py).
 
 A corpus is a .txt file (one document), or a .json array / .jsonl of records whose string fields are read
 (Alpaca's instruction, input, output; ShareGPT's conversations).
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from src.datamodules.tokenizers import load_hf_tokenizer
+from src.lm.data.tokenizers import load_hf_tokenizer
 from src.utils.errors import UserError
 
 EXTENSION = "vocab_extension.json"  # {"base_vocab_size": n, "pieces": {new id: [base ids]}}
@@ -74,7 +74,7 @@ def corpus_texts(path: Path) -> list[str]:
 
 
 def load_base(name_or_path: str):
-    """The base tokenizer as training loads it (src/datamodules/tokenizers.py: GPT-2's EOS declared)."""
+    """The base tokenizer as training loads it (src/lm/data/tokenizers.py: GPT-2's EOS declared)."""
 
     try:
         tokenizer = load_hf_tokenizer(name_or_path)

@@ -1,8 +1,8 @@
-"""ChatML as src/datamodules/chat.py renders it, with transformers' {% generation %} markers around what the
+"""ChatML as src/lm/data/chat.py renders it, with transformers' {% generation %} markers around what the
 assistant says: what transformers' return_assistant_tokens_mask reads (an independent account of the assistant's
 tokens, tests/test_chat.py) and what TRL's SFTTrainer needs for assistant_only_loss (bench/compare/sft.py)."""
 
-from src.datamodules.chat import CHATML
+from src.lm.data.chat import CHATML
 
 MARKED = CHATML.replace(
     "<|im_start|>{{ message.role }}\n{{ message.content or '' }}"

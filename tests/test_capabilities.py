@@ -14,8 +14,8 @@ from src.parallel import capabilities
 from src.parallel.capabilities import Capabilities
 from src.parallel.deepspeed import DeepSpeedStrategy
 from src.parallel.fsdp import FSDP2Strategy
-from src.parallel.pipeline_strategy import PipelineStrategy
-from src.parallel.tensor_parallel_strategy import TensorParallelStrategy
+from src.parallel.pipeline.strategy import PipelineStrategy
+from src.parallel.tensor.strategy import TensorParallelStrategy
 
 OURS = (FSDP2Strategy, DeepSpeedStrategy, TensorParallelStrategy, PipelineStrategy)
 

@@ -120,7 +120,7 @@ def test_the_check_sees_a_module_left_out():
     only an option the README documents builds (convnet.py: model=convnet; images.py: data=digits, mnist;
     prompts.py: data=prompts)."""
     entries = code_map((ROOT / "README.md").read_text())
-    entries["src/parallel/"] = entries["src/parallel/"].replace("experts.py", "")
+    entries["src/parallel/tensor/"] = entries["src/parallel/tensor/"].replace("experts.py", "")
     del entries["src/launch/"]
     entries["bench/scale/"] = entries["bench/scale/"].replace("comm.py", "")
     del entries["bench/suite/"]
@@ -128,7 +128,7 @@ def test_the_check_sees_a_module_left_out():
     for name in ("base.py", "images.py", "prompts.py"):
         entries["src/datamodules/"] = entries["src/datamodules/"].replace(name, "")
     assert check(entries) == [
-        "src/parallel/: unlisted ['experts.py'], not in the folder []",
+        "src/parallel/tensor/: unlisted ['experts.py'], not in the folder []",
         "src/models/: unlisted ['convnet.py', 'hf.py'], not in the folder []",
         "src/datamodules/: unlisted ['base.py', 'images.py', 'prompts.py'], not in the folder []",
         "bench/scale/: unlisted ['comm.py'], not in the folder []",

@@ -88,7 +88,7 @@ def mask_padding(head: nn.Module, vocab: int) -> RemovableHandle:
     from torch.distributed.tensor import DTensor, Replicate
 
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if isinstance(out, DTensor):  # tensor parallel's replicated head (src/parallel/tensor_parallel.py)
+        if isinstance(out, DTensor):  # tensor parallel's replicated head (src/parallel/tensor/plan.py)
             columns = torch.arange(out.shape[-1], device=out.device) >= vocab
             columns = DTensor.from_local(
                 columns, out.device_mesh, [Replicate()] * out.device_mesh.ndim, run_check=False

@@ -1,7 +1,7 @@
 """trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel, tensor_parallel) mesh.
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
-so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
+so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline/schedule.py)
 and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
 `training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
 own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/objectives/base.py), metrics,
@@ -33,8 +33,8 @@ from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh
-from src.parallel.pipeline import Pipeline, check_config, parallelize
-from src.parallel.tensor_parallel import layout
+from src.parallel.pipeline.schedule import Pipeline, check_config, parallelize
+from src.parallel.tensor.plan import layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)

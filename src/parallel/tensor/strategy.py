@@ -1,5 +1,5 @@
 """trainer=tp: Lightning's ModelParallelStrategy on a (data_parallel, tensor_parallel) mesh. Tensor parallel
-within groups of `tensor_parallel_size` ranks (src/parallel/tensor_parallel.py), FSDP2 across the groups,
+within groups of `tensor_parallel_size` ranks (src/parallel/tensor/plan.py), FSDP2 across the groups,
 both applied by src/parallel/parallelize.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh, mesh_sizes
 from src.parallel.parallelize import parallelize, parallelized
-from src.parallel.tensor_parallel import check_divisible, check_forward, check_plan, layout
+from src.parallel.tensor.plan import check_divisible, check_forward, check_plan, layout
 from src.utils.config import ConfigError, check_int, check_unsupported
 
 

@@ -2,7 +2,7 @@
 
 Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF model
 into `pipeline_parallel_size x stages_per_rank` stages of equal layer counts (stage 0 = the embeddings +
-its layers; the last stage = its layers + the final norm + the LM head; src/parallel/pipeline_stages.py
+its layers; the last stage = its layers + the final norm + the LM head; src/parallel/pipeline/stages.py
 reads them from transformers' pipeline plan, or GPT-2's adapter), removes from this rank's copy every
 module it does not hold (so its parameters, optimizer and checkpoint shard are its stages' only, under
 the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of a pipeline group holds
@@ -13,16 +13,16 @@ Exactness (each checked against one process in tests/test_pipeline.py):
   1/N, N = the targets of the whole global batch (its `n_targets`), with scale_grads=False: the gradients are those
   of the mean over the global batch's targets (a per-micro-batch mean would weight micro-batches wrongly);
 * an MoE model's router loss: each micro-batch's adds router_aux_loss_coef x the sum of its sequences'
-  load-balancing losses (each from the routing totals its stages carried: pipeline_stages.Routing) x 1/S, S = the
+  load-balancing losses (each from the routing totals its stages carried: stages.Routing) x 1/S, S = the
   sequences of the global batch, as one process averages it over the step's sequences;
 * tied weights (GPT-2, Qwen2's small sizes: lm_head is the token embedding): the first and last stages each
   hold a copy, so their gradients are summed over those two ranks (else each copy would learn half and they
   drift apart); untied models (Llama) sum nothing;
-* the function: each stage runs the model's own forward over the layers it holds (pipeline_stages.py), and
+* the function: each stage runs the model's own forward over the layers it holds (stages.py), and
   `check_stages` proves the stages chained equal to the model's own forward before anything is pruned.
 
 With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
-(src/parallel/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
+(src/parallel/tensor/plan.py, the same functions as trainer=tp): a stage's input and output stay whole
 (replicated) tensors, so rank (dp, pp, tp) sends to (dp, pp + 1, tp) over its pipeline group as before. The
 gradient sums and the clipping norm below then work on each rank's DTensor shards.
 """
@@ -50,8 +50,8 @@ from torch.distributed.tensor import DTensor
 from src.architectures.config import architecture
 from src.parallel.mesh import mesh_sizes
 from src.parallel.parallelize import parallelize as compose
-from src.parallel.pipeline_stages import Routing, check_stages, prune, stage_class, stage_ranges
-from src.parallel.tensor_parallel import check_divisible, check_plan
+from src.parallel.pipeline.stages import Routing, check_stages, prune, stage_class, stage_ranges
+from src.parallel.tensor.plan import check_divisible, check_plan
 from src.utils.config import ConfigError, check_int, check_unsupported
 
 log = logging.getLogger(__name__)

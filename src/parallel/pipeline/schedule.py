@@ -48,6 +48,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from src.architectures.config import architecture
+from src.parallel.contract import ParallelLM, implemented_by
 from src.parallel.mesh import mesh_sizes
 from src.parallel.parallelize import parallelize as compose
 from src.parallel.pipeline.stages import Routing, check_stages, prune, stage_class, stage_ranges
@@ -78,7 +79,7 @@ def check_config(cfg: DictConfig) -> None:
             f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%)."
         )
     config = architecture(cfg.model)
-    if config is None:
+    if config is None or not implemented_by(cfg.model):
         raise ConfigError(
             "trainer=pipeline splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or "
             "causal_lm), and this model is not one."
@@ -295,10 +296,10 @@ class Pipeline:
 
 
 def parallelize(
-    module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
+    module: ParallelLM, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
 ) -> Pipeline:
-    """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them,
-    its last stage computing the loss of the module's objective (`loss_sum`, src/objectives/base.py)."""
+    """Split `module` (src/parallel/contract.py's ParallelLM) into this rank's stages, in place; return the Pipeline
+    that runs them, its last stage computing the loss of the module's objective (`loss_sum`, src/objectives/base.py)."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank

@@ -129,10 +129,10 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         objective.add_sums(metrics, loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
 
     def validation_step(self, batch, batch_idx, *args: Any) -> None:
-        self._evaluate(batch, self.lightning_module.val_metrics)
+        self._evaluate(batch, self.lightning_module.objective.val_metrics)
 
     def test_step(self, batch, batch_idx, *args: Any) -> None:
-        self._evaluate(batch, self.lightning_module.test_metrics)
+        self._evaluate(batch, self.lightning_module.objective.test_metrics)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -153,7 +153,7 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
-            entry = layout(self.lightning_module.config, self.tensor_parallel_size)
+            entry = layout(self.lightning_module.hf_model.config, self.tensor_parallel_size)
             if entry is not None:
                 checkpoint[LAYOUT_KEY] = entry
         save_sharded(
@@ -164,7 +164,7 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         """Pipeline dirs (the same tensor-parallel layout): each rank reads its stages' weights and optimizer state
         (DCP reshards across other stage counts); files and other strategies' dirs through the full form."""
         tp = self.tensor_parallel_size
-        native = ("dcp_flat", layout(self.lightning_module.config, tp) if tp > 1 else None)
+        native = ("dcp_flat", layout(self.lightning_module.hf_model.config, tp) if tp > 1 else None)
         own = lambda: self.load_own_checkpoint(checkpoint_path)  # noqa: E731
         return resharding.load(self, checkpoint_path, native, own)
 

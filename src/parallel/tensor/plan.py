@@ -117,13 +117,13 @@ def torch_style(style: str) -> Any:
 
 
 def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
-    """Split `blocks` of the LitModule `module` (all of them, or the ones a pipeline stage holds) over the 1-D
-    `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1 of
-    src/parallel/parallelize.py."""
+    """Split `blocks` of `module` (src/parallel/contract.py's ParallelLM; all of them, or the ones a pipeline stage
+    holds) over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1
+    of src/parallel/parallelize.py."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
-    config = module.config
+    config = module.hf_model.config
     check_divisible(config, tp)
     plan = check_plan(config)
     adapter = own_adapter(config)
@@ -241,7 +241,7 @@ def check_forward(module: Any) -> None:
     except Exception as error:  # noqa: BLE001 - any failure of the split forward is a refusal, said
         first = (str(error).strip().splitlines() or [""])[0][:200]
         raise ArchitectureRefused(
-            f"trainer=tp cannot split {module.config.model_type}: its forward fails once split "
+            f"trainer=tp cannot split {module.hf_model.config.model_type}: its forward fails once split "
             f"({type(error).__name__}: {first}); train it with trainer=fsdp or trainer=ddp."
         ) from None
     finally:

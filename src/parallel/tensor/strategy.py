@@ -16,6 +16,7 @@ from src.checkpoint import resharding, safe_load
 from src.checkpoint.files import save_sharded
 from src.checkpoint.resharding import LAYOUT_KEY
 from src.parallel.capabilities import Capabilities
+from src.parallel.contract import implemented_by
 from src.parallel.mesh import OwnMesh, mesh_sizes
 from src.parallel.parallelize import parallelize, parallelized
 from src.parallel.tensor.plan import check_divisible, check_forward, check_plan, layout
@@ -32,7 +33,7 @@ def check_config(cfg: Any) -> None:
         mesh_sizes(devices * nodes, tensor_parallel=tp)
     model = cfg.model
     config = architecture(model)
-    if config is None:
+    if config is None or not implemented_by(model):
         raise ConfigError(
             "trainer=tp splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or causal_lm), and "
             "this model is not one: use trainer=ddp, or trainer=fsdp to shard it."
@@ -89,7 +90,7 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""
-        entry = layout(self.lightning_module.config, self.tp_size)
+        entry = layout(self.lightning_module.hf_model.config, self.tp_size)
         if entry is not None:
             checkpoint[LAYOUT_KEY] = entry
         save_sharded(
@@ -102,5 +103,5 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         """Its own DCP dirs (the same layout: any data-parallel size) through Lightning's resharding load; files,
         other strategies' dirs and GPT-2 dirs of another tensor-parallel size through the full form."""
         own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, safe_load.weights_only())  # noqa: E731
-        native = ("dcp", layout(self.lightning_module.config, self.tp_size))
+        native = ("dcp", layout(self.lightning_module.hf_model.config, self.tp_size))
         return resharding.load(self, checkpoint_path, native, own)

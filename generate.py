@@ -114,7 +114,7 @@ def generate(cfg: DictConfig) -> None:
 
     module.predict_step = predict_step
     ckpt_path = cfg.ckpt_path
-    if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:
+    if is_sharded(ckpt_path) and capabilities.of(trainer.strategy).checkpoint_form == "file":
         ckpt_path = consolidated_once(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")
     loader = DataLoader(
         [*range(len(prompts)), -1], batch_size=1, sampler=sampling.RankShare(len(prompts)), collate_fn=list

@@ -65,9 +65,11 @@ class Capabilities:
     no_sampling: ClassVar[Optional[str]] = None
     """Why the model cannot sample text under it, where it cannot: an objective that samples (GRPO) is refused."""
 
-    loads_sharded_checkpoints: ClassVar[bool] = False
-    """It reads its own sharded checkpoint dirs itself (FSDP2's, tensor parallel's and the pipeline's DCP dirs,
-    DeepSpeed's ZeRO dirs); eval.py consolidates a sharded checkpoint into one file for any other."""
+    checkpoint_form: ClassVar[str] = "file"
+    """What its checkpoints are: "file" (one file, rank 0's), "dcp" (a DCP dir of every rank's shards: FSDP2, tensor
+    parallel, the pipeline; src/checkpoint/sharded.py) or "deepspeed" (a ZeRO dir, which only DeepSpeed resumes:
+    src/checkpoint/latest.py). A sharded strategy reads its own dirs itself; eval.py consolidates a sharded
+    checkpoint into one file for a "file" one."""
 
     zero_stages: ClassVar[bool] = False
     """trainer.strategy.stage picks a DeepSpeed ZeRO stage (3 partitions the parameters): src/run/checks.py reads it
@@ -91,8 +93,9 @@ class Capabilities:
     (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/models/base.py:
     blocks(), networks(), materialize()), so src/run/checks.py refuses another module before any process starts."""
 
-    requires_cuda: ClassVar[bool] = False
-    """The strategy refuses a CPU run (Lightning's DeepSpeed): src/run/checks.py says so before any process starts."""
+    requires_cuda: ClassVar[Optional[str]] = None
+    """Where the strategy refuses a CPU run (DeepSpeed, Lightning's FSDP1), the sentence src/run/checks.py says
+    before any process starts."""
 
     check_config: ClassVar[Optional[Callable[[Any], None]]] = None
     """The strategy's own checks of the composed config (one sentence each), run by src/run/checks.py before any
@@ -105,15 +108,47 @@ class _Replicated(Capabilities):
     grads_whole = True
 
 
-def of(strategy: Any) -> Any:
-    """`strategy` (an instance or a class) when it declares its capabilities, else the defaults (with `grads_whole`
-    for Lightning's one-device and DDP strategies)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+DEEPSPEED_NEEDS_CUDA = (
+    "trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
+    "Use trainer=ddp (2 CPU processes) on this machine."
+)
 
+
+class _LightningDeepSpeed(_Replicated):
+    """Lightning's own DeepSpeed strategy (a DDP strategy to Lightning), named in the config or by its registry
+    names ("deepspeed_stage_2", ...)."""
+
+    requires_cuda = DEEPSPEED_NEEDS_CUDA
+
+
+class _LightningFSDP1(Capabilities):
+    requires_cuda = (
+        "Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
+        "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp."
+    )
+
+
+def of(strategy: Any) -> Any:
+    """`strategy` (an instance, a class, or a name in Lightning's strategy registry: "ddp", "fsdp", ...) when it
+    declares its capabilities, else the defaults (with `grads_whole` for Lightning's one-device and DDP strategies,
+    `requires_cuda` for its DeepSpeed and FSDP1 ones)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        SingleDeviceStrategy,
+        StrategyRegistry,
+    )
+
+    if isinstance(strategy, str):
+        strategy = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
     declared = isinstance(strategy, Capabilities) or (isinstance(strategy, type) and issubclass(strategy, Capabilities))
     if declared:
         return strategy
     kind = strategy if isinstance(strategy, type) else type(strategy)
+    for lightnings, caps in ((DeepSpeedStrategy, _LightningDeepSpeed), (FSDPStrategy, _LightningFSDP1)):
+        if issubclass(kind, lightnings):
+            return caps
     return _Replicated if issubclass(kind, (SingleDeviceStrategy, DDPStrategy)) else Capabilities
 
 

@@ -53,7 +53,7 @@ from src.parallel.mesh import mesh_sizes
 from src.parallel.parallelize import parallelize as compose
 from src.parallel.pipeline.stages import Routing, check_stages, prune, stage_class, stage_ranges
 from src.parallel.tensor.plan import check_divisible, check_plan
-from src.utils.config import ConfigError, check_int, check_unsupported
+from src.utils.config import ConfigError, check_int, check_unsupported, world_size
 
 log = logging.getLogger(__name__)
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
@@ -114,9 +114,9 @@ def check_config(cfg: DictConfig) -> None:
             "trainer.accumulate_grad_batches must be 1 with trainer=pipeline: its micro-batches are the "
             "accumulation; raise trainer.strategy.n_microbatches instead."
         )
-    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
-        mesh_sizes(devices * nodes, pipeline_parallel=pp, tensor_parallel=tp)  # one sentence if the mesh does not fit
+    world = world_size(cfg.trainer)
+    if world is not None:  # one sentence if the mesh does not fit
+        mesh_sizes(world, pipeline_parallel=pp, tensor_parallel=tp)
     # the global batch over data-parallel replicas x n_microbatches: src/run/checks.py, with every strategy's
 
 

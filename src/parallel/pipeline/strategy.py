@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
-from src.checkpoint import resharding, safe_load
-from src.checkpoint.files import save_sharded
-from src.checkpoint.resharding import LAYOUT_KEY
+from src.checkpoint import safe_load
+from src.checkpoint.sharded import ShardedCheckpoints
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh
 from src.parallel.pipeline.schedule import Pipeline, check_config, parallelize
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
 
 
-class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
+class PipelineStrategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabilities):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
     can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
@@ -51,7 +50,7 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"
     owns_step = True  # training_step below: the module's automatic_optimization is False (LitModule)
-    loads_sharded_checkpoints = True
+    native_form = "dcp_flat"  # each rank writes its stages' tensors under their plain HF names
     shards_parameters = True  # each stage holds its own blocks
 
     def __init__(
@@ -151,22 +150,10 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
-            entry = layout(self.lightning_module.hf_model.config, self.tensor_parallel_size)
-            if entry is not None:
-                checkpoint[LAYOUT_KEY] = entry
-        save_sharded(
-            self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
-        )
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        """Pipeline dirs (the same tensor-parallel layout): each rank reads its stages' weights and optimizer state
-        (DCP reshards across other stage counts); files and other strategies' dirs through the full form."""
+    def weight_layout(self) -> Optional[dict]:
+        """With tensor parallel, trainer=tp's Linear layout (the tools turn it back into GPT-2's); else None."""
         tp = self.tensor_parallel_size
-        native = ("dcp_flat", layout(self.lightning_module.hf_model.config, tp) if tp > 1 else None)
-        own = lambda: self.load_own_checkpoint(checkpoint_path)  # noqa: E731
-        return resharding.load(self, checkpoint_path, native, own)
+        return layout(self.lightning_module.hf_model.config, tp) if tp > 1 else None
 
     def load_own_checkpoint(self, checkpoint_path) -> dict[str, Any]:
         """Each rank reads its stages' weights and optimizer state; returns the rest (loops, LR schedule, ...)."""

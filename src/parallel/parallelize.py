@@ -53,7 +53,7 @@ def parallelize(
     whole_model: bool = True,
     fsdp: Optional[dict[str, Any]] = None,
 ) -> Any:
-    """Apply steps 1-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
+    """Apply steps 0-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
 
     `experts`: (the (efsdp, ep) mesh, a 1-rank mesh) to split an MoE model's experts over (FSDP2 only).
     `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.

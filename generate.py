@@ -86,13 +86,13 @@ def generate(cfg: DictConfig) -> None:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
         )
-    if not capabilities.of(trainer.strategy).can_generate:
+    if capabilities.of(trainer.strategy).generation is None:
         raise ConfigError(
             f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
             "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
         )
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
-    synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
+    synced = capabilities.of(trainer.strategy).generation == "lockstep"  # every forward gathers: all ranks run as many
     if cfg.tasks is not None and synced:
         raise ConfigError(
             "tasks= runs where every rank holds the whole model: use trainer=default or trainer=ddp, not a strategy "

@@ -100,8 +100,8 @@ class DeepSpeedStrategy(ShardedCheckpoints, LightningDeepSpeed, Capabilities):
     zero_stages = True
 
     @property
-    def shards_parameters(self) -> bool:  # ZeRO-3 partitions them; stages 1 and 2 keep them whole on every rank
-        return self.zero_stage_3
+    def generation(self) -> str:  # ZeRO-3 partitions the parameters; stages 1 and 2 keep them whole on every rank
+        return "lockstep" if self.zero_stage_3 else "alone"
 
     def __init__(
         self,

@@ -50,7 +50,7 @@ class FSDP2Strategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabili
     materializes_shards = True  # the model's configure_model leaves a meta model to us
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # shards LitModule.networks() and blocks(), materializes through LitModule
-    shards_parameters = True
+    generation = "lockstep"  # every rank gathers the parameters: all sample together
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(

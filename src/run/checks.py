@@ -284,7 +284,7 @@ def _check_benchmarks(cfg: DictConfig) -> None:
     if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return
     caps = declared(cfg.trainer)
-    if caps.shards_parameters is True or (caps.zero_stages and strategy.get("stage") == 3):
+    if caps.generation in ("lockstep", None) or (caps.zero_stages and strategy.get("stage") == 3):
         raise ConfigError(
             f"callbacks.benchmarks runs where every rank holds the whole model: use trainer=default or trainer=ddp, "
             f"not {str(strategy._target_).rsplit('.', 1)[-1]} (it shards the parameters, so its ranks would run "

@@ -2,7 +2,7 @@
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
 so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline/schedule.py)
-and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
+and runs the optimizer step itself (`own_loss`: the module's automatic_optimization is False under it), and
 `training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
 own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/objectives/base.py), metrics,
 optimizer and LR schedule are.
@@ -43,15 +43,14 @@ METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-ten
 class PipelineStrategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabilities):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
-    can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
+    generation = None  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
     keys_dropout = False  # splits a row's forward: a model with dropout is refused (src/models/dropout.py, check_draws)
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
+    # its last stage computes the loss, and training_step below runs the step (automatic_optimization is False)
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"
-    owns_step = True  # training_step below: the module's automatic_optimization is False (LitModule)
     native_form = "dcp_flat"  # each rank writes its stages' tensors under their plain HF names
-    shards_parameters = True  # each stage holds its own blocks
 
     def __init__(
         self,

@@ -60,7 +60,7 @@ class TensorParallelStrategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy,
     takes_plain_modules = False  # splits LitModule.blocks()
     split_vocabulary = "the model's tp plan splits its output layer over the vocabulary"
     no_sampling = "sampling is not supported there"
-    shards_parameters = True
+    generation = "lockstep"  # every rank gathers the parameters: all sample together
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:

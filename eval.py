@@ -135,7 +135,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, logger=loggers, callbacks=always_on("eval", cfg))
 
     ckpt_path = cfg.ckpt_path
-    if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:
+    if is_sharded(ckpt_path) and capabilities.of(trainer.strategy).checkpoint_form == "file":
         ckpt_path = consolidated_once(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")
     metrics = {}
     for run in (trainer.validate, trainer.test):

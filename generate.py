@@ -84,7 +84,7 @@ def generate(cfg: DictConfig) -> None:
     trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, callbacks=always_on("generate", cfg))
     check_layout(cfg, trainer)
     render = chat.template(tokenizer, trained.data, cfg.chat_template) if cfg.chat else None
-    synced = capabilities.of(trainer.strategy).shards_parameters  # every forward gathers: all ranks run as many
+    synced = capabilities.of(trainer.strategy).generation == "lockstep"  # every forward gathers: all ranks run as many
     stops = sampling.stop_ids(tokenizer)
 
     def predict_step(batch: list[int], batch_idx: int) -> list[tuple[int, Any]]:
@@ -101,7 +101,7 @@ def generate(cfg: DictConfig) -> None:
 
     module.predict_step = predict_step
     ckpt_path = cfg.ckpt_path
-    if is_sharded(ckpt_path) and not capabilities.of(trainer.strategy).loads_sharded_checkpoints:
+    if is_sharded(ckpt_path) and capabilities.of(trainer.strategy).checkpoint_form == "file":
         ckpt_path = consolidated_once(ckpt_path, Path(cfg.paths.output_dir) / "consolidated.ckpt")
     loader = DataLoader(
         [*range(len(prompts)), -1], batch_size=1, sampler=sampling.RankShare(len(prompts)), collate_fn=list
@@ -122,12 +122,12 @@ def check_layout(cfg: DictConfig, trainer: Any) -> None:
         raise ConfigError(
             "chat=true runs in one process: drop trainer=ddp / trainer.devices (or set trainer.devices=1)."
         )
-    if not capabilities.of(trainer.strategy).can_generate:
+    if capabilities.of(trainer.strategy).generation is None:
         raise ConfigError(
             f"trainer={type(trainer.strategy).__name__} cannot generate (no rank holds the whole model): sample under "
             "trainer=default, ddp or fsdp, which read its checkpoint too (consolidated once into the run dir)."
         )
-    if cfg.tasks is not None and capabilities.of(trainer.strategy).shards_parameters:
+    if cfg.tasks is not None and capabilities.of(trainer.strategy).generation == "lockstep":
         raise ConfigError(
             "tasks= runs where every rank holds the whole model: use trainer=default or trainer=ddp, not a strategy "
             "that shards the parameters (its ranks would run different numbers of forwards)."

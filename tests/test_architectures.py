@@ -232,7 +232,7 @@ def test_canary_transformers_init_weights_recomputes_rotary_buffers():
             ["model=causal_lm", "model.model_type=opt", "+model.config.num_hidden_layers=1"],
             "trainer=tp needs a tensor-parallel plan and opt's config has none",
         ),
-        (  # MLA's mla_kv_a_proj is not among trainer=tp's styles (experts are: src/parallel/experts.py)
+        (  # MLA's mla_kv_a_proj is not among trainer=tp's styles (experts are: src/parallel/tensor/experts.py)
             ["model=causal_lm", "model.model_type=glm4_moe_lite", "+model.config.num_hidden_layers=1"],
             "glm4_moe_lite's tensor-parallel plan uses the style(s) ['mla_kv_a_proj'], which trainer=tp does not "
             "implement (colwise, rowwise, colwise_gather_output, rowwise_split_input, replicated_with_grad_allreduce, "

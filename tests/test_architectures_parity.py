@@ -170,8 +170,8 @@ CORE = [
     ("qwen2", "accumulate"),
     ("mistral", "pipeline"),
     ("granite", "pipeline"),
-    ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/experts.py), aux loss included
-    ("mixtral", "pipeline"),  # the aux loss's routing totals carried through the stages (pipeline_stages.Routing)
+    ("mixtral", "tp"),  # experts split over the tensor ranks (src/parallel/tensor/experts.py), aux loss included
+    ("mixtral", "pipeline"),  # the aux loss's routing totals carried through the stages (pipeline/stages.py Routing)
     # expert parallelism: tests/test_expert_parallel.py runs mixtral-ep2_data's parity, with its communication
 ]
 

@@ -14,8 +14,8 @@ from src.parallel import capabilities
 from src.parallel.capabilities import Capabilities
 from src.parallel.deepspeed import DeepSpeedStrategy
 from src.parallel.fsdp import FSDP2Strategy
-from src.parallel.pipeline_strategy import PipelineStrategy
-from src.parallel.tensor_parallel_strategy import TensorParallelStrategy
+from src.parallel.pipeline.strategy import PipelineStrategy
+from src.parallel.tensor.strategy import TensorParallelStrategy
 
 OURS = (FSDP2Strategy, DeepSpeedStrategy, TensorParallelStrategy, PipelineStrategy)
 
@@ -39,9 +39,9 @@ def test_every_strategy_of_ours_declares_its_capabilities():
 def test_lightnings_own_strategies_get_the_defaults_and_ours_their_own():
     for stock in (DDPStrategy(), SingleDeviceStrategy(device="cpu"), DDPStrategy):
         caps = capabilities.of(stock)
-        assert (caps.meta_init, caps.parallelizes, caps.can_generate, caps.check_config) == (False, False, True, None)
+        assert (caps.meta_init, caps.parallelizes, caps.generation, caps.check_config) == (False, False, "alone", None)
     assert FSDP2Strategy().meta_init and capabilities.of(FSDP2Strategy()).materializes_shards
-    assert capabilities.of(PipelineStrategy).check_config is not None and not PipelineStrategy.can_generate
+    assert capabilities.of(PipelineStrategy).check_config is not None and PipelineStrategy.generation is None
     # DeepSpeed: Lightning's zero_stage_3 property, not the default, and meta_init follows it
     for stage in (2, 3):
         ds = DeepSpeedStrategy(stage=stage)
@@ -65,7 +65,7 @@ def test_no_strategy_flag_is_read_with_a_guessed_default():
 
 
 def test_a_strategy_that_owns_the_step_turns_lightnings_optimization_off():
-    """LitModule.automatic_optimization reads the `owns_step` of the strategy it trains under: False under the
+    """LitModule.automatic_optimization reads the `own_loss` of the strategy it trains under: False under the
     pipeline (its own training_step runs the step), True under Lightning's own strategies and with no Trainer; a
     module that turned it off keeps it off."""
     import lightning as L
@@ -73,7 +73,7 @@ def test_a_strategy_that_owns_the_step_turns_lightnings_optimization_off():
     from src.lm.models.gpt2_module import GPT2LitModule
 
     module = GPT2LitModule(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=8)
-    assert module.automatic_optimization and PipelineStrategy.owns_step and not capabilities.of(DDPStrategy).owns_step
+    assert module.automatic_optimization and PipelineStrategy.own_loss and not capabilities.of(DDPStrategy).own_loss
     for strategy, automatic in (("auto", True), (PipelineStrategy(), False)):
         module.trainer = L.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu", strategy=strategy)
         assert module.automatic_optimization is automatic

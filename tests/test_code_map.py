@@ -120,7 +120,7 @@ def test_the_check_sees_a_module_left_out():
     too: the ones only an option the README documents builds (convnet.py: model=convnet; images.py: data=digits,
     mnist). A plug-in module the template's code imports: test_a_users_model_and_datamodule_do_not_fail_the_check."""
     entries = code_map((ROOT / "README.md").read_text())
-    entries["src/parallel/"] = entries["src/parallel/"].replace("experts.py", "")
+    entries["src/parallel/tensor/"] = entries["src/parallel/tensor/"].replace("experts.py", "")
     del entries["src/launch/"]
     entries["bench/scale/"] = entries["bench/scale/"].replace("comm.py", "")
     del entries["bench/suite/"]
@@ -130,7 +130,7 @@ def test_the_check_sees_a_module_left_out():
     entries["src/models/"] = entries["src/models/"].replace("convnet.py", "")
     entries["src/datamodules/"] = entries["src/datamodules/"].replace("images.py", "")
     assert check(entries) == [
-        "src/parallel/: unlisted ['experts.py'], not in the folder []",
+        "src/parallel/tensor/: unlisted ['experts.py'], not in the folder []",
         "src/core/: unlisted ['datamodule.py'], not in the folder []",
         "src/lm/: unlisted ['hf.py'], not in the folder []",
         "src/lm/data/: unlisted ['prompts.py'], not in the folder []",

@@ -105,7 +105,7 @@ def test_packing_with_a_router_loss_is_one_sentence():
 
 @pytest.mark.parametrize("split", [(3,), (1, 2), (2, 1), (1, 1, 1)], ids=lambda s: "+".join(map(str, s)))
 def test_routing_totals_carried_through_stages_give_each_sequences_transformers_loss(split):
-    """Pipeline stages (src/parallel/pipeline.py) hold a share of the layers each: each adds its layers' routing to
+    """Pipeline stages (src/parallel/pipeline/schedule.py) hold a share of the layers each: each adds its layers' routing to
     the totals it received (`stage_statistics`), and the last takes the loss from them (`statistics_balance`). For
     every split of 3 MoE layers into stages, each sequence's value and its gradient are Mixtral's own
     load_balancing_loss_func on that sequence alone, a right-padded row included. Tolerance: both sides add the same
@@ -114,7 +114,7 @@ def test_routing_totals_carried_through_stages_give_each_sequences_transformers_
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from src.lm.objectives.moe import each_sequence
-    from src.parallel.pipeline_stages import stage_statistics, statistics_balance
+    from src.parallel.pipeline.stages import stage_statistics, statistics_balance
 
     batch, t, experts, k, n_layers = 3, 12, 4, 2, 3
     g = torch.Generator().manual_seed(0)
@@ -139,10 +139,10 @@ def test_routing_totals_carried_through_stages_give_each_sequences_transformers_
 
 
 def test_pipeline_stages_are_refused_where_the_carried_router_loss_is_not_the_models_own():
-    """The probe before step 1 (pipeline_stages.check_stages) compares the router loss carried through the stages
+    """The probe before step 1 (src/parallel/pipeline/stages.py check_stages) compares the router loss carried through the stages
     with the model's own function on each sequence of a probe batch: a model whose routers are found and counted as
     transformers records them passes; the same with one MoE layer miscounted is refused in one sentence."""
-    from src.parallel.pipeline_stages import DecoderStage, Routing, check_stages
+    from src.parallel.pipeline.stages import DecoderStage, Routing, check_stages
     from src.utils.config import ArchitectureRefused
 
     lit = module("mixtral")

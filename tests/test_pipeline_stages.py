@@ -1,6 +1,6 @@
 """trainer=pipeline's stages compute the model's own function, for every architecture transformers ships a pipeline
 plan for: the stages chained (each as its rank runs it, what other ranks hold pruned away) against the model's own
-forward, in float64 (src/parallel/pipeline_stages.py's `check_stages`, which every pipeline run calls before
+forward, in float64 (src/parallel/pipeline/stages.py's `check_stages`, which every pipeline run calls before
 step 1); and what differs, fails or is left without a stage is refused in one sentence. The 2-rank runs against one
 process are tests/test_pipeline.py's and tests/test_architectures_parity.py's."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from src.lm.hf import decoder_layers
-from src.parallel.pipeline_stages import DecoderStage, check_stages, stage_class
+from src.parallel.pipeline.stages import DecoderStage, check_stages, stage_class
 from src.utils.config import ConfigError
 from tests.helpers.architectures import ARCHITECTURES, SAMPLE, tiny_config, too_large
 

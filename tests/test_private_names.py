@@ -98,7 +98,7 @@ def test_transformers_attention_support_flags():
 
 
 def test_transformers_experts_expert_parallel_switch():
-    """src/parallel/experts.py turns on `_is_expert_parallel` of transformers' experts modules when it splits them
+    """src/parallel/tensor/experts.py turns on `_is_expert_parallel` of transformers' experts modules when it splits them
     over the tensor ranks: without it the grouped kernels leave the skipped slots' rows uninitialised (garbage
     gradients, seen). transformers' own expert parallelism (`transformers.distributed.expert_parallel`) sets it."""
     from transformers import MixtralConfig

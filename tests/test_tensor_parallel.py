@@ -150,11 +150,11 @@ def test_tp_config_errors_are_one_sentence(tmp_path, override, fragment):
 
 
 def test_an_expert_count_that_does_not_divide_is_one_sentence():
-    """trainer=tp splits the experts over the tensor ranks (src/parallel/experts.py): 3 experts on 2 ranks is
+    """trainer=tp splits the experts over the tensor ranks (src/parallel/tensor/experts.py): 3 experts on 2 ranks is
     refused before any rank starts; 4 pass."""
     from transformers import MixtralConfig
 
-    from src.parallel.tensor_parallel import check_divisible
+    from src.parallel.tensor.plan import check_divisible
     from src.utils.config import ConfigError
 
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 64}
@@ -167,7 +167,7 @@ def test_a_per_layer_mlp_width_is_checked_layer_by_layer():
     """Gemma-3n's intermediate_size is a list, one width a layer: each must divide (it crashed with a TypeError)."""
     from transformers import AutoConfig
 
-    from src.parallel.tensor_parallel import check_divisible
+    from src.parallel.tensor.plan import check_divisible
     from src.utils.config import ConfigError
 
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "num_hidden_layers": 2}
@@ -246,7 +246,7 @@ def test_a_plan_that_leaves_a_parameter_whole_between_split_layers_is_one_senten
     (a refusal there would falsely refuse 12 MoE architectures)."""
     from transformers import AutoModelForCausalLM
 
-    from src.parallel.tensor_parallel import check_whole_inside, layer_plan
+    from src.parallel.tensor.plan import check_whole_inside, layer_plan
     from src.utils.config import ArchitectureRefused
     from tests.helpers.architectures import tiny_config
 

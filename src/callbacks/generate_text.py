@@ -47,7 +47,7 @@ class GenerateText(L.Callback):
                 "(switch it off with callbacks.generate_text=null)."
             )
             self.prompts = []
-        elif not capabilities.of(trainer.strategy).can_generate:  # e.g. pipeline stages: no rank has the whole model
+        elif capabilities.of(trainer.strategy).generation is None:  # e.g. pipeline stages: no rank has the whole model
             rank_zero_warn(
                 f"callbacks.generate_text is on but {type(trainer.strategy).__name__} cannot generate: "
                 "skipping samples (switch it off with callbacks.generate_text=null)."
@@ -58,7 +58,7 @@ class GenerateText(L.Callback):
         if trainer.sanity_checking or not self.prompts:
             return
         # Sharded parameters (FSDP, ZeRO-3) are gathered collectively: then every rank generates, in lockstep.
-        sharded = capabilities.of(trainer.strategy).shards_parameters
+        sharded = capabilities.of(trainer.strategy).generation == "lockstep"
         if not (sharded or trainer.is_global_zero):
             return
         texts = self.generate(pl_module.model, trainer.datamodule.tokenizer, synced=sharded)

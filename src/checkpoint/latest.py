@@ -8,12 +8,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.files import RESUME_ENV, candidates, problem, recover
 from src.checkpoint.resharding import check_resume
 from src.launch import launcher_env
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, world_size
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,10 @@ def resume_from(cfg: DictConfig) -> Optional[str]:
     configured strategy can read it (src/checkpoint/resharding.py: any strategy reads any form but DeepSpeed's)."""
     ckpt = resume_point(cfg)
     if ckpt:
-        target = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "")
-        devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-        devices = len(devices) if isinstance(devices, (list, ListConfig)) else devices
-        world = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else None
-        check_resume(ckpt, deepspeed="deepspeed" in target.lower(), world=world)
+        target = OmegaConf.select(cfg, "trainer.strategy._target_", default=None)
+        # the strategy's declared form (src/parallel/capabilities.py); Lightning's own DDP and one device write files
+        form = getattr(get_object(target), "checkpoint_form", "file") if target else "file"
+        check_resume(ckpt, deepspeed=form == "deepspeed", world=world_size(cfg.trainer))
     return ckpt
 
 

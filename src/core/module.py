@@ -66,9 +66,9 @@ class LitModule(L.LightningModule):
     @property
     def automatic_optimization(self) -> bool:
         """Lightning runs backward and the optimizer step, unless the module turned that off or its strategy runs the
-        whole step itself (capabilities' `owns_step`: the pipeline)."""
+        whole step itself (capabilities' `own_loss`: the pipeline)."""
         try:
-            owned = capabilities.of(self.trainer.strategy).owns_step
+            owned = capabilities.of(self.trainer.strategy).own_loss is not None
         except RuntimeError:  # not attached to a Trainer
             owned = False
         return super().automatic_optimization and not owned

@@ -1,7 +1,7 @@
 """What a strategy tells the code around it, in one place: each capability with its default and its reader.
 
-The template's strategies inherit `Capabilities` (last among their bases, so that Lightning's own attributes,
-such as DeepSpeed's `zero_stage_3` property, win) and override what they do differently; Lightning's own
+The template's strategies inherit `Capabilities` (last among their bases, so that Lightning's own attributes
+win over a default here) and override what they do differently; Lightning's own
 strategies (one device, DDP) declare nothing and get the defaults. Read them through `of`:
 
     of(trainer.strategy).meta_init          # an instance
@@ -16,7 +16,9 @@ from typing import Any, Callable, ClassVar, Optional
 class Capabilities:
     meta_init: bool = False
     """train.py builds the model on the meta device (FSDP2, ZeRO-3): no rank ever holds the whole model's values;
-    the strategy (`materializes_shards`) or the model's configure_model gives them."""
+    the strategy gives them (`materializes_shards`), or else the parameters are partitioned as their modules are made
+    (DeepSpeed's zero.Init: ZeRO-3, where this is Lightning's `zero_stage_3`) and the model's configure_model builds
+    it again."""
 
     materializes_shards: bool = False
     """The strategy gives a meta-built model its values itself, after sharding (FSDP2 calls
@@ -27,12 +29,11 @@ class Capabilities:
     pipeline's stages); otherwise the model's configure_model applies the per-block wrappers (activation
     checkpointing, compile) without meshes."""
 
-    zero_stage_3: bool = False
-    """Parameters are partitioned as their modules are made (DeepSpeed's zero.Init, Lightning's own property):
-    the model is built again inside configure_model."""
-
-    can_generate: bool = True
-    """Some rank holds the whole model, so callbacks.generate_text can sample (not the pipeline's stages)."""
+    generation: Optional[str] = "alone"
+    """How text is sampled under it (callbacks.generate_text, generate.py): "alone", each rank holds the whole model
+    and samples by itself (one device, DDP, ZeRO-1 and 2); "lockstep", no rank holds the whole parameters between
+    steps (FSDP2, tensor parallel, ZeRO-3), so gathering them is collective and every rank samples, as many forwards;
+    None, no rank runs the whole model (the pipeline's stages): nothing samples."""
 
     keys_dropout: bool = True
     """Each rank runs whole rows through the whole model, so a row's dropout masks keyed by its sample
@@ -51,12 +52,9 @@ class Capabilities:
     own_loss: ClassVar[Optional[str]] = None
     """Why the strategy computes the loss itself, where it does (the pipeline's last stage, from each micro-batch's
     logits and labels, through the objective's `loss_sum` and `n_targets`): an objective whose loss is not such a
-    sum is refused under it (an objective's `refused_under`)."""
-
-    owns_step: ClassVar[bool] = False
-    """The strategy runs the whole training step itself (the pipeline: schedule, gradient sync, clipping, optimizer
-    and LR step): LitModule's `automatic_optimization` is False under it, so Lightning calls the strategy's
-    training_step and runs no backward or optimizer step of its own."""
+    sum is refused under it (an objective's `refused_under`). Such a strategy runs the whole training step itself
+    (schedule, gradient sync, clipping, optimizer and LR step): LitModule's `automatic_optimization` is False under
+    it, so Lightning calls the strategy's training_step and runs no backward or optimizer step of its own."""
 
     split_vocabulary: ClassVar[Optional[str]] = None
     """Why no rank holds the output layer's whole rows, where it is so (tensor parallel splits it over the
@@ -65,17 +63,15 @@ class Capabilities:
     no_sampling: ClassVar[Optional[str]] = None
     """Why the model cannot sample text under it, where it cannot: an objective that samples (GRPO) is refused."""
 
-    loads_sharded_checkpoints: ClassVar[bool] = False
-    """It reads its own sharded checkpoint dirs itself (FSDP2's, tensor parallel's and the pipeline's DCP dirs,
-    DeepSpeed's ZeRO dirs); eval.py consolidates a sharded checkpoint into one file for any other."""
+    checkpoint_form: ClassVar[str] = "file"
+    """What its checkpoints are: "file" (one file, rank 0's), "dcp" (a DCP dir of every rank's shards: FSDP2, tensor
+    parallel, the pipeline; src/checkpoint/sharded.py) or "deepspeed" (a ZeRO dir, which only DeepSpeed resumes:
+    src/checkpoint/latest.py). A sharded strategy reads its own dirs itself; eval.py consolidates a sharded
+    checkpoint into one file for a "file" one."""
 
     zero_stages: ClassVar[bool] = False
     """trainer.strategy.stage picks a DeepSpeed ZeRO stage (3 partitions the parameters): src/run/checks.py reads it
     in the config, before any process starts."""
-
-    shards_parameters: bool = False
-    """No rank holds the whole parameters between steps (FSDP2, tensor parallel, the pipeline, ZeRO-3): gathering
-    them is collective, so generating text takes every rank, in lockstep (callbacks.generate_text)."""
 
     data_mesh: Optional[Any] = None
     """The 1-D device mesh the samplers deal the data over (the data-parallel dim of the strategy's own mesh, so that
@@ -91,8 +87,9 @@ class Capabilities:
     (FSDP2, DeepSpeed, tensor parallel, the pipeline): it shards through LitModule's interface (src/core/module.py:
     blocks(), networks(), materialize()), so src/run/checks.py refuses another module before any process starts."""
 
-    requires_cuda: ClassVar[bool] = False
-    """The strategy refuses a CPU run (Lightning's DeepSpeed): src/run/checks.py says so before any process starts."""
+    requires_cuda: ClassVar[Optional[str]] = None
+    """Where the strategy refuses a CPU run (DeepSpeed, Lightning's FSDP1), the sentence src/run/checks.py says
+    before any process starts."""
 
     check_config: ClassVar[Optional[Callable[[Any], None]]] = None
     """The strategy's own checks of the composed config (one sentence each), run by src/run/checks.py before any
@@ -105,15 +102,47 @@ class _Replicated(Capabilities):
     grads_whole = True
 
 
-def of(strategy: Any) -> Any:
-    """`strategy` (an instance or a class) when it declares its capabilities, else the defaults (with `grads_whole`
-    for Lightning's one-device and DDP strategies)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+DEEPSPEED_NEEDS_CUDA = (
+    "trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
+    "Use trainer=ddp (2 CPU processes) on this machine."
+)
 
+
+class _LightningDeepSpeed(_Replicated):
+    """Lightning's own DeepSpeed strategy (a DDP strategy to Lightning), named in the config or by its registry
+    names ("deepspeed_stage_2", ...)."""
+
+    requires_cuda = DEEPSPEED_NEEDS_CUDA
+
+
+class _LightningFSDP1(Capabilities):
+    requires_cuda = (
+        "Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
+        "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp."
+    )
+
+
+def of(strategy: Any) -> Any:
+    """`strategy` (an instance, a class, or a name in Lightning's strategy registry: "ddp", "fsdp", ...) when it
+    declares its capabilities, else the defaults (with `grads_whole` for Lightning's one-device and DDP strategies,
+    `requires_cuda` for its DeepSpeed and FSDP1 ones)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        SingleDeviceStrategy,
+        StrategyRegistry,
+    )
+
+    if isinstance(strategy, str):
+        strategy = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
     declared = isinstance(strategy, Capabilities) or (isinstance(strategy, type) and issubclass(strategy, Capabilities))
     if declared:
         return strategy
     kind = strategy if isinstance(strategy, type) else type(strategy)
+    for lightnings, caps in ((DeepSpeedStrategy, _LightningDeepSpeed), (FSDPStrategy, _LightningFSDP1)):
+        if issubclass(kind, lightnings):
+            return caps
     return _Replicated if issubclass(kind, (SingleDeviceStrategy, DDPStrategy)) else Capabilities
 
 

@@ -19,8 +19,8 @@ from lightning.pytorch.strategies.deepspeed import _format_precision_config
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import safe_load
-from src.checkpoint.files import save_sharded
-from src.parallel.capabilities import Capabilities
+from src.checkpoint.sharded import ShardedCheckpoints
+from src.parallel.capabilities import DEEPSPEED_NEEDS_CUDA, Capabilities
 from src.parallel.sync_batchnorm import apply_layer_sync
 from src.utils.config import ConfigError
 
@@ -93,15 +93,15 @@ def place_states(module: torch.nn.Module, device: torch.device) -> None:
                 setattr(owner, name, buffer.to(device))  # the registered buffer replaced, persistence kept
 
 
-class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
-    requires_cuda = True  # DeepSpeed's Lightning strategy refuses CPU; train.py says so before starting
+class DeepSpeedStrategy(ShardedCheckpoints, LightningDeepSpeed, Capabilities):
+    requires_cuda = DEEPSPEED_NEEDS_CUDA  # Lightning's DeepSpeed refuses CPU: src/run/checks.py says so first
     takes_plain_modules = False  # configure_model and the loss's scaling for its accumulation are LitModule's
-    loads_sharded_checkpoints = True
+    checkpoint_form = "deepspeed"  # its ZeRO dirs (ShardedCheckpoints writes them atomically)
     zero_stages = True
 
     @property
-    def shards_parameters(self) -> bool:  # ZeRO-3 partitions them; stages 1 and 2 keep them whole on every rank
-        return self.zero_stage_3
+    def generation(self) -> str:  # ZeRO-3 partitions the parameters; stages 1 and 2 keep them whole on every rank
+        return "lockstep" if self.zero_stage_3 else "alone"
 
     def __init__(
         self,
@@ -173,16 +173,8 @@ class DeepSpeedStrategy(LightningDeepSpeed, Capabilities):
             hysteresis=self.hysteresis,
         )
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """The ZeRO dir is written beside `filepath` and renamed into place once every rank's part is on disk."""
-        save_sharded(
-            self,
-            lambda tmp: super(DeepSpeedStrategy, self).save_checkpoint(checkpoint, str(tmp), storage_options),
-            filepath,
-        )
-
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """DeepSpeed unpickles its files with plain pickle: a dir holding anything the template does not write is
-        refused first (src/checkpoint/safe_load.py)."""
+        refused first (src/checkpoint/safe_load.py). Its ZeRO dirs only: ShardedCheckpoints' save, not its load."""
         safe_load.check_dir(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        return LightningDeepSpeed.load_checkpoint(self, checkpoint_path, weights_only)

@@ -15,14 +15,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
 from src.architectures.config import architecture
-from src.checkpoint import resharding, safe_load
-from src.checkpoint.files import save_sharded
+from src.checkpoint.sharded import ShardedCheckpoints
 from src.parallel import expert_parallel
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh
 from src.parallel.parallelize import parallelize, parallelized
 from src.parallel.sync_batchnorm import apply_layer_sync
-from src.utils.config import ConfigError
+from src.utils.config import ConfigError, world_size
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +29,8 @@ log = logging.getLogger(__name__)
 def check_config(cfg: Any) -> None:
     """trainer=fsdp's checks on the composed config, before any rank starts: expert parallelism's (one sentence)."""
     size = OmegaConf.select(cfg, "trainer.strategy.expert_parallel_size", default=1)
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-    world = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else None
     config = architecture(cfg.model) if size != 1 else None
-    expert_parallel.check_config(config, size, world)
+    expert_parallel.check_config(config, size, world_size(cfg.trainer))
     if size != 1 and cfg.trainer.get("gradient_clip_algorithm") not in (None, "norm"):
         raise ConfigError(
             f"trainer.gradient_clip_algorithm={cfg.trainer.gradient_clip_algorithm} with "
@@ -42,7 +39,7 @@ def check_config(cfg: Any) -> None:
         )
 
 
-class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
+class FSDP2Strategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabilities):
     """Pure data-parallel FSDP2 over all ranks, with FSDP2's switches as config (activation checkpointing and
     compile are the model's: model.gradient_checkpointing, model.compile).
 
@@ -53,8 +50,7 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
     materializes_shards = True  # the model's configure_model leaves a meta model to us
     parallelizes = True  # applies src/parallel/parallelize.py itself (the model's configure_model does not)
     takes_plain_modules = False  # shards LitModule.networks() and blocks(), materializes through LitModule
-    loads_sharded_checkpoints = True
-    shards_parameters = True
+    generation = "lockstep"  # every rank gathers the parameters: all sample together
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(
@@ -102,15 +98,8 @@ class FSDP2Strategy(OwnMesh, ModelParallelStrategy, Capabilities):
         super().setup(trainer)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """The DCP dir is written beside `filepath` and renamed into place once every shard is on disk."""
-        if not self.save_distributed_checkpoint:  # one file on rank 0, via trainer.plugins' AtomicCheckpointIO
+        """A DCP dir (ShardedCheckpoints), or with save_distributed_checkpoint=false one file on rank 0, via
+        trainer.plugins' AtomicCheckpointIO."""
+        if self.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(
-            self, lambda tmp: super(FSDP2Strategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
-        )
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Its own DCP dirs through Lightning's resharding load (any N); files and other strategies' dirs through
-        the full form (src/checkpoint/resharding.py)."""
-        own = lambda: super(FSDP2Strategy, self).load_checkpoint(checkpoint_path, safe_load.weights_only())  # noqa: E731
-        return resharding.load(self, checkpoint_path, ("dcp", None), own)
+        return ModelParallelStrategy.save_checkpoint(self, checkpoint, filepath, storage_options)

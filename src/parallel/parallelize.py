@@ -2,7 +2,7 @@
 `parallelize`), in this order:
 
     0. expert parallel    split an MoE model's experts over groups of data-parallel ranks (src/parallel/expert_parallel.py)
-    1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor_parallel.py)
+    1. tensor parallel    split each block's matrices over the `tensor_parallel` ranks (src/parallel/tensor/plan.py)
     2. activation ckpt    recompute each block's activations in backward instead of storing them
     3. compile            torch.compile, in place: each whole network (with no mesh: DDP, one device, ZeRO-1/2),
                           else each block (and, with no mesh, the output projection)
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from src.parallel import compiled_attention, expert_parallel
-from src.parallel.tensor_parallel import split_blocks
+from src.parallel.tensor.plan import split_blocks
 from src.utils.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def parallelize(
     whole_model: bool = True,
     fsdp: Optional[dict[str, Any]] = None,
 ) -> Any:
-    """Apply steps 1-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
+    """Apply steps 0-4 (see the module docstring) to the LitModule `module`, in place; each step only when asked.
 
     `experts`: (the (efsdp, ep) mesh, a 1-rank mesh) to split an MoE model's experts over (FSDP2 only).
     `blocks`: the blocks this rank holds (a pipeline stage's), else all of `module.blocks()`.

@@ -26,6 +26,15 @@ from src.utils.machine import fastest_precision
 log = logging.getLogger(__name__)
 
 
+def declared(trainer_cfg: DictConfig) -> Any:
+    """What the configured strategy declares (src/parallel/capabilities.py): its `_target_` class's, or a name's of
+    Lightning's registry ("ddp", "fsdp", ...); the defaults for "auto"."""
+    strategy = trainer_cfg.get("strategy", "auto")
+    if isinstance(strategy, DictConfig):
+        strategy = get_object(strategy._target_) if "_target_" in strategy else None
+    return capabilities.of(strategy if strategy is None or isinstance(strategy, type) else str(strategy))
+
+
 def check_machine(trainer_cfg: DictConfig) -> None:
     """One clear sentence, instead of a stack trace from deep inside, when the machine cannot run the config."""
     import torch
@@ -40,22 +49,9 @@ def check_machine(trainer_cfg: DictConfig) -> None:
                 "CUDA GPU(s): lower trainer.devices (or -1 for all), or check CUDA_VISIBLE_DEVICES."
             )
         return
-    strategy = trainer_cfg.get("strategy", "auto")
-    name = str(strategy.get("_target_", "") if isinstance(strategy, DictConfig) else strategy).lower()
-    if isinstance(strategy, DictConfig) and "_target_" in strategy:
-        needs_cuda = capabilities.of(get_object(strategy._target_)).requires_cuda
-    else:
-        needs_cuda = "deepspeed" in name
+    needs_cuda = declared(trainer_cfg).requires_cuda  # DeepSpeed's, Lightning's FSDP1's sentence
     if needs_cuda:
-        raise ConfigError(
-            "trainer=deepspeed needs CUDA GPUs (DeepSpeed refuses CPU) and none is visible here. "
-            "Use trainer=ddp (2 CPU processes) on this machine."
-        )
-    if name in ("fsdp", "lightning.pytorch.strategies.fsdpstrategy"):
-        raise ConfigError(
-            "Lightning's FSDP1 strategy ('fsdp') needs CUDA GPUs and none is visible here. "
-            "Use trainer=fsdp (FSDP2, runs on CPU too) or trainer=ddp."
-        )
+        raise ConfigError(needs_cuda)
     if str(trainer_cfg.get("accelerator", "auto")) in ("gpu", "cuda"):
         raise ConfigError(
             "trainer.accelerator=gpu needs a CUDA GPU and none is visible here. "
@@ -101,12 +97,10 @@ def resolve_and_check_values(cfg: DictConfig) -> None:
         if value is not None:
             check_int(key, value)
     trainer = cfg.trainer
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, DictConfig) and "_target_" in strategy:  # a strategy's own checks (trainer=tp, pipeline)
-        _check_module_fits(cfg, capabilities.of(get_object(strategy._target_)))
-        check = capabilities.of(get_object(strategy._target_)).check_config
-        if check is not None:
-            check(cfg)
+    strategy = declared(trainer)
+    _check_module_fits(cfg, strategy)
+    if strategy.check_config is not None:  # a strategy's own checks (trainer=tp, pipeline)
+        strategy.check_config(cfg)
     if cfg.get("train", False):
         steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
         check_number("trainer.max_steps", steps, lambda v: v >= 1 or v == -1, "a positive number of optimizer steps",
@@ -205,8 +199,7 @@ def _check_objective(cfg: DictConfig) -> None:
             f"model/objective={name} trains on {kind}, but data is {data.__name__}, which holds {data_kind}: use "
             f"data={' or '.join(data_options(kind))}, or another model/objective (conf/model/objective/)."
         )
-    target = OmegaConf.select(cfg, "trainer.strategy._target_", default=None)
-    strategy = capabilities.of(get_object(target)) if target else capabilities.Capabilities
+    strategy = declared(cfg.trainer)
     for capability in objective.refused_under:
         why = getattr(strategy, capability)
         if why:
@@ -224,10 +217,7 @@ def resolve_auto_compile(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     on_gpu = trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     steps = trainer.get("max_steps", -1) if cfg.get("train", False) else None
-    strategy = trainer.get("strategy")
-    check = None
-    if isinstance(strategy, DictConfig) and "_target_" in strategy:
-        check = capabilities.of(get_object(strategy._target_)).check_config
+    check = declared(trainer).check_config
 
     def accepts(region: Any) -> bool:  # the strategy's own checks, with model.compile set to `region`
         if check is None:
@@ -254,11 +244,9 @@ def _check_features(cfg: DictConfig) -> None:
         return
     from src.lm.features import chunked_loss, padded_vocab
 
-    declared, name = capabilities.of(get_object(strategy._target_)), str(strategy._target_).rsplit(".", 1)[-1]
-    chunked_loss.check_strategy(
-        OmegaConf.select(cfg, "model.loss_chunk", default=None), declared, strategy.get("stage")
-    )
-    padded_vocab.check_strategy(OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None), declared, name)
+    caps, name = declared(cfg.trainer), str(strategy._target_).rsplit(".", 1)[-1]
+    chunked_loss.check_strategy(OmegaConf.select(cfg, "model.loss_chunk", default=None), caps, strategy.get("stage"))
+    padded_vocab.check_strategy(OmegaConf.select(cfg, "model.pad_vocab_multiple", default=None), caps, name)
 
 
 def _check_adapters(cfg: DictConfig) -> None:
@@ -296,8 +284,8 @@ def _check_benchmarks(cfg: DictConfig) -> None:
     strategy = OmegaConf.select(cfg, "trainer.strategy", default=None)
     if not isinstance(strategy, DictConfig) or "_target_" not in strategy:
         return
-    declared = capabilities.of(get_object(strategy._target_))
-    if declared.shards_parameters is True or (declared.zero_stages and strategy.get("stage") == 3):
+    caps = declared(cfg.trainer)
+    if caps.generation in ("lockstep", None) or (caps.zero_stages and strategy.get("stage") == 3):
         raise ConfigError(
             f"callbacks.benchmarks runs where every rank holds the whole model: use trainer=default or trainer=ddp, "
             f"not {str(strategy._target_).rsplit('.', 1)[-1]} (it shards the parameters, so its ranks would run "

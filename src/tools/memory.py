@@ -26,7 +26,7 @@ approximation for SwiGLU MLPs and grouped-query attention (not checked against a
 
 Model parallelism divides the model before the strategy above shares what is left over the data-parallel
 ranks (world / (tensor x pipeline)):
-  tensor parallel t (src/parallel/tensor_parallel.py): each block's matrices (12d^2) and column-split
+  tensor parallel t (src/parallel/tensor/plan.py): each block's matrices (12d^2) and column-split
     biases (7d) are split t ways; row biases, LayerNorms and the embeddings are replicated. Activations per
     layer become seq*batch*d*(10 + 24/t + 5*heads*seq/(d*t)) (Korthikanti et al., no sequence parallel).
   pipeline K stages: each rank holds n_layer/K blocks, the first stage the embeddings, the last ln_f and
@@ -43,8 +43,8 @@ from typing import Any
 
 from src.architectures.gpt2_adapter import GPT2
 from src.lm.hf import decoder_layers
-from src.parallel import experts
-from src.parallel.tensor_parallel import check_divisible, check_plan
+from src.parallel.tensor import experts
+from src.parallel.tensor.plan import check_divisible, check_plan
 
 SIZES = {
     "tiny": (4, 4, 128),

@@ -223,6 +223,14 @@ def check_int(key: str, value: Any, minimum: int = 1) -> None:
     check_number(key, value, lambda v: v >= minimum, f"an integer >= {minimum}", integer=True)
 
 
+def world_size(trainer: Any) -> Optional[int]:
+    """trainer.devices x trainer.num_nodes (a list of devices counts its length), or None where the config leaves it
+    to the machine ("auto", -1): known only once the ranks start."""
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    devices = len(devices) if isinstance(devices, (list, ListConfig)) else devices
+    return devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else None
+
+
 def check_fractions(val_key: str, val: Any, test_key: str, test: Any) -> None:
     """Val and test fractions each in [0, 1), leaving some data to train on."""
     for key, value in ((val_key, val), (test_key, test)):

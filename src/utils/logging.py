@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 # The torch.profiler range around the train-loss all-reduce of logging steps: callbacks.comm files the
-# collectives inside it under "logging" (src/core/module.py, src/parallel/pipeline_strategy.py open it).
+# collectives inside it under "logging" (src/core/module.py, src/parallel/pipeline/strategy.py open it).
 TRAIN_LOSS_REDUCE = "train/loss all-reduce"
 
 

@@ -43,7 +43,7 @@ def check_pad_vocab(multiple: Any, pretrained: Optional[str], loss_chunk: Option
 def check_strategy(multiple: Optional[int], declared: Any, name: str) -> None:
     """model.pad_vocab_multiple where no rank runs the whole model (the strategy's capabilities, before any rank
     starts): the probe that the padded columns stay masked needs a whole forward (the pipeline's stages)."""
-    if multiple is not None and not declared.can_generate:
+    if multiple is not None and declared.generation is None:
         raise ConfigError(
             f"model.pad_vocab_multiple={multiple} with {name}: no rank runs the whole model, "
             "so the padding's mask is not checked there; set model.pad_vocab_multiple=null."
@@ -69,7 +69,7 @@ class PaddedVocab:
         if self.unpadded is None or self.checked:
             return
         trainer = trainer_of(module)  # the pipeline's stages (no whole forward) are refused by src/run/checks.py
-        if trainer is not None and not capabilities.of(trainer.strategy).can_generate:
+        if trainer is not None and capabilities.of(trainer.strategy).generation is None:
             return
         with probing(module):
             logits = module.lm_forward({"input_ids": torch.zeros(1, 8, dtype=torch.long, device=module.device)}).logits
@@ -88,7 +88,7 @@ def mask_padding(head: nn.Module, vocab: int) -> RemovableHandle:
     from torch.distributed.tensor import DTensor, Replicate
 
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if isinstance(out, DTensor):  # tensor parallel's replicated head (src/parallel/tensor_parallel.py)
+        if isinstance(out, DTensor):  # tensor parallel's replicated head (src/parallel/tensor/plan.py)
             columns = torch.arange(out.shape[-1], device=out.device) >= vocab
             columns = DTensor.from_local(
                 columns, out.device_mesh, [Replicate()] * out.device_mesh.ndim, run_check=False

@@ -128,13 +128,13 @@ class CausalLMLitModule(LitModule):
         checkpointing and compile: each whole network, or per block under ZeRO-3's hooks."""
         strategy = capabilities.of(self.trainer.strategy)
         if init.has_meta(self.model) and not strategy.materializes_shards:
-            if strategy.zero_stage_3 and not self.spec.pretrained:
+            if strategy.meta_init and not self.spec.pretrained:  # ZeRO-3
                 for name in ("model", "reference") if self.reference is not None else ("model",):
                     setattr(self, name, self._partitioned(name))
             else:
                 self.materialize(torch.device("cpu"), sharded=False)
         if not strategy.parallelizes and not parallelized(self):
-            parallelize(self, **self.wrappers(), whole_model=not strategy.zero_stage_3)
+            parallelize(self, **self.wrappers(), whole_model=not strategy.meta_init)
 
     def _partitioned(self, name: str) -> torch.nn.Module:
         """The policy (or the reference) rebuilt under ZeRO-3, with the features the eager build gave it."""

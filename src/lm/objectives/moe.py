@@ -10,7 +10,7 @@ value, and 1 x 8 = 2 x 4 = 1 x 4 x 2 exactly. What this adds to the library: tha
 per-expert token counts the run logs.
 
 Pipeline stages hold a share of the layers each: they carry the loss's per-expert totals from stage to stage
-instead (src/parallel/pipeline_stages.py, `Routing`).
+instead (src/parallel/pipeline/stages.py, `Routing`).
 """
 
 from __future__ import annotations

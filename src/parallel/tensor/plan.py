@@ -28,7 +28,7 @@ hook, which FSDP2 (step 4 of src/parallel/parallelize.py, over the data-parallel
 replaces the parameters, and which sums an already accumulated gradient again under gradient accumulation; and
 torch's fused AdamW and clipping need every parameter a DTensor (`replicate_the_rest`). So the styles map to
 torch's, which need neither. An experts module (moe_tp_experts, with its weights' packed_colwise / rowwise) is
-split by experts instead (src/parallel/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
+split by experts instead (src/parallel/tensor/experts.py says why). Other styles (MLA's mla_kv_a_proj, local_params,
 all_reduce, embedding_rowwise, ...) are refused in one sentence naming them.
 
 GPT-2 has no plan: its hand-written adapter (src/architectures/gpt2_adapter.py) gives one, and turns its Conv1D layers
@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from src.architectures import adapter_for
 from src.architectures.config import head_counts
 from src.architectures.handwritten import Adapter
-from src.parallel import experts
+from src.parallel.tensor import experts
 from src.utils.config import ArchitectureRefused, ConfigError
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # the plan styles trainer=tp implements (with torch's DTensor styles, see the module docstring)
 STYLES = (
     *("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"),
-    *("packed_colwise", "packed_rowwise", "moe_tp_experts"),  # experts: src/parallel/experts.py
+    *("packed_colwise", "packed_rowwise", "moe_tp_experts"),  # experts: src/parallel/tensor/experts.py
 )
 
 
@@ -117,13 +117,13 @@ def torch_style(style: str) -> Any:
 
 
 def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
-    """Split `blocks` of the LitModule `module` (all of them, or the ones a pipeline stage holds) over the 1-D
-    `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1 of
-    src/parallel/parallelize.py."""
+    """Split `blocks` of `module` (src/parallel/contract.py's ParallelLM; all of them, or the ones a pipeline stage
+    holds) over the 1-D `mesh` (the tensor-parallel ranks); every other parameter becomes a replicated DTensor. Step 1
+    of src/parallel/parallelize.py."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
-    config = module.config
+    config = module.hf_model.config
     check_divisible(config, tp)
     plan = check_plan(config)
     adapter = own_adapter(config)
@@ -148,7 +148,7 @@ def split_blocks(module: Any, mesh: DeviceMesh, blocks: list[nn.Module]) -> Any:
 
 
 def experts_styles(block: nn.Module, plan: dict[str, str], model_type: str, tp: int) -> dict[str, Any]:
-    """The block's experts modules (moe_tp_experts) and their ExpertsParallel (src/parallel/experts.py: the
+    """The block's experts modules (moe_tp_experts) and their ExpertsParallel (src/parallel/tensor/experts.py: the
     experts split over the ranks, the plan's own split of their weights replaced). One sentence when that cannot
     be exact: an expert count that does not divide, an experts module that is not transformers' kind (a
     `num_experts` and every weight one row per expert), a weight the plan splits outside an experts module."""
@@ -241,7 +241,7 @@ def check_forward(module: Any) -> None:
     except Exception as error:  # noqa: BLE001 - any failure of the split forward is a refusal, said
         first = (str(error).strip().splitlines() or [""])[0][:200]
         raise ArchitectureRefused(
-            f"trainer=tp cannot split {module.config.model_type}: its forward fails once split "
+            f"trainer=tp cannot split {module.hf_model.config.model_type}: its forward fails once split "
             f"({type(error).__name__}: {first}); train it with trainer=fsdp or trainer=ddp."
         ) from None
     finally:

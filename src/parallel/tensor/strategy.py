@@ -1,38 +1,37 @@
 """trainer=tp: Lightning's ModelParallelStrategy on a (data_parallel, tensor_parallel) mesh. Tensor parallel
-within groups of `tensor_parallel_size` ranks (src/parallel/tensor_parallel.py), FSDP2 across the groups,
+within groups of `tensor_parallel_size` ranks (src/parallel/tensor/plan.py), FSDP2 across the groups,
 both applied by src/parallel/parallelize.py."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import OmegaConf
 
 from src.architectures.config import architecture
-from src.checkpoint import resharding, safe_load
-from src.checkpoint.files import save_sharded
-from src.checkpoint.resharding import LAYOUT_KEY
+from src.checkpoint.sharded import ShardedCheckpoints
 from src.parallel.capabilities import Capabilities
+from src.parallel.contract import implemented_by
 from src.parallel.mesh import OwnMesh, mesh_sizes
 from src.parallel.parallelize import parallelize, parallelized
-from src.parallel.tensor_parallel import check_divisible, check_forward, check_plan, layout
-from src.utils.config import ConfigError, check_int, check_unsupported
+from src.parallel.tensor.plan import check_divisible, check_forward, check_plan, layout
+from src.utils.config import ConfigError, check_int, check_unsupported, world_size
 
 
 def check_config(cfg: Any) -> None:
     """trainer=tp's checks on the composed config, before any rank starts (one sentence each)."""
 
     tp = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size")
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
     check_int("trainer.strategy.tensor_parallel_size", tp)
-    if isinstance(devices, int) and devices > 0 and isinstance(nodes, int):  # "auto", -1, lists: known only later
-        mesh_sizes(devices * nodes, tensor_parallel=tp)
+    world = world_size(cfg.trainer)
+    if world is not None:  # "auto", -1: known only later
+        mesh_sizes(world, tensor_parallel=tp)
     model = cfg.model
     config = architecture(model)
-    if config is None:
+    if config is None or not implemented_by(model):
         raise ConfigError(
             "trainer=tp splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or causal_lm), and "
             "this model is not one: use trainer=ddp, or trainer=fsdp to shard it."
@@ -48,7 +47,7 @@ def check_config(cfg: Any) -> None:
     check_unsupported(cfg, "tp", ("model.lora.enabled", "model.peft"))
 
 
-class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
+class TensorParallelStrategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabilities):
     """Tensor parallel within groups of `tensor_parallel_size` ranks, data parallel (FSDP2) across groups.
 
     Every rank of a tensor-parallel group reads the same samples (samplers use the data_parallel dim
@@ -63,8 +62,7 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
     takes_plain_modules = False  # splits LitModule.blocks()
     split_vocabulary = "the model's tp plan splits its output layer over the vocabulary"
     no_sampling = "sampling is not supported there"
-    loads_sharded_checkpoints = True
-    shards_parameters = True
+    generation = "lockstep"  # every rank gathers the parameters: all sample together
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
 
     def __init__(self, tensor_parallel_size: int = 2, timeout: timedelta = default_pg_timeout) -> None:
@@ -89,20 +87,6 @@ class TensorParallelStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         if first:
             check_forward(module)  # on its device: a split forward that fails is one sentence
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """A DCP dir written beside `filepath` and renamed into place, marked with our weight layout."""
-        entry = layout(self.lightning_module.config, self.tp_size)
-        if entry is not None:
-            checkpoint[LAYOUT_KEY] = entry
-        save_sharded(
-            self,
-            lambda tmp: super(TensorParallelStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
-            filepath,
-        )
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Its own DCP dirs (the same layout: any data-parallel size) through Lightning's resharding load; files,
-        other strategies' dirs and GPT-2 dirs of another tensor-parallel size through the full form."""
-        own = lambda: super(TensorParallelStrategy, self).load_checkpoint(checkpoint_path, safe_load.weights_only())  # noqa: E731
-        native = ("dcp", layout(self.lightning_module.config, self.tp_size))
-        return resharding.load(self, checkpoint_path, native, own)
+    def weight_layout(self) -> Optional[dict]:
+        """Its DCP dirs are marked with its Linear layout: src/checkpoint/convert.py gives them back in HF form."""
+        return layout(self.lightning_module.hf_model.config, self.tp_size)

@@ -294,6 +294,38 @@ def in_float64(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+REFUSE = "train it with trainer=fsdp, trainer=tp or trainer=ddp"
+
+
+def check_owned(hf: nn.Module, stages: list[nn.Module]) -> None:
+    """Every parameter of the model is some stage's, or one sentence."""
+    owned = {id(p) for stage in stages for p in stage.parameters()}
+    orphans = [name for name, p in hf.named_parameters() if id(p) not in owned]
+    if orphans:
+        raise ArchitectureRefused(
+            f"trainer=pipeline cannot split {hf.config.model_type}: its parameters {orphans[:3]} are in no part its "
+            f"pipeline plan names, so no stage would train them; {REFUSE}."
+        )
+
+
+def chained(hf: nn.Module, layers: nn.ModuleList, stages: list[nn.Module], ranges, x, carried: tuple) -> tuple:
+    """(the last stage's output, what it carries) of the stages run one after another on `x`, each with the model
+    pruned to what its rank will hold; a failure is one sentence."""
+    routed = bool(carried)  # an MoE model's routing totals ride along after the hidden states
+    try:
+        for i, (stage, (lo, hi)) in enumerate(zip(stages, ranges)):
+            with pruned(hf, layers, set(range(lo, hi)), first=i == 0, last=i == len(stages) - 1):
+                out = stage(x, *carried)
+            x, carried = (out[0], out[1:]) if routed else (out, ())
+    except Exception as error:  # noqa: BLE001 - any failure of the staged forward is a refusal, said
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ArchitectureRefused(
+            f"trainer=pipeline cannot split {hf.config.model_type}: running its stages failed "
+            f"({type(error).__name__}: {first_line}); {REFUSE}."
+        ) from None
+    return x, carried
+
+
 def check_stages(
     hf: nn.Module,
     layers: nn.ModuleList,
@@ -306,22 +338,13 @@ def check_stages(
     forward in float64 on a probe batch, and own every parameter between them; with `routing`, each sequence's
     router loss from the carried totals equals the model's own function on it (a padded row included). One sentence
     otherwise."""
-    config, n_layer = hf.config, len(layers)
-    kind = config.model_type
-    refuse = "train it with trainer=fsdp, trainer=tp or trainer=ddp"
-    ranges = stage_ranges(n_layer, n_stages)
+    config, kind, ranges = hf.config, hf.config.model_type, stage_ranges(len(layers), n_stages)
     build = {"routing": routing} if routing is not None else {}
     stages = [
         make(hf, lo, hi, first=i == 0, last=i == n_stages - 1, eager=eager, **build)
         for i, (lo, hi) in enumerate(ranges)
     ]
-    owned = {id(p) for stage in stages for p in stage.parameters()}
-    orphans = [name for name, p in hf.named_parameters() if id(p) not in owned]
-    if orphans:
-        raise ArchitectureRefused(
-            f"trainer=pipeline cannot split {kind}: its parameters {orphans[:3]} are in no part its pipeline plan "
-            f"names, so no stage would train them; {refuse}."
-        )
+    check_owned(hf, stages)
     t = min(64, getattr(config, "max_position_embeddings", None) or 64)
     device = next(hf.parameters()).device
     ids = torch.randint(0, config.vocab_size, (2, t), generator=torch.Generator().manual_seed(0)).to(device)
@@ -329,18 +352,7 @@ def check_stages(
     mask[1, t - t // 4 :] = 0  # a right-padded row: the stages see no mask, the router loss masks it
     with in_float64(hf), torch.no_grad():
         expected = hf(input_ids=ids, use_cache=False).logits
-        x, carried = ids, ((mask,) if routing is not None else ())
-        try:
-            for i, (stage, (lo, hi)) in enumerate(zip(stages, ranges)):
-                with pruned(hf, layers, set(range(lo, hi)), first=i == 0, last=i == n_stages - 1):
-                    out = stage(x, *carried)
-                x, carried = (out[0], out[1:]) if routing is not None else (out, ())
-        except Exception as error:  # noqa: BLE001 - any failure of the staged forward is a refusal, said
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise ArchitectureRefused(
-                f"trainer=pipeline cannot split {kind}: running its stages failed ({type(error).__name__}: "
-                f"{first_line}); {refuse}."
-            ) from None
+        x, carried = chained(hf, layers, stages, ranges, ids, (mask,) if routing is not None else ())
         if routing is not None:
             own = hf(input_ids=ids, attention_mask=mask, use_cache=False, output_router_logits=True).router_logits
             want = torch.stack(  # the model's own function on each sequence alone, its padding masked
@@ -352,7 +364,7 @@ def check_stages(
     if not gap <= FLOAT64_TOL * max(1.0, expected.abs().max().item()):
         raise ArchitectureRefused(
             f"trainer=pipeline would train a different function than one process for {kind}: its stages' logits "
-            f"differ from the model's own forward by {gap:.3g} at most (float64, probe batch); {refuse}."
+            f"differ from the model's own forward by {gap:.3g} at most (float64, probe batch); {REFUSE}."
         )
     if routing is not None:
         # the totals are float32 sums, as transformers' own: the same sums in the same order, to an ulp or so
@@ -360,6 +372,6 @@ def check_stages(
         if not off <= ROUTER_TOL * max(1.0, want.abs().max().item()):
             raise ArchitectureRefused(
                 f"trainer=pipeline would train {kind}'s router load-balancing loss differently from one process: "
-                f"carried through its stages it is {off:.3g} away from the model's own (probe batch); {refuse}, "
+                f"carried through its stages it is {off:.3g} away from the model's own (probe batch); {REFUSE}, "
                 "or set model.router_aux_loss=false."
             )

@@ -2,7 +2,7 @@
 
 Like torchtitan: the model knows nothing about ranks. `parallelize` splits the LitModule's HF model
 into `pipeline_parallel_size x stages_per_rank` stages of equal layer counts (stage 0 = the embeddings +
-its layers; the last stage = its layers + the final norm + the LM head; src/parallel/pipeline_stages.py
+its layers; the last stage = its layers + the final norm + the LM head; src/parallel/pipeline/stages.py
 reads them from transformers' pipeline plan, or GPT-2's adapter), removes from this rank's copy every
 module it does not hold (so its parameters, optimizer and checkpoint shard are its stages' only, under
 the plain HF names), and returns a `Pipeline` that runs the schedule. Rank r of a pipeline group holds
@@ -13,16 +13,16 @@ Exactness (each checked against one process in tests/test_pipeline.py):
   1/N, N = the targets of the whole global batch (its `n_targets`), with scale_grads=False: the gradients are those
   of the mean over the global batch's targets (a per-micro-batch mean would weight micro-batches wrongly);
 * an MoE model's router loss: each micro-batch's adds router_aux_loss_coef x the sum of its sequences'
-  load-balancing losses (each from the routing totals its stages carried: pipeline_stages.Routing) x 1/S, S = the
+  load-balancing losses (each from the routing totals its stages carried: stages.Routing) x 1/S, S = the
   sequences of the global batch, as one process averages it over the step's sequences;
 * tied weights (GPT-2, Qwen2's small sizes: lm_head is the token embedding): the first and last stages each
   hold a copy, so their gradients are summed over those two ranks (else each copy would learn half and they
   drift apart); untied models (Llama) sum nothing;
-* the function: each stage runs the model's own forward over the layers it holds (pipeline_stages.py), and
+* the function: each stage runs the model's own forward over the layers it holds (stages.py), and
   `check_stages` proves the stages chained equal to the model's own forward before anything is pruned.
 
 With `tensor_parallel_size` > 1 each stage's blocks are then split over the mesh's tensor-parallel dim
-(src/parallel/tensor_parallel.py, the same functions as trainer=tp): a stage's input and output stay whole
+(src/parallel/tensor/plan.py, the same functions as trainer=tp): a stage's input and output stay whole
 (replicated) tensors, so rank (dp, pp, tp) sends to (dp, pp + 1, tp) over its pipeline group as before. The
 gradient sums and the clipping norm below then work on each rank's DTensor shards.
 """
@@ -48,11 +48,12 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from src.architectures.config import architecture
+from src.parallel.contract import ParallelLM, implemented_by
 from src.parallel.mesh import mesh_sizes
 from src.parallel.parallelize import parallelize as compose
-from src.parallel.pipeline_stages import Routing, check_stages, prune, stage_class, stage_ranges
-from src.parallel.tensor_parallel import check_divisible, check_plan
-from src.utils.config import ConfigError, check_int, check_unsupported
+from src.parallel.pipeline.stages import Routing, check_stages, prune, stage_class, stage_ranges
+from src.parallel.tensor.plan import check_divisible, check_plan
+from src.utils.config import ConfigError, check_int, check_unsupported, world_size
 
 log = logging.getLogger(__name__)
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
@@ -78,7 +79,7 @@ def check_config(cfg: DictConfig) -> None:
             f"needs at least: set n_microbatches >= {pp} (>= {4 * pp} keeps the bubble under 20%)."
         )
     config = architecture(cfg.model)
-    if config is None:
+    if config is None or not implemented_by(cfg.model):
         raise ConfigError(
             "trainer=pipeline splits transformers decoder LMs only (model=gpt2, llama, qwen2, mistral or "
             "causal_lm), and this model is not one."
@@ -113,9 +114,9 @@ def check_config(cfg: DictConfig) -> None:
             "trainer.accumulate_grad_batches must be 1 with trainer=pipeline: its micro-batches are the "
             "accumulation; raise trainer.strategy.n_microbatches instead."
         )
-    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and isinstance(nodes, int) and devices > 0:
-        mesh_sizes(devices * nodes, pipeline_parallel=pp, tensor_parallel=tp)  # one sentence if the mesh does not fit
+    world = world_size(cfg.trainer)
+    if world is not None:  # one sentence if the mesh does not fit
+        mesh_sizes(world, pipeline_parallel=pp, tensor_parallel=tp)
     # the global batch over data-parallel replicas x n_microbatches: src/run/checks.py, with every strategy's
 
 
@@ -295,10 +296,10 @@ class Pipeline:
 
 
 def parallelize(
-    module: nn.Module, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
+    module: ParallelLM, mesh: DeviceMesh, schedule: str, n_microbatches: int, stages_per_rank: int, device: torch.device
 ) -> Pipeline:
-    """Split `module` (a CausalLMLitModule) into this rank's stages, in place; return the Pipeline that runs them,
-    its last stage computing the loss of the module's objective (`loss_sum`, src/lm/objectives/base.py)."""
+    """Split `module` (src/parallel/contract.py's ParallelLM) into this rank's stages, in place; return the Pipeline
+    that runs them, its last stage computing the loss of the module's objective (`loss_sum`, src/lm/objectives/base.py)."""
     hf = module.hf_model
     pp = mesh["pipeline_parallel"]
     n_stages = pp.size() * stages_per_rank

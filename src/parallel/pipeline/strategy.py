@@ -1,8 +1,8 @@
 """trainer=pipeline: Lightning's ModelParallelStrategy on a (data_parallel, pipeline_parallel, tensor_parallel) mesh.
 
 Lightning 2.6 has no pipeline support and its ModelParallelStrategy reads only its data-parallel dim,
-so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline.py)
-and runs the optimizer step itself (`owns_step`: the module's automatic_optimization is False under it), and
+so this subclass builds the mesh (src/parallel/mesh.py), splits the model (src/parallel/pipeline/schedule.py)
+and runs the optimizer step itself (`own_loss`: the module's automatic_optimization is False under it), and
 `training_step` here is schedule -> gradient sync -> clipping -> optimizer and LR step -> logging. The module's
 own training_step is not used; its objective's loss (`loss_sum`, `n_targets`: src/lm/objectives/base.py), metrics,
 optimizer and LR schedule are.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,33 +28,31 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.profiler import record_function
 
-from src.checkpoint import resharding, safe_load
-from src.checkpoint.files import save_sharded
-from src.checkpoint.resharding import LAYOUT_KEY
+from src.checkpoint import safe_load
+from src.checkpoint.sharded import ShardedCheckpoints
 from src.parallel.capabilities import Capabilities
 from src.parallel.mesh import OwnMesh
-from src.parallel.pipeline import Pipeline, check_config, parallelize
-from src.parallel.tensor_parallel import layout
+from src.parallel.pipeline.schedule import Pipeline, check_config, parallelize
+from src.parallel.tensor.plan import layout
 from src.utils.logging import TRAIN_LOSS_REDUCE
 
 log = logging.getLogger(__name__)
 METADATA = "meta.pt"  # what Lightning's ModelParallelStrategy names the non-tensor part of a DCP checkpoint
 
 
-class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
+class PipelineStrategy(OwnMesh, ShardedCheckpoints, ModelParallelStrategy, Capabilities):
     """Pipeline stages over `pipeline_parallel_size` ranks; the remaining factor of the world is data parallel."""
 
-    can_generate = False  # no rank holds the whole model: callbacks.generate_text skips itself
+    generation = None  # no rank holds the whole model: callbacks.generate_text skips itself
     check_config = staticmethod(check_config)  # run by src/run/checks.py before any process starts
     keys_dropout = (
         False  # splits a row's forward: a model with dropout is refused (src/lm/features/dropout.py, check_draws)
     )
     parallelizes = True  # applies src/parallel/parallelize.py to its stages (the model's configure_model does not)
     takes_plain_modules = False  # cuts a CausalLMLitModule's blocks into stages
+    # its last stage computes the loss, and training_step below runs the step (automatic_optimization is False)
     own_loss = "its last stage computes the loss from each micro-batch's logits and labels alone"
-    owns_step = True  # training_step below: the module's automatic_optimization is False (LitModule)
-    loads_sharded_checkpoints = True
-    shards_parameters = True  # each stage holds its own blocks
+    native_form = "dcp_flat"  # each rank writes its stages' tensors under their plain HF names
 
     def __init__(
         self,
@@ -131,10 +129,10 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         objective.add_sums(metrics, loss, count)  # ranks that do not report the loss add (0, 0) to the synced sums
 
     def validation_step(self, batch, batch_idx, *args: Any) -> None:
-        self._evaluate(batch, self.lightning_module.val_metrics)
+        self._evaluate(batch, self.lightning_module.objective.val_metrics)
 
     def test_step(self, batch, batch_idx, *args: Any) -> None:
-        self._evaluate(batch, self.lightning_module.test_metrics)
+        self._evaluate(batch, self.lightning_module.objective.test_metrics)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -153,22 +151,10 @@ class PipelineStrategy(OwnMesh, ModelParallelStrategy, Capabilities):
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        if self.tensor_parallel_size > 1:  # blocks in trainer=tp's Linear layout: the tools turn it back into GPT-2's
-            entry = layout(self.lightning_module.config, self.tensor_parallel_size)
-            if entry is not None:
-                checkpoint[LAYOUT_KEY] = entry
-        save_sharded(
-            self, lambda tmp: super(PipelineStrategy, self).save_checkpoint(checkpoint, tmp, storage_options), filepath
-        )
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        """Pipeline dirs (the same tensor-parallel layout): each rank reads its stages' weights and optimizer state
-        (DCP reshards across other stage counts); files and other strategies' dirs through the full form."""
+    def weight_layout(self) -> Optional[dict]:
+        """With tensor parallel, trainer=tp's Linear layout (the tools turn it back into GPT-2's); else None."""
         tp = self.tensor_parallel_size
-        native = ("dcp_flat", layout(self.lightning_module.config, tp) if tp > 1 else None)
-        own = lambda: self.load_own_checkpoint(checkpoint_path)  # noqa: E731
-        return resharding.load(self, checkpoint_path, native, own)
+        return layout(self.lightning_module.hf_model.config, tp) if tp > 1 else None
 
     def load_own_checkpoint(self, checkpoint_path) -> dict[str, Any]:
         """Each rank reads its stages' weights and optimizer state; returns the rest (loops, LR schedule, ...)."""

@@ -19,11 +19,11 @@ from omegaconf import DictConfig
 
 import src.launch.resolvers  # noqa: F401
 from eval import choose_precision, consolidated_once, stored_config, trained_config
-from src.callbacks import harness as benchmarks
 from src.checkpoint import safe_load
 from src.checkpoint.convert import is_sharded, read_stored
 from src.launch.choices import check_choices
 from src.launch.timeouts import distributed_errors
+from src.lm.callbacks import harness as benchmarks
 from src.parallel import capabilities
 from src.parallel.gather import gathered
 from src.run import chat, sampling

@@ -62,8 +62,8 @@ def test_scores_on_two_ranks_and_under_lm_evals_hf_backend_are_one_process(tmp_p
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from src.callbacks.harness import answers
     from src.checkpoint.convert import export_hf
+    from src.lm.callbacks.harness import answers
 
     tasks = write_tasks(tmp_path)
     ckpt = train_run(tmp_path, [*GPT2, *SHORT, f"data.tokenizer={shared('gpt2-tokenizer')}", "data.seq_len=64"])
@@ -144,7 +144,7 @@ def test_batched_requests_score_and_complete_as_each_alone(adapter):
     import torch
     import transformers
 
-    from src.callbacks.harness import harness_lm, length_batches
+    from src.lm.callbacks.harness import harness_lm, length_batches
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
@@ -166,7 +166,7 @@ def test_batched_requests_score_and_complete_as_each_alone(adapter):
             whole = torch.tensor([(context + continuation)[:-1]])
             full = model(input_ids=whole).logits[0, -1].log_softmax(-1)[continuation[0]]
             assert abs(logprob - float(full)) < 1e-9
-    from src.callbacks.harness import Until, complete
+    from src.lm.callbacks.harness import Until, complete
 
     prompts = [c[:12] for c in contexts]
     each = [complete(model, [p], 6, 99, Until(0, [], tokenizer.decode))[0] for p in prompts]

@@ -60,7 +60,7 @@ def test_the_compiled_region_compiles_once_and_computes_what_the_eager_model_doe
     not guards. The sample's architectures (full matrix) in fp32, their graphs only."""
     from torch._dynamo.utils import counters
 
-    from src.callbacks.generate_text import GenerateText
+    from src.lm.callbacks.generate_text import GenerateText
     from src.lm.features.packing import check_packing
     from src.lm.models.causal_lm import CausalLMLitModule
 

@@ -6,8 +6,8 @@ ours) < architectures (what is known of a model before it is built, GPT-2's adap
 floor: the base LightningModule and DataModule, keyed randomness, a plain datamodule's loaders; it knows no tokens,
 objectives or experts) < lm (the language-model floor, built on core as a user's module is; inside it, lowest
 first: its own root modules (hf.py, init.py: what it knows of transformers' models) < objectives, data (which know
-nothing of each other) < features < models) < models, datamodules (the user's rooms, which know nothing of each
-other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and bench/ sit on top:
+nothing of each other) < features < models, callbacks (samples, lm-eval)) < models, datamodules (the user's rooms,
+which know nothing of each other) < callbacks < tools < run (what a job does around the Trainer); train.py, eval.py and bench/ sit on top:
 nothing in src/ imports bench/, bench/common.py (what the benches share) imports no bench, and the benches import
 each other in no circle.
 Function-level imports count too: they are how a circle hides.
@@ -28,7 +28,7 @@ from conftest import ROOT
 
 LAYER = {  # a package of src/ (`core`) or of src/lm/ (`lm.data`); `lm` is src/lm/'s own modules
     **{"utils": 0, "architectures": 1, "launch": 1, "checkpoint": 2, "parallel": 3, "core": 4},
-    **{"lm": 5, "lm.objectives": 6, "lm.data": 6, "lm.features": 7, "lm.models": 8},
+    **{"lm": 5, "lm.objectives": 6, "lm.data": 6, "lm.features": 7, "lm.models": 8, "lm.callbacks": 8},
     **{"models": 9, "datamodules": 9, "callbacks": 10, "tools": 11, "run": 12},
 }
 UPWARD: set[tuple[str, str]] = set()  # (importing module, imported module): known debts; none left

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from src.callbacks.generate_text import GenerateText
+from src.lm.callbacks.generate_text import GenerateText
 from src.lm.data.tokenizers import ByteTokenizer
 from src.lm.models.gpt2_module import GPT2LitModule
 from tests.helpers.margins import close64, within

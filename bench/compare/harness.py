@@ -1,4 +1,4 @@
-"""Benchmark throughput: the template's lm-eval LM (src/callbacks/harness.py: batches by length, one forward each) against lm-eval's own
+"""Benchmark throughput: the template's lm-eval LM (src/lm/callbacks/harness.py: batches by length, one forward each) against lm-eval's own
 `hf` backend (batched, padded) on the export-hf of the same checkpoint, the same tasks and documents.
 
     python -m bench.compare.harness [--ckpt PATH] [--tasks T ...] [--include-path DIR] [--limit N] [--rounds 3]
@@ -80,8 +80,8 @@ def main() -> None:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from src.callbacks import harness as benchmarks
     from src.checkpoint.convert import build_module, export_hf, load_checkpoint
+    from src.lm.callbacks import harness as benchmarks
 
     torch.set_grad_enabled(False)
     work = Path(tempfile.mkdtemp(prefix="bench-harness-"))

@@ -268,7 +268,7 @@ def _check_adapters(cfg: DictConfig) -> None:
 
 
 def _check_benchmarks(cfg: DictConfig) -> None:
-    """callbacks.benchmarks (src/callbacks/benchmarks.py): tasks named, lm-eval installed, and, as generate.py's
+    """callbacks.benchmarks (src/lm/callbacks/benchmarks.py): tasks named, lm-eval installed, and, as generate.py's
     tasks=, a strategy under which every rank holds the whole model."""
     bench = OmegaConf.select(cfg, "callbacks.benchmarks", default=None)
     if not isinstance(bench, DictConfig):

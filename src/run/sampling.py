@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from src.callbacks.generate_text import prompt_learning_inputs
+from src.lm.callbacks.generate_text import prompt_learning_inputs
 from src.lm.objectives.grpo import keyed_pick, sample_seed
 from src.utils.config import ConfigError
 

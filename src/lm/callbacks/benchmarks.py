@@ -1,6 +1,6 @@
 """callbacks.benchmarks: lm-evaluation-harness tasks on the model being trained, every K optimizer steps.
 
-src/callbacks/harness.py's LM stands in front of the module's model (eval mode, no gradients, eager, then back to train
+src/lm/callbacks/harness.py's LM stands in front of the module's model (eval mode, no gradients, eager, then back to train
 mode); every rank scores its share of the requests and all gather them in order, so each rank holds the same scores
 and N ranks log what 1 process does. Each number is logged as `bench/<task>/<metric>` at the step, by rank 0, to every
 logger. lm-eval seeds python, numpy and torch: their states are put back, so the training run is the one it would be
@@ -16,7 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from src.callbacks import harness as benchmarks
+from src.lm.callbacks import harness as benchmarks
 from src.utils.config import ConfigError
 
 

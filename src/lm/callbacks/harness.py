@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from src.callbacks.generate_text import prompt_learning_inputs
+from src.lm.callbacks.generate_text import prompt_learning_inputs
 from src.parallel.gather import gathered
 from src.utils.config import ConfigError
 
@@ -116,7 +116,6 @@ def complete(model: torch.nn.Module, prompts: list[list[int]], room: int, eos: i
 def harness_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int = 8) -> Any:
     """An lm-eval LM over `model` (a transformers causal LM, peft adapters included) and the template's tokenizer,
     `batch_size` requests a forward."""
-    from lm_eval import utils
     from lm_eval.api.model import TemplateLM
 
     class TemplateModel(TemplateLM):
@@ -145,13 +144,7 @@ def harness_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int = 8) -> A
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             windows, owner = [], []
             for number, (string,) in enumerate(req.args for req in requests):
-                for window in map(
-                    utils.make_disjoint_window,
-                    utils.get_rolling_token_windows(
-                        token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                        max_seq_len=self.max_length, context_len=1,
-                    ),
-                ):  # fmt: skip
+                for window in rolling_windows(self.tok_encode(string), self.prefix_token_id, self.max_length):
                     windows.append((None, *window))
                     owner.append(number)
             totals = [0.0] * len(requests)
@@ -174,6 +167,16 @@ def harness_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int = 8) -> A
             return [cut(text, until) for text in texts]
 
     return TemplateModel()
+
+
+def rolling_windows(tokens: list[int], prefix: int, context: int) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's disjoint rolling windows over a document's tokens (its hf backend's): (context, continuation) pairs."""
+    from lm_eval import utils
+
+    windows = utils.get_rolling_token_windows(
+        token_list=tokens, prefix_token=prefix, max_seq_len=context, context_len=1
+    )
+    return list(map(utils.make_disjoint_window, windows))
 
 
 def generation_ask(args: tuple, encode: Callable[[str], list[int]], context: int) -> tuple[list[int], int, list[str]]:

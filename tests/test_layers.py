@@ -311,3 +311,15 @@ def test_the_lm_module_is_a_short_composition():
 def test_the_length_check_sees_a_long_function(tmp_path):
     (tmp_path / "x.py").write_text("def f():\n" + "    x = 1\n" * 60 + "\n\ndef g():\n    return 1\n")
     assert long_functions(tmp_path, 60, root=tmp_path) == ["x.py:1: f (61 lines)"]
+
+
+def test_no_package_over_15_modules_and_no_function_over_60_lines():
+    """The house's size rules, everywhere in src/ and the root scripts: a package holds at most 15 modules (a room a
+    newcomer reads whole; more is two rooms), and no function runs over 60 lines."""
+    packages = {p.parent for p in (ROOT / "src").rglob("__init__.py")}
+    crowded = {
+        str(p.relative_to(ROOT)): n for p in packages if (n := len(set(p.glob("*.py")) - {p / "__init__.py"})) > 15
+    }
+    assert crowded == {}, f"split these into sub-packages named for what they hold: {crowded}"
+    long = [hit for folder in sorted(packages) + [ROOT] for hit in long_functions(folder, 60)]
+    assert long == [], f"split these functions: {long}"

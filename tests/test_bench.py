@@ -139,6 +139,7 @@ def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+@FULL_MATRIX_ONLY  # suite time, 9 s: a bench's run and its printed ratios stay (the dropout bench's test)
 def test_token_loss_bench_times_four_ways_of_the_lm_head(tmp_path):
     """bench.profile.token_loss runs the eager, compiled, matmul-only and torch linear_cross_entropy heads and prints each
     way's time and the eager/compiled ratio (after checking the compiled loss against the eager one)."""

@@ -248,6 +248,7 @@ def torchrun_two_nodes(tmp: Path, args: list[str]) -> list[str]:
     return outs
 
 
+@FULL_MATRIX_ONLY  # suite time, 17 s: resume=auto decided by rank 0 for every rank stays (this file, Lightning's launcher)
 @pytest.mark.slow
 def test_resume_auto_under_torchrun_is_rank_0s_decision(tmp_path):
     """Under torchrun every rank starts train.py itself. Only rank 0 (node 0) has the checkpoint in its view; rank 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, python, shared
+from conftest import FULL_MATRIX_ONLY, ROOT, python, shared
 
 from src.lm.data.corpus import Corpus, CorpusError
 from src.lm.data.file_hashes import UNVERIFIED_WINDOW_NS, hash_entry, trusted
@@ -267,6 +267,7 @@ def torchrun_two_nodes(tmp: Path, cache_dirs: tuple[Path, Path], shared: bool) -
     return outs
 
 
+@FULL_MATRIX_ONLY  # suite time, 22 s: the cache built once by ranks starting together stays (test_data.py)
 @pytest.mark.slow
 def test_two_nodes_build_the_cache_once_shared_or_once_per_node_local_disk(tmp_path):
     """data.cache_shared=false with a node-local cache dir per node: each node's local rank 0 builds its own cache

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import path_overrides, run_script, shared
+from conftest import FULL_MATRIX_ONLY, path_overrides, run_script, shared
 
 from src.lm.data.corpus import CorpusError
 from src.lm.data.instruct import ALPACA, ALPACA_NO_INPUT, InstructDataModule, encode, read_records
@@ -281,6 +281,7 @@ def test_overfit_batches_shards_the_same_samples_over_ranks(monkeypatch, tmp_pat
     assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(16))
 
 
+@FULL_MATRIX_ONLY  # suite time, 10 s: debug=overfit on 2 ranks = 1 process stays (this file)
 @pytest.mark.slow
 def test_overfit_with_instruct_data_runs(dirs):
     """debug=overfit on instruction data: its padding collate (now a DataLoader constructor argument, the

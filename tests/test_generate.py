@@ -140,13 +140,18 @@ def test_greedy_under_prefix_tuning_is_the_full_forwards_of_the_adapted_model(tm
     assert base != oracle  # the prefix changes the text: generate.py did not drop it
 
 
+@pytest.mark.parametrize("forms", [pytest.param(("fsdp",)), pytest.param(("ddp", "fsdp"), marks=FULL_MATRIX_ONLY)])
 def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
-    tmp_path, ddp_checkpoint, fsdp_checkpoint, prompts_file
+    tmp_path, ddp_checkpoint, fsdp_checkpoint, prompts_file, forms
 ):
     """Each prompt's randomness is keyed by (seed, prompt number): the text does not depend on the ranks, nor on the
-    checkpoint's form; a .txt of the same prompts reads as the .jsonl."""
+    checkpoint's form; a .txt of the same prompts reads as the .jsonl. Suite time: the FSDP2 checkpoint alone (on 1
+    process, 2 DDP and 2 FSDP2 ranks); the DDP one's too in the full matrix (test_a_pipeline_checkpoint_samples_as_one_
+    process_trained samples the DDP checkpoint against a pipeline one's)."""
     first = {}
     for name, ckpt in {"ddp": ddp_checkpoint, "fsdp": fsdp_checkpoint}.items():
+        if name not in forms:
+            continue
         one = first[name] = completions(tmp_path, ckpt, prompts_file, f"{name}-one", SAMPLED)
         assert [r["prompt"] for r in one] == PROMPTS
         greedy = completions(tmp_path, ckpt, prompts_file, f"{name}-greedy", ["temperature=0"])
@@ -158,9 +163,9 @@ def test_seeded_samples_are_the_same_on_one_process_and_two_ranks(
             assert completions(tmp_path, ckpt, prompts_file, f"{name}-{split}", [*SAMPLED, *args]) == one, split
     txt = tmp_path / "prompts.txt"
     txt.write_text("\n".join(PROMPTS) + "\n\n")
-    seeded = completions(tmp_path, ddp_checkpoint, txt, "txt", SAMPLED)
-    assert seeded == first["ddp"]
-    other = completions(tmp_path, ddp_checkpoint, prompts_file, "seed4", [*SAMPLED, "seed=4"])
+    seeded = completions(tmp_path, fsdp_checkpoint, txt, "txt", SAMPLED)
+    assert seeded == first["fsdp"]
+    other = completions(tmp_path, fsdp_checkpoint, prompts_file, "seed4", [*SAMPLED, "seed=4"])
     assert [r["tokens"] for r in other] != [r["tokens"] for r in seeded]
 
 

@@ -290,8 +290,9 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # suite time: ZeRO-3 and LoRA in the full matrix
-    "case", [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero3_2", "lora_ddp_2x4") else []) for c in CASES]
+@pytest.mark.parametrize(  # suite time: ZeRO-3, LoRA and DDP in the full matrix (FSDP2's 2 ranks stay)
+    "case",
+    [pytest.param(c, marks=[FULL_MATRIX_ONLY] if c in ("zero3_2", "lora_ddp_2x4", "ddp_2x4") else []) for c in CASES],
 )
 def test_n_ranks_match_one_process(tmp_path, reference, prompts_file, case):
     """1 process x 8 prompts against 2 x 4 under DDP and FSDP2 (the reference policy sharded like the policy, the

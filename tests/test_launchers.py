@@ -243,6 +243,7 @@ def test_slurm_preemption_requeues_and_the_requeued_job_continues(tmp_path, stra
     assert_logs_by_global_rank(run, 2)
 
 
+@FULL_MATRIX_ONLY  # suite time, 36 s: resuming from the last checkpoint under torchrun stays (test_resume_anywhere.py's elastic node loss, test_scaleout.py's SIGKILL resume)
 @pytest.mark.slow
 def test_torchrun_elastic_restart_continues_from_last_checkpoint(dirs, straight):
     """Rank 1 of 2 SIGKILLed at step 8 (last.ckpt from step 5); torchrun --max-restarts=1 restarts both ranks,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import FULL_MATRIX_ONLY, ROOT
 
 from src.tools import new_experiment
 
@@ -27,6 +27,7 @@ def template_copy(tmp_path):
     return tmp_path
 
 
+@FULL_MATRIX_ONLY  # suite time, 36 s: the worked example it copies stays proven (test_experiments.py's mlp_table on 2 ranks, test_configs.py's and test_code_map.py's user files)
 @pytest.mark.slow
 def test_the_files_it_writes_are_green_as_written(tmp_path):
     root = template_copy(tmp_path)

@@ -86,8 +86,8 @@ def pipelines(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # suite time: GPipe in the full matrix (1F1B and interleaved 1F1B stay)
-    "schedule", [pytest.param(s, marks=[FULL_MATRIX_ONLY] if s == "GPipe" else []) for s in SCHEDULES]
+@pytest.mark.parametrize(  # suite time: GPipe and 1F1B in the full matrix (interleaved 1F1B stays)
+    "schedule", [pytest.param(s, marks=[FULL_MATRIX_ONLY] if s in ("GPipe", "1F1B") else []) for s in SCHEDULES]
 )
 def test_pipeline_schedules_match_one_process(tmp_path, one, pipelines, schedule):
     """2 ranks, 4 micro-batches: train loss at every step, val loss (52 samples in batches of 8: a short last batch) and

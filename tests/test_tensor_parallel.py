@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import once_per_session, path_overrides, run_script
+from conftest import FULL_MATRIX_ONLY, once_per_session, path_overrides, run_script
 from test_fsdp import last_ckpt, train_sharded
 from test_parity import GPT2, assert_same_series, max_param_diff, train
 
@@ -71,6 +71,7 @@ def test_tensor_parallel_matches_one_process(one, tp):
     within(max_param_diff(one["params"], load_checkpoint(last_ckpt(tmp, "tp"))["state_dict"]), 1e-5, "params")
 
 
+@FULL_MATRIX_ONLY  # suite time, 12 s: data x tensor stays in 4-rank meshes elsewhere (test_architectures_parity.py's llama pipeline x tensor, test_pipeline.py's data x pipeline)
 @pytest.mark.slow
 def test_data_x_tensor_on_four_ranks_matches_one_process(tmp_path, one):
     """2 data-parallel groups (FSDP2 over them) x 2 tensor-parallel ranks == 1 process: each group reads

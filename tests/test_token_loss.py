@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ALL, shared
+from conftest import ALL, FULL_MATRIX_ONLY, shared
 from torch.utils.data import DataLoader
 
 from src.lm.data.instruct import InstructDataModule, pad_collate
@@ -155,6 +155,7 @@ def test_padded_instruction_batches_1x8_equals_2x4_equals_1x4_accumulate_2(tmp_p
     assert ("Token loss: compiled (model.compile_loss=true)" in log.read_text()) == ALL
 
 
+@FULL_MATRIX_ONLY  # suite time, 21 s: DeepSpeed's own accumulation under ZeRO-2 stays (test_deepspeed.py's LitModule with accumulation)
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed package")
 def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretrained, reference):
@@ -175,6 +176,7 @@ def test_deepspeed_with_accumulation_trains_like_one_process(tmp_path, pretraine
     assert_same_series(one, ds, "train/loss", 1e-5)
 
 
+@FULL_MATRIX_ONLY  # suite time, 22 s: a resume 2 -> 1 with accumulation (test_resume_anywhere.py) and the padded instruction batches' normaliser (below) stay
 @pytest.mark.slow
 def test_mid_epoch_resume_with_accumulation_keeps_each_step_normaliser(tmp_path):
     """Stopped on 2 DDP ranks after 3 of an epoch's 6 optimizer steps (12 micro-batches, accumulation 2), resumed
@@ -261,6 +263,7 @@ def test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs
         within(grad_diff, (V + 2) * U32, f"gradient {dtype}")
 
 
+@FULL_MATRIX_ONLY  # suite time, 15 s: auto's threshold over the run stays (test_compiled_token_loss_is_the_eager_one_and_auto_compiles_it_for_long_runs)
 @pytest.mark.slow
 def test_auto_compiles_the_loss_of_a_run_whose_logits_reach_the_threshold(tmp_path):
     """compile_loss=auto in a real run: 8 x 256 tokens x GPT-2's 50257 x 20 steps = 2.06e9 logits, just above

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, path_overrides, run_script
+from conftest import FULL_MATRIX_ONLY, ROOT, path_overrides, run_script
 from test_parity import GPT2, QUIET
 
 from tests.helpers.trackers import mlflow_server, wandb_history, wandb_runs
@@ -22,6 +22,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+@FULL_MATRIX_ONLY  # suite time, 28 s: one run per job and its history stay (this file's other runs, test_scaleout.py's DDP multirun)
 @pytest.mark.slow
 def test_a_sweep_of_1_and_2_ranks_is_one_tracker_run_per_job_with_the_same_history(tmp_path):
     """`-m trainer.devices=1,2` under DDP, to an mlflow server and to W&B (offline) at once: one MLflow run per job

@@ -55,7 +55,7 @@ def test_plain_lightning_code_is_exact_on_2_ranks(tmp_path):
 def test_parity_names_the_first_value_that_differs(tmp_path):
     """A value logged with sync_dist=False said out loud is rank 0's own (Lightning's default, kept when asked for): the
     tool exits 1 naming the value and the step."""
-    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.rank_own=true", check=False)
+    proc = parity(tmp_path, "experiment=plain", "trainer=ddp", "model.rank_own=true", check=False, steps=2)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert re.search(r"parity: train/loss_here differs at step 0: .* on N ranks, .* on 1 process", proc.stderr), (
         proc.stderr

@@ -29,7 +29,9 @@ EOS = 50256
 
 def reward_model(seed: int = 0, **settings) -> GPT2LitModule:
     """A 2-layer GPT-2 with a reward head, in float64, every weight moved (so the rewards are far from 0). Not the
-    shared tiny GPT-2: its 2-wide hidden states leave LayerNorm two values to give, whatever the input."""
+    shared tiny GPT-2: its 2-wide hidden states leave LayerNorm two values to give, whatever the input. Seeded first:
+    its initial weights must not depend on what the process ran before (one order made the rewards nearly equal)."""
+    torch.manual_seed(seed)
     module = GPT2LitModule(vocab_size=50257, seq_len=64, n_layer=2, n_head=2, n_embd=32, objective=Reward(**settings))
     return moved(module, seed, 0.5)
 
